@@ -1,1 +1,11 @@
+"""Pure tensor maths of post-training losses, one module per kind; each ends with its registry.
 
+- `policy`: per-token policy-gradient surrogates (`POLICY_LOSSES`)
+- `advantages`: group / batch baselines and GAE (`ADVANTAGES`)
+- `kl`: KL(π_θ ‖ π_ref) estimators k1, k2, k3 (`KL_ESTIMATORS`)
+- `aggregate`: per-token loss -> scalar with explicit per-step denominators (`AGGREGATIONS`)
+- `value`: clipped value loss and explained variance for PPO's critic
+
+These modules import only torch and the standard library, never read configs and never sync the
+device (`.item()`).
+"""

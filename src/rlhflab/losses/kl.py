@@ -1,0 +1,87 @@
+"""Per-token estimators of KL(π_θ ‖ π_ref) from samples of π_θ.
+
+Source: J. Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-approx.html.
+With x ~ π_θ and r = π_ref(x)/π_θ(x), i.e. log r = logp_ref − logp:
+    k1 = −log r                   unbiased, high variance, can be negative
+    k2 = (log r)² / 2             biased (≈ KL to second order for close policies), always ≥ 0
+    k3 = (r − 1) − log r          unbiased, always ≥ 0 (log r ≤ r − 1), low variance
+E_{π_θ}[k1] = E_{π_θ}[k3] = KL(π_θ ‖ π_ref) exactly.
+
+Direction: the samples come from π_θ (the policy being trained), so r is π_ref/π_θ. The rlhf-book's
+code had r = π_θ/π_ref for k1/k3, which estimates the other direction (or nothing); not repeated.
+
+As a reward penalty (PPO, RLOO: reward −= coef·k per token) any estimator works. As a loss term
+(GRPO's β·D_KL) note what the gradient is when the samples are held fixed: ∇k1 = ∇logp has zero
+expectation under π_θ (k1 in the loss does nothing on average), and E_{π_θ}[∇k3] = ∇KL(π_ref ‖ π_θ),
+the *reverse* direction; k2's gradient, log r·(−∇logp), matches ∇KL(π_θ ‖ π_ref) in expectation.
+
+Every estimator is elementwise: logp and logp_ref of the same shape (any), result of that shape in
+their dtype. Mask and reduce with `rlhflab.losses.aggregate` or `rlhflab.ops.masked_mean`.
+"""
+
+import torch
+from torch import Tensor
+
+__all__ = ["KL_ESTIMATORS", "k1", "k2", "k3", "kl_penalty"]
+
+
+def _log_r(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    if logp.shape != logp_ref.shape:
+        raise ValueError(
+            f"logp_ref has shape {tuple(logp_ref.shape)}, expected logp's {tuple(logp.shape)}"
+        )
+    return logp_ref - logp
+
+
+def k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """k1 = −log r = logp − logp_ref: the naive unbiased estimator of KL(π_θ ‖ π_ref).
+
+    Shapes: logp, logp_ref (...) float, same shape. Returns (...) same dtype.
+    Source: Schulman 2020, "Approximating KL Divergence", joschu.net/blog/kl-approx.html.
+    Raises: ValueError if shapes differ.
+    """
+    return -_log_r(logp, logp_ref)
+
+
+def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """k2 = (log r)²/2 with log r = logp_ref − logp: biased, low-variance, non-negative.
+
+    E_{π_θ}[k2] = KL(π_θ ‖ π_ref) + O(δ³) for π_ref = π_θ·(1 + δ) (an f-divergence with the same
+    second-order expansion as KL).
+    Shapes: logp, logp_ref (...) float, same shape. Returns (...) same dtype.
+    Source: Schulman 2020, "Approximating KL Divergence", joschu.net/blog/kl-approx.html.
+    Raises: ValueError if shapes differ.
+    """
+    return 0.5 * _log_r(logp, logp_ref) ** 2
+
+
+def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """k3 = (r − 1) − log r with log r = logp_ref − logp: unbiased and non-negative.
+
+    Computed as expm1(log r) − log r for accuracy near r = 1. Used by GRPO (DeepSeekMath, arXiv
+    2402.03300, eq. 4) as the KL term of its loss.
+    Shapes: logp, logp_ref (...) float, same shape. Returns (...) same dtype.
+    Source: Schulman 2020, "Approximating KL Divergence", joschu.net/blog/kl-approx.html.
+    Raises: ValueError if shapes differ.
+    """
+    log_r = _log_r(logp, logp_ref)
+    return torch.expm1(log_r) - log_r
+
+
+def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str) -> Tensor:
+    """Per-token KL(π_θ ‖ π_ref) estimate by name: one of KL_ESTIMATORS ("k1", "k2", "k3").
+
+    Shapes: logp, logp_ref (...) float, same shape. Returns (...) same dtype.
+    Raises: ValueError for an unknown estimator name (the message lists the valid ones) or if
+    shapes differ.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](logp, logp_ref)
+
+
+KL_ESTIMATORS = {
+    "k1": k1,
+    "k2": k2,
+    "k3": k3,
+}

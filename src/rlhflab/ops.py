@@ -1,0 +1,240 @@
+"""Tensor operations shared by losses and trainers: masked reductions, whitening, log-probs, entropy.
+
+Pure functions of tensors; they import only torch. A `mask` is 1 (or True) where a token is valid and
+0 (or False) where it is padding; masks are treated as binary (any non-zero value counts as valid),
+and masked-out positions never contribute a value or a gradient, even when they hold inf or NaN.
+"""
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "entropy_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "selective_log_softmax",
+]
+
+
+def _check_mask(x: Tensor, mask: Tensor) -> Tensor:
+    if mask.shape != x.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected x's shape {tuple(x.shape)}")
+    return mask.bool()
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Sum of the valid elements of `x`: Σ x·m.
+
+    Shapes: x (...) any float dtype; mask (...) bool or 0/1 float, same shape as x.
+    Returns: a scalar when dim is None, else x reduced over `dim`; dtype of x.
+    Masked-out elements are replaced by 0 before summing (not multiplied by 0), so inf/NaN padding
+    cannot leak into the sum or its gradient.
+    Raises: ValueError if mask's shape differs from x's.
+    """
+    m = _check_mask(x, mask)
+    y = torch.where(m, x, 0.0)
+    return y.sum() if dim is None else y.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Mean of the valid elements of `x`: Σ x·m / Σ m.
+
+    Shapes: x (...) any float dtype; mask (...) bool or 0/1 float, same shape as x.
+    Returns: a scalar when dim is None, else x reduced over `dim`; dtype of x.
+    Convention: where the mask is all zero along the reduced dims the mean is 0 (not NaN), with zero
+    gradient, so an empty row (e.g. a completion of length 0) contributes nothing.
+    Raises: ValueError if mask's shape differs from x's.
+    """
+    m = _check_mask(x, mask)
+    total = masked_sum(x, m, dim)
+    count = m.sum() if dim is None else m.sum(dim)
+    count = count.to(total.dtype)
+    safe = torch.where(count > 0, count, torch.ones_like(count))
+    return torch.where(count > 0, total / safe, torch.zeros_like(total))
+
+
+def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = False) -> Tensor:
+    """Variance of all valid elements of `x` (one scalar over every masked element).
+
+    Formula: μ = masked_mean(x); Var = Σ m·(x − μ)² / n with n = Σ m (population variance), or
+    / (n − 1) when `unbiased` (Bessel's correction, torch.var's default).
+    Shapes: x (...) any float dtype; mask same shape. Returns a 0-d tensor of x's dtype.
+    Convention: with no valid element, or with a single one and `unbiased=True`, the variance is
+    returned as 0 instead of NaN (no data, no spread); this is checked without a host sync.
+    Raises: ValueError if mask's shape differs from x's.
+    """
+    m = _check_mask(x, mask)
+    mean = masked_mean(x, m)
+    var = masked_mean((x - mean) ** 2, m)
+    if unbiased:
+        n = m.sum().to(var.dtype)
+        denom = torch.where(n > 1, n - 1, torch.ones_like(n))
+        var = torch.where(n > 1, var * n / denom, torch.zeros_like(var))
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise `x` to zero mean and unit variance over all valid elements.
+
+    Formula: (x − μ)·rsqrt(σ² + eps), with μ, σ² the masked mean and population variance
+    (`masked_var(unbiased=False)`) over every valid element; with `shift_mean=False` the mean is
+    added back, μ + (x − μ)·rsqrt(σ² + eps), which rescales without re-centring.
+    Shapes: x (...) any float dtype; mask same shape. Returns x's shape and dtype; padding is 0.
+    Source: `whiten` in OpenAI lm-human-preferences (Ziegler et al. 2019, arXiv 1909.08593), which
+    uses the population variance. Departure from TRL's `masked_whiten`: TRL uses the unbiased
+    variance; the two differ by a factor √(n/(n−1)), negligible over a batch of tokens.
+    Raises: ValueError if mask's shape differs from x's, or eps < 0.
+    """
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    m = _check_mask(x, mask)
+    mean = masked_mean(x, m)
+    var = masked_var(x, m, unbiased=False)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out, 0.0)
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _check_logits(logits: Tensor) -> None:
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits must have a non-empty last (vocab) dim, got {tuple(logits.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor, got dtype {logits.dtype}")
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(z)[index] by row-chunks; backward recomputes softmax chunk by chunk.
+
+    Saves only the input logits (already alive in the model's graph), the index and the per-row
+    logsumexp, so no float32 copy of the (N, V) logits outlives a chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, index: Tensor, chunk_size: int) -> Tensor:  # (N, V), (N,)
+        n = logits.shape[0]
+        dt = _compute_dtype(logits)
+        out = torch.empty(n, dtype=dt, device=logits.device)
+        lse = torch.empty(n, dtype=dt, device=logits.device)
+        for start in range(0, n, chunk_size):
+            z = logits[start : start + chunk_size].to(dt)  # (C, V)
+            idx = index[start : start + chunk_size, None]  # (C, 1)
+            lse[start : start + chunk_size] = torch.logsumexp(z, dim=-1)
+            out[start : start + chunk_size] = (
+                z.gather(-1, idx).squeeze(-1) - lse[start : start + chunk_size]
+            )
+        ctx.save_for_backward(logits, index, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):  # (N,)
+        logits, index, lse = ctx.saved_tensors
+        chunk_size = ctx.chunk_size
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            g = grad_out[sl].to(lse.dtype)[:, None]  # (C, 1)
+            p = torch.exp(logits[sl].to(lse.dtype) - lse[sl, None])  # (C, V)
+            gz = -g * p  # d/dz_k [z_i − lse(z)] = 1[k=i] − p_k
+            gz.scatter_add_(-1, index[sl, None], g)
+            grad[sl] = gz.to(grad.dtype)
+        return grad, None, None
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor, *, chunk_size: int = 1024) -> Tensor:
+    """Log-probability of the chosen tokens, log softmax(z)[index], without a full log-softmax.
+
+    Formula: log p(i) = z_i − logsumexp(z), computed in float32 on row-chunks of `logits.float()`
+    (rows = the flattened leading dims), so peak extra memory is one (chunk_size, V) float32 block
+    instead of a float32 copy of the whole (..., V) tensor. The backward pass recomputes the softmax
+    chunk by chunk (grad_z = g·(onehot(i) − softmax(z))); it is first-order differentiable only.
+    Shapes: logits (..., V) any float dtype (bf16/fp16/fp32/fp64); index (...) long, same leading
+    shape. Returns (...) float32 (float64 when logits are float64).
+    Equal to torch.log_softmax(logits.float(), -1).gather(-1, index[..., None])[..., 0] to ~1e-6.
+    Raises: ValueError if shapes disagree, index is not an integer tensor, or chunk_size < 1.
+    """
+    _check_chunk_size(chunk_size)
+    _check_logits(logits)
+    if index.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"index has shape {tuple(index.shape)}, expected logits' leading shape {tuple(logits.shape[:-1])}"
+        )
+    if index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"index must be an integer (long) tensor, got dtype {index.dtype}")
+    lead = index.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1).long()
+    out = _SelectiveLogSoftmax.apply(flat_logits, flat_index, chunk_size)
+    return out.reshape(lead)
+
+
+class _EntropyFromLogits(torch.autograd.Function):
+    """Entropy of softmax(z) by row-chunks; backward recomputes softmax chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, chunk_size: int) -> Tensor:  # (N, V)
+        n = logits.shape[0]
+        dt = _compute_dtype(logits)
+        out = torch.empty(n, dtype=dt, device=logits.device)
+        for start in range(0, n, chunk_size):
+            out[start : start + chunk_size] = _entropy_rows(
+                logits[start : start + chunk_size].to(dt)
+            )
+        ctx.save_for_backward(logits, out)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):  # (N,)
+        logits, ent = ctx.saved_tensors
+        chunk_size = ctx.chunk_size
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            logp = torch.log_softmax(logits[sl].to(ent.dtype), dim=-1)  # (C, V)
+            p = logp.exp()
+            # dH/dz_k = −p_k·(log p_k + H); p_k = 0 terms are exactly 0 (also for z_k = −inf)
+            term = torch.where(
+                p > 0, p * (logp + ent[sl, None]), torch.zeros((), dtype=p.dtype, device=p.device)
+            )
+            grad[sl] = (-grad_out[sl].to(ent.dtype)[:, None] * term).to(grad.dtype)
+        return grad, None
+
+
+def _entropy_rows(z: Tensor) -> Tensor:  # (C, V) float -> (C,)
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros((), dtype=z.dtype, device=z.device)).sum(-1)
+
+
+def entropy_from_logits(logits: Tensor, *, chunk_size: int = 1024) -> Tensor:
+    """Entropy of the categorical distribution softmax(logits) at every position.
+
+    Formula: H = logsumexp(z) − Σ_k softmax(z)_k·z_k, computed as the equal −Σ_k p_k·log p_k in
+    float32 on row-chunks (rows = flattened leading dims), so tokens with z_k = −inf (p_k = 0)
+    contribute exactly 0 instead of NaN. Peak extra memory is one (chunk_size, V) float32 block; the
+    backward pass recomputes the softmax per chunk (dH/dz_k = −p_k·(log p_k + H)), first order only.
+    Shapes: logits (..., V) any float dtype. Returns (...) float32 (float64 for float64 logits).
+    Raises: ValueError if logits are not float or chunk_size < 1.
+    """
+    _check_chunk_size(chunk_size)
+    _check_logits(logits)
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _EntropyFromLogits.apply(flat, chunk_size).reshape(lead)

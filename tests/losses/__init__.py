@@ -1,0 +1,1 @@
+"""Tests of rlhflab.losses (a package so test module names stay unique)."""
