@@ -1,0 +1,103 @@
+"""The one place where prompts and completions become text and token ids.
+
+SFT, RL rollouts, DPO and evaluation all go through these functions, so a model is trained and
+evaluated on exactly the same prompt/completion boundary.
+
+Why prompt and completion are tokenized *separately* and concatenated:
+    With byte-level BPE, tokenizing `prompt + completion` lets the last characters of the prompt
+    merge with the first of the completion (a prompt ending in "Answer: " ends in `Ġ`, which merges
+    with a following digit or not, depending on the text). Then the ids a policy generates after
+    the prompt in RL (prompt ids + sampled ids) would differ from the ids SFT trained on. Encoding
+    the two parts separately makes `ids = encode_prompt(p) + encode_completion(c)` hold everywhere
+    by construction: SFT labels, the sampler's continuation, DPO's chosen/rejected log-probs and
+    eval all see the same prompt ids. With rlhflab's own tokenizer the prompt ends in the special
+    token `<|assistant|>`, so the separate encoding also equals the joint one.
+
+Completions carry no eos in their text; `encode_completion` appends `tokenizer.eos_token_id`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from rlhflab.errors import ConfigError, ModelError
+
+AnswerFormat = Literal["tags", "plain"]
+ANSWER_FORMATS: tuple[str, ...] = ("tags", "plain")
+
+
+def check_answer_format(answer_format: str) -> str:
+    """Return `answer_format` if valid, else raise `ConfigError` naming `answer_format`."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ConfigError(
+            f"answer_format: must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}"
+        )
+    return answer_format
+
+
+def render_messages(
+    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+) -> str:
+    """Render chat `messages` (`[{"role", "content"}, ...]`) with the tokenizer's chat template.
+
+    Returns:
+        The prompt text; with `add_generation_prompt=True` it ends with the assistant header.
+
+    Raises:
+        ModelError: the tokenizer has no chat template, or the template rejects the messages.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ModelError(
+            "tokenizer has no chat template; use rlhflab's train_tokenizer or an instruct checkpoint"
+        )
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        raise ModelError(f"chat template failed: {msg}") from exc
+
+
+def render_prompt(tokenizer: Any, question: str, *, system: str | None = None) -> str:
+    """Chat-format one question as a prompt that ends where the model's answer starts.
+
+    Args:
+        tokenizer: a transformers tokenizer with a chat template.
+        question: user text (e.g. `Problem.question`).
+        system: optional system message, rendered first.
+
+    Returns:
+        `apply_chat_template([system?, user], add_generation_prompt=True, tokenize=False)`;
+        with rlhflab's tokenizer: "<|system|>…<|end|><|user|>question<|end|><|assistant|>".
+    """
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    messages.append({"role": "user", "content": question})
+    return render_messages(tokenizer, messages, add_generation_prompt=True)
+
+
+def format_completion(answer: str, *, answer_format: AnswerFormat) -> str:
+    """The target completion text for `answer`: "<answer>42</answer>" (tags) or "42" (plain).
+
+    No eos in the text (see `encode_completion`). `rlhflab.rewards.extract_answer` inverts this.
+    """
+    check_answer_format(answer_format)
+    return f"<answer>{answer}</answer>" if answer_format == "tags" else answer
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a rendered prompt, with no special tokens added (the template has them)."""
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def encode_completion(tokenizer: Any, completion: str) -> list[int]:
+    """Token ids of a completion followed by `tokenizer.eos_token_id`.
+
+    Raises:
+        ModelError: the tokenizer has no eos token.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ModelError("tokenizer has no eos token; completions must end with one")
+    return [*tokenizer(completion, add_special_tokens=False)["input_ids"], eos]

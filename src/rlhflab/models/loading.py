@@ -1,0 +1,199 @@
+"""Load pretrained models and tokenizers by Hugging Face Hub id or local path.
+
+Every failure becomes a one-line `ModelError` (or `ConfigError` for a bad option); the original
+exception is chained (`raise ... from`) for debugging but never shown as the user's error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedTokenizerBase as Tokenizer
+
+from rlhflab.errors import ConfigError, ModelError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _looks_like_path(name: str) -> bool:
+    """True for names that can only be paths.
+
+    A Hub id is "name" or "org/name", so a single "/" is ambiguous ("runs/final" may be either):
+    such a name is a path if it exists locally and is otherwise tried as a Hub id. Names starting
+    with ".", "~" or "/", with two or more "/", or with a backslash are paths.
+    """
+    return (
+        name.startswith((".", "~", "/", os.sep))
+        or name.count("/") >= 2
+        or "\\" in name
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub.constants import is_offline_mode
+
+        return bool(is_offline_mode())
+    except ImportError:  # older huggingface_hub
+        return os.environ.get("HF_HUB_OFFLINE", "0").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _resolve(name_or_path: str) -> str:
+    """Expand `~`; reject a path-like name that does not exist."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ModelError(f"model name or path must be a non-empty string, got {name_or_path!r}")
+    if _looks_like_path(name_or_path):
+        path = os.path.expanduser(name_or_path)
+        if not os.path.exists(path):
+            raise ModelError(f"model path does not exist: {name_or_path}")
+        return path
+    return name_or_path
+
+
+def _load_error(what: str, name: str, resolved: str, exc: BaseException) -> ModelError:
+    if not os.path.exists(resolved) and isinstance(exc, OSError) and _hub_offline():
+        return ModelError(
+            f"cannot load {what} '{name}': not found locally and the Hugging Face Hub is offline "
+            "(HF_HUB_OFFLINE=1)"
+        )
+    return ModelError(f"cannot load {what} '{name}': {_one_line(exc)}")
+
+
+def default_attn_implementation(device: str | torch.device) -> str:
+    """ "flash_attention_2" if `flash_attn` imports and `device` is CUDA, else "sdpa"."""
+    if torch.device(device).type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+        except Exception:
+            return "sdpa"
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    gguf_file: str | None = None,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """Load a causal LM with `AutoModelForCausalLM.from_pretrained` and move it to `device`.
+
+    Args:
+        name_or_path: Hub id ("Qwen/Qwen3-0.6B") or local directory (from `save_pretrained`).
+            An existing local path wins; names starting with ".", "~" or "/" or with two or more
+            "/" are always paths (see `_looks_like_path`).
+        dtype: "float32", "bfloat16" or "float16" (parameter dtype).
+        attn_implementation: passed to transformers; None picks `default_attn_implementation`.
+        trust_remote_code: allow model code shipped with the checkpoint.
+        gguf_file: file name inside `name_or_path` for GGUF checkpoints (needs the `gguf`
+            package); the weights are dequantised to `dtype`.
+        device: torch device string.
+
+    Returns:
+        The model (eval mode, as transformers returns it).
+
+    Raises:
+        ConfigError: `dtype` not one of `DTYPES` (names `model.dtype`).
+        ModelError: path does not exist ("model path does not exist: <path>"); hub id not
+            available offline; any other loading failure, as one line.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(
+            f"model.dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}"
+        )
+    resolved = _resolve(name_or_path)
+    if attn_implementation is None:
+        attn_implementation = default_attn_implementation(device)
+    kwargs: dict = {
+        "dtype": DTYPES[dtype],
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": trust_remote_code,
+    }
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved, **kwargs)
+    except Exception as exc:
+        raise _load_error("model", name_or_path, resolved, exc) from exc
+    try:
+        model = model.to(device)
+    except Exception as exc:
+        raise ModelError(
+            f"cannot move model '{name_or_path}' to device {device!r}: {_one_line(exc)}"
+        ) from exc
+    return model
+
+
+def load_tokenizer(
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    gguf_file: str | None = None,
+) -> Tokenizer:
+    """Load a tokenizer with `AutoTokenizer.from_pretrained`, ready for batched generation.
+
+    Guarantees on the result:
+        * a pad token: if the checkpoint has none, the eos token is used as pad (common for
+          Llama-family checkpoints). Padding positions are masked by the attention mask, so this
+          does not change log-probs; completions still end with a real eos id.
+        * `padding_side == "left"` (prompts are left-padded for generation).
+
+    Raises:
+        ModelError: path does not exist / not available offline / other loading failure; or the
+            tokenizer has neither a pad nor an eos token.
+    """
+    resolved = _resolve(name_or_path)
+    kwargs: dict = {"trust_remote_code": trust_remote_code}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved, **kwargs)
+    except Exception as exc:
+        raise _load_error("tokenizer", name_or_path, resolved, exc) from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(
+                f"tokenizer '{name_or_path}' has neither a pad token nor an eos token; "
+                "add one before training"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """Longest sequence (tokens) the model's position encoding is configured for.
+
+    Reads, in order, `max_position_embeddings`, `n_positions`, `max_sequence_length`,
+    `seq_length` from the (text) config.
+
+    Raises:
+        ModelError: none of these is set.
+    """
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelError(
+        f"cannot tell the context length of model type '{getattr(config, 'model_type', '?')}': "
+        "its config has no max_position_embeddings"
+    )

@@ -1,0 +1,114 @@
+"""Verifiable rewards: extract the answer from a completion and score it with reasoning_gym.
+
+Decisions (FACTS.md):
+* Answers are always stripped before scoring: reasoning_gym's default `score_answer` gives partial
+  credit `len(reference) / len(answer)` when the reference is a substring, so " 42 " would score
+  below "42" for formatting alone.
+* `reward="binary"` (default recommendation) maps a score to 1.0 iff reasoning_gym says exactly
+  1.0; many tasks give partial credit to wrong answers (countdown 0.05, spell_backward near misses),
+  which `reward="partial"` passes through unchanged.
+* Verifiers can raise on malformed answers (prime_factorization on non-numbers): such a call scores
+  0.0 and is counted in `n_errors`; it never stops training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rlhflab.data.formatting import check_answer_format
+from rlhflab.data.tasks import Problem
+from rlhflab.errors import ConfigError
+
+REWARD_KINDS: tuple[str, ...] = ("binary", "partial")
+
+
+def extract_answer(text: str, *, answer_format: str) -> str | None:
+    """The answer contained in a completion, stripped of surrounding whitespace.
+
+    Args:
+        text: decoded completion (special tokens removed; `<answer>` tags are ordinary text).
+        answer_format: "tags": content of the LAST `<answer>…</answer>` pair (the semantics of
+            `reasoning_gym.utils.extract_answer`); "plain": the whole text.
+
+    Returns:
+        The stripped answer, or None when there is none (no tag pair, or empty after stripping).
+    """
+    check_answer_format(answer_format)
+    if answer_format == "tags":
+        from reasoning_gym.utils import extract_answer as rg_extract
+
+        answer = rg_extract(text, tag_name="answer", strip=True)
+    else:
+        answer = text
+    if answer is None:
+        return None
+    answer = answer.strip()
+    return answer or None
+
+
+class Verifier:
+    """Scores completions of `Problem`s; keeps counters for logging.
+
+    Args:
+        answer_format: "tags" or "plain" (see `extract_answer`).
+        reward: "binary" (1.0 iff reasoning_gym's score is 1.0, else 0.0) or "partial"
+            (reasoning_gym's score, clipped to [0, 1]).
+
+    Counters (cumulative; reset with `reset_counters`):
+        n_scored: completions scored; n_no_answer: of which no answer could be extracted;
+        n_errors: of which the task's verifier raised (scored 0.0).
+
+    Raises:
+        ConfigError: bad `answer_format` or `reward`.
+    """
+
+    def __init__(self, *, answer_format: str = "tags", reward: str = "binary"):
+        self.answer_format = check_answer_format(answer_format)
+        if reward not in REWARD_KINDS:
+            raise ConfigError(f"reward: must be one of {', '.join(REWARD_KINDS)}, got {reward!r}")
+        self.reward = reward
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.n_scored = 0
+        self.n_errors = 0
+        self.n_no_answer = 0
+
+    def raw_score(self, completion_text: str, problem: Problem) -> float:
+        """reasoning_gym's score of the extracted answer in [0, 1]; 0.0 if none or if it raises."""
+        self.n_scored += 1
+        answer = extract_answer(completion_text, answer_format=self.answer_format)
+        if answer is None:
+            self.n_no_answer += 1
+            return 0.0
+        try:
+            score = float(problem.score(answer))
+        except Exception:
+            self.n_errors += 1
+            return 0.0
+        if math.isnan(score):
+            self.n_errors += 1
+            return 0.0
+        return min(max(score, 0.0), 1.0)
+
+    def score(self, completion_text: str, problem: Problem) -> float:
+        """Reward in [0, 1] for one decoded completion (see class doc for binary vs partial)."""
+        score = self.raw_score(completion_text, problem)
+        if self.reward == "binary":
+            return 1.0 if score >= 1.0 else 0.0
+        return score
+
+    def score_batch(self, texts: Sequence[str], problems: Sequence[Problem]) -> list[float]:
+        """`[score(t, p) for t, p in zip(texts, problems)]`; lengths must match (ValueError)."""
+        if len(texts) != len(problems):
+            raise ValueError(f"{len(texts)} completions but {len(problems)} problems")
+        return [self.score(t, p) for t, p in zip(texts, problems, strict=True)]
+
+    def counters(self) -> dict[str, int]:
+        """Counters as a dict, for logging."""
+        return {
+            "n_scored": self.n_scored,
+            "n_errors": self.n_errors,
+            "n_no_answer": self.n_no_answer,
+        }
