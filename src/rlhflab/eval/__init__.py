@@ -1,1 +1,1 @@
-
+"""Held-out evaluation (greedy accuracy, pass@k)."""

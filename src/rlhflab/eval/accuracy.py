@@ -1,0 +1,122 @@
+"""Held-out evaluation: greedy accuracy and sampled pass@k, with standard errors.
+
+Accuracy is the mean verifier reward of the greedy completion (binary reward: the fraction of
+problems solved). Its standard error is the sample standard deviation of the per-problem scores
+over sqrt(n) (for binary scores, sqrt(p(1 − p)/(n − 1))). pass@k uses the unbiased estimator of
+Chen et al. 2021 (arXiv 2107.03374, eq. 1) from n_samples >= k samples per problem.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlhflab.data.formatting import encode_prompt, render_prompt
+from rlhflab.rollout.sampler import decode_completions, sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 − C(n − c, k) / C(n, k) for c correct among n samples (k <= n)."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 0 < k <= n and 0 <= c <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std with Bessel's correction over sqrt(n))."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    problems: list,
+    verifier,
+    *,
+    batch_size: int = 256,
+    max_new_tokens: int = 32,
+    k: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    system: str | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    return_completions: bool = False,
+) -> dict:
+    """Greedy accuracy (and pass@k when k > 0) of `model` on `problems`.
+
+    Args:
+        problems: rlhflab.data.tasks.Problem list (held-out).
+        verifier: rlhflab.rewards.verifier.Verifier (its reward mode decides binary/partial).
+        k: samples per problem at `temperature` for pass@1 / pass@k; 0 skips sampling.
+
+    Returns:
+        {"accuracy", "accuracy_stderr", "n"} plus {"pass@1", "pass@k", "k"} when k > 0, and
+        "completions" (greedy texts) when return_completions.
+    """
+    was_training = model.training
+    model.eval()
+    prompts = [
+        encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=system))
+        for p in problems
+    ]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    scores: list[float] = []
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        ro = sample(
+            model,
+            chunk,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            greedy=True,
+            autocast_dtype=autocast_dtype,
+        )
+        decoded = decode_completions(tokenizer, ro)
+        texts.extend(decoded)
+        scores.extend(verifier.score_batch(decoded, problems[start : start + batch_size]))
+    acc, se = mean_and_stderr(scores)
+    result = {"accuracy": acc, "accuracy_stderr": se, "n": len(problems)}
+    if k > 0:
+        gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+        per_prompt = max(1, batch_size // k)
+        p1, pk = [], []
+        for start in range(0, len(prompts), per_prompt):
+            chunk_problems = problems[start : start + per_prompt]
+            chunk = [p for p in prompts[start : start + per_prompt] for _ in range(k)]
+            ro = sample(
+                model,
+                chunk,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                temperature=temperature,
+                generator=gen,
+                autocast_dtype=autocast_dtype,
+            )
+            decoded = decode_completions(tokenizer, ro)
+            sampled = verifier.score_batch(decoded, [p for p in chunk_problems for _ in range(k)])
+            for i in range(len(chunk_problems)):
+                row = sampled[i * k : (i + 1) * k]
+                correct = sum(1 for s in row if s == 1.0)
+                p1.append(sum(row) / k)
+                pk.append(pass_at_k(k, correct, k))
+        result["pass@1"], result["pass@1_stderr"] = mean_and_stderr(p1)
+        result["pass@k"], result["pass@k_stderr"] = mean_and_stderr(pk)
+        result["k"] = k
+    if return_completions:
+        result["completions"] = texts
+    model.train(was_training)
+    return result

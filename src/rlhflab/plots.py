@@ -1,0 +1,57 @@
+"""PNG plots of the main curves of a run, from its metrics rows (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The curves worth a picture, by family. Missing keys are skipped.
+MAIN_CURVES: dict[str, list[str]] = {
+    "reward": ["rollout/reward_mean"],
+    "accuracy": ["rollout/accuracy", "eval/accuracy"],
+    "kl": ["policy/kl"],
+    "entropy": ["policy/entropy"],
+    "response_length": ["rollout/response_len_mean"],
+    "loss": ["train/loss", "policy/loss"],
+}
+
+
+def plot_run(
+    rows: list[dict], out_dir: Path, curves: dict[str, list[str]] | None = None
+) -> list[Path]:
+    """One PNG per curve group whose keys appear in `rows`; returns the files written.
+
+    Args:
+        rows: metrics rows, each with "step" and metric keys (numbers).
+        out_dir: directory for the PNGs (created).
+        curves: {file stem: [metric keys]}; defaults to MAIN_CURVES.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, keys in (curves or MAIN_CURVES).items():
+        series = {}
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            if pts:
+                series[key] = pts
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        for key, pts in series.items():
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, ms=3, label=key)
+        ax.set_xlabel("step")
+        ax.set_title(stem.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{stem}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,1 @@
+"""Embedded presets (package data)."""

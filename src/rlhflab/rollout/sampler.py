@@ -1,0 +1,280 @@
+"""Batched sampling with a KV cache, and the log-probs the trainer recomputes from the same tokens.
+
+All prompts of a step are sampled together: prompts are left-padded to a common width P, position
+ids count only real tokens (so padding never shifts a sequence), every sequence stops at its own
+EOS, and sequences that have stopped are dropped from the batch so later decoding steps only pay
+for the ones still running. What comes back is a `Rollout` of token ids — nothing is decoded and
+re-tokenised for training.
+
+The sampling distribution is π_θ(· | context) at temperature τ: softmax(logits / τ). Sampler
+log-probs `logp` are taken under that tempered distribution *before* top-k / top-p truncation,
+which is the convention of TRL and verl; with top_k = 0 and top_p = 1 they are the exact
+log-probs of the tokens drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from rlhflab.ops import entropy_from_logits, selective_log_softmax
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled completions.
+
+    Attributes:
+        prompt_ids: (B, P) long, left-padded with the pad id.
+        prompt_mask: (B, P) long, 1 on real prompt tokens.
+        completion_ids: (B, T) long, right-padded with the pad id after EOS.
+        mask: (B, T) float32, 1 on generated tokens (EOS included), 0 on padding.
+        logp: (B, T) float32, sampler log-probs of the completion tokens (0 on padding).
+        truncated: (B,) bool, True where no EOS was produced within max_new_tokens.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    mask: Tensor
+    logp: Tensor
+    truncated: Tensor
+
+    @property
+    def input_ids(self) -> Tensor:  # (B, P+T)
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:  # (B, P+T)
+        return torch.cat([self.prompt_mask, self.mask.long()], dim=1)
+
+    @property
+    def lengths(self) -> Tensor:  # (B,) completion lengths in tokens
+        return self.mask.sum(1)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollout with every tensor on `device`."""
+        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def select(self, index: Tensor | slice) -> Rollout:
+        """Rows `index` of every field (a micro-batch view)."""
+        return Rollout(
+            self.prompt_ids[index],
+            self.prompt_mask[index],
+            self.completion_ids[index],
+            self.mask[index],
+            self.logp[index],
+            self.truncated[index],
+        )
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists to a (B, P) long tensor and its 0/1 attention mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+    return ids, mask
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that count only real tokens: cumsum(mask) − 1, clamped at 0 on left padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Mask logits outside the top-k / nucleus (top-p) set with −inf. logits (B, V) float32."""
+    if top_k > 0 and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> Rollout:
+    """Sample one completion per prompt, all prompts in one batch.
+
+    Args:
+        model: a Hugging Face causal LM (called with input_ids, attention_mask, position_ids,
+            past_key_values, logits_to_keep=1).
+        prompts: B token-id lists (already rendered with the chat template), any lengths >= 1.
+        max_new_tokens: generation budget T per sequence.
+        eos_token_id / pad_token_id: stop token and the id written after a sequence stops.
+        temperature, top_p, top_k: the sampling distribution (ignored when greedy).
+        greedy: argmax decoding (evaluation); `logp` then holds log-probs at temperature 1.
+        generator: torch.Generator for reproducible draws (on the model's device).
+        autocast_dtype: run forwards under torch.autocast with this dtype (e.g. bfloat16).
+
+    Returns:
+        Rollout with completion tensors of width T' <= max_new_tokens (the longest completion).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("sample: every prompt needs at least one token")
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    batch = prompt_ids.size(0)
+    temp = 1.0 if greedy else temperature
+
+    out_ids = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    out_logp = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    out_mask = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    active = torch.arange(batch, device=device)  # rows of the full batch still decoding
+    attn = prompt_mask.clone()
+    positions = position_ids_from_mask(attn)
+    step_input, step_positions = prompt_ids, positions
+    cache = None
+    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    for t in range(max_new_tokens):
+        with autocast:
+            out = model(
+                input_ids=step_input,
+                attention_mask=attn,
+                position_ids=step_positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float() / temp  # (b, V)
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            probs = _filter_logits(logits, top_k, top_p).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        logp = selective_log_softmax(logits, token)
+
+        out_ids[active, t] = token
+        out_logp[active, t] = logp
+        out_mask[active, t] = 1.0
+        done = token == eos_token_id
+        finished[active[done]] = True
+        if bool(done.all()):
+            break
+        if bool(done.any()):  # drop stopped rows from the cache and every per-row tensor
+            keep = (~done).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            active, token, attn = active[keep], token[keep], attn[keep]
+            step_positions = step_positions[keep]
+        attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
+        step_input = token[:, None]
+        step_positions = step_positions[:, -1:] + 1
+
+    width = int(out_mask.sum(1).max().item()) if batch else 0
+    width = max(width, 1)
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=out_ids[:, :width].contiguous(),
+        mask=out_mask[:, :width].contiguous(),
+        logp=out_logp[:, :width].contiguous(),
+        truncated=~finished,
+    )
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log π_θ(o_t | q, o_<t) of the rollout's completion tokens, with gradients.
+
+    One forward over [prompt; completion] with the same attention mask and position ids as the
+    sampler, keeping logits only for the T completion positions (`logits_to_keep`). Log-probs use
+    the tempered distribution softmax(logits / τ), as the sampler does.
+
+    Returns:
+        logp: (B, T) float32, 0 on padding; entropy: (B, T) float32 detached, or None.
+    """
+    input_ids = rollout.input_ids
+    attn = rollout.attention_mask
+    width = rollout.completion_ids.size(1)
+    autocast = torch.autocast(
+        input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+    )
+    with autocast:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attn,
+            position_ids=position_ids_from_mask(attn),
+            use_cache=False,
+            logits_to_keep=width + 1,
+        )
+    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position P-1+t predicts o_t
+    logp = selective_log_softmax(logits, rollout.completion_ids) * rollout.mask
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach()) * rollout.mask
+    return logp, entropy
+
+
+def decode_completions(tokenizer, rollout: Rollout) -> list[str]:
+    """Completion texts: the generated tokens up to (not including) EOS, special tokens kept.
+
+    Special tokens are kept so answer tags that are single tokens (`<answer>`) survive decoding;
+    pad and EOS never appear because only unmasked tokens before EOS are decoded.
+    """
+    eos = tokenizer.eos_token_id
+    rows = []
+    for ids, mask in zip(rollout.completion_ids.tolist(), rollout.mask.tolist(), strict=True):
+        toks = [t for t, m in zip(ids, mask, strict=True) if m]
+        if toks and toks[-1] == eos:
+            toks = toks[:-1]
+        rows.append(toks)
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> Rollout:
+    """A `Rollout` from given prompt and completion token lists (SFT and preference data).
+
+    Prompts are left-padded and completions right-padded exactly as the sampler lays them out, so
+    `completion_logps` scores SFT targets, preference pairs and sampled completions the same way.
+    `logp` is zeros and `truncated` False.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"pack: {len(prompts)} prompts but {len(completions)} completions")
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
+    width = max(1, max(len(c) for c in completions))
+    ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(completions), width), dtype=torch.float32)
+    for i, comp in enumerate(completions):
+        ids[i, : len(comp)] = torch.tensor(comp, dtype=torch.long)
+        mask[i, : len(comp)] = 1.0
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=ids,
+        mask=mask,
+        logp=torch.zeros_like(mask),
+        truncated=torch.zeros(len(completions), dtype=torch.bool),
+    )

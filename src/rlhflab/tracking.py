@@ -1,0 +1,126 @@
+"""One `.log(step, metrics)` for every sink: metrics.jsonl (always), the console, and optionally
+Weights & Biases or TensorBoard (imported lazily, only when enabled).
+
+The console shows a progress bar with ETA and a few headline metrics; every metric of every step
+goes to `metrics.jsonl` as one JSON object per line: {"step": int, "time_s": float, ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(stderr=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # json has no NaN/inf; keep them visible as strings
+    return value
+
+
+class Tracker:
+    """Writes metrics to `<run_dir>/metrics.jsonl` and to the enabled sinks.
+
+    Args:
+        run_dir: the run directory (must exist).
+        total_steps: for the progress bar's ETA.
+        headline: metric keys shown next to the progress bar.
+        console_enabled / wandb / tensorboard: which sinks are on.
+        config: the resolved config (dict) handed to wandb.
+        description: label of the progress bar.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        headline: tuple[str, ...] = (),
+        console_enabled: bool = True,
+        wandb: bool = False,
+        tensorboard: bool = False,
+        config: dict | None = None,
+        description: str = "train",
+    ) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.file = self.path.open("a")
+        self.start = time.perf_counter()
+        self.headline = headline
+        self._wandb = self._tb = None
+        if wandb:
+            import wandb as wandb_mod
+
+            self._wandb = wandb_mod.init(
+                project="rlhflab", name=Path(run_dir).name, config=config, dir=str(run_dir)
+            )
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self.progress = None
+        if console_enabled:
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=console,
+                transient=False,
+            )
+            self.task = self.progress.add_task(description, total=total_steps, info="")
+            self.progress.start()
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record the metrics of `step` (values: python or 0-d tensor numbers)."""
+        row = {"step": step, "time_s": round(time.perf_counter() - self.start, 4)}
+        row.update({k: _jsonable(v) for k, v in metrics.items()})
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, int | float) and k != "step":
+                    self._tb.add_scalar(k, v, step)
+
+    def advance(self, step: int, metrics: dict[str, Any]) -> None:
+        """Move the progress bar to `step` and show the headline metrics."""
+        if self.progress is None:
+            return
+        shown = []
+        for key in self.headline:
+            if key in metrics:
+                shown.append(f"{key.split('/')[-1]}={float(_jsonable(metrics[key])):.3g}")
+        self.progress.update(self.task, completed=step, info=" ".join(shown))
+
+    def print(self, message: str) -> None:
+        """A line on the console above the progress bar."""
+        if self.progress is not None:
+            self.progress.console.print(message)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All rows of a metrics.jsonl file."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,157 @@
+"""Plumbing shared by the trainers: seeding, precision, model set-up, optimizer and LR schedule.
+
+No maths of any algorithm lives here; that is in `rlhflab.losses`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
+from rlhflab.errors import DataError
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup_precision(precision: PrecisionConfig, device: torch.device) -> torch.dtype | None:
+    """Set torch threads; return the autocast dtype (None: plain fp32).
+
+    Master weights and optimizer state stay fp32 in every mode; "bf16" autocasts the forward
+    passes. "auto" means bf16 on CUDA and fp32 on CPU.
+    """
+    if precision.threads:
+        torch.set_num_threads(precision.threads)
+    if precision.autocast == "bf16":
+        return torch.bfloat16
+    if precision.autocast == "auto" and device.type == "cuda":
+        return torch.bfloat16
+    return None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def prepare_model(
+    model_cfg: ModelConfig,
+    *,
+    device: torch.device,
+    seed: int,
+    tokenizer_texts: Callable[[], list[str]] | None = None,
+):
+    """Load (hub id / path) or build (from scratch, tokenizer trained on task text) a causal LM.
+
+    Args:
+        model_cfg: the `model` section.
+        device: where the model lives.
+        seed: initialisation seed for built models.
+        tokenizer_texts: called only when building: the strings to train the tokenizer on.
+
+    Returns:
+        (tokenizer, model) with model in train mode, fp32 master weights unless model.dtype says
+        otherwise.
+    Raises:
+        ModelError / ConfigError (one line) when the model cannot be loaded or built.
+    """
+    from rlhflab.models.build import build_model
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.models.tokenizer import train_tokenizer
+
+    if model_cfg.build is not None:
+        b = model_cfg.build
+        texts = tokenizer_texts() if tokenizer_texts is not None else []
+        tokenizer = train_tokenizer(texts, vocab_size=b.vocab_size)
+        model = build_model(
+            tokenizer,
+            size=b.size,
+            arch=b.arch,
+            max_position_embeddings=b.max_position_embeddings,
+            seed=seed,
+        )
+    else:
+        tokenizer = load_tokenizer(
+            model_cfg.name_or_path,
+            trust_remote_code=model_cfg.trust_remote_code,
+            gguf_file=model_cfg.gguf_file,
+        )
+        model = load_model(
+            model_cfg.name_or_path,
+            dtype=model_cfg.dtype,
+            attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+            gguf_file=model_cfg.gguf_file,
+            device=str(device),
+        )
+    model.to(device)
+    model.train()
+    return tokenizer, model
+
+
+def check_lengths(lengths: list[int], limit: int, *, what: str, field: str) -> None:
+    """Raise DataError naming the first row whose length exceeds `limit`."""
+    for i, n in enumerate(lengths):
+        if n > limit:
+            raise DataError(f"{field}: {what} of row {i} has {n} tokens > limit {limit}")
+
+
+def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (fp32 state)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
+
+
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
+) -> float:
+    """Multiplier of the peak LR at optimizer step `step` (0-based).
+
+    Linear warmup from 1/(warmup+1) to 1 over `warmup_steps`, then "constant", "linear" decay or
+    "cosine" decay to `min_lr_ratio` at `total_steps`.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"optim.schedule: unknown schedule '{schedule}'")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
+    """LambdaLR stepping `lr_factor` once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(
+            s,
+            warmup_steps=optim.warmup_steps,
+            total_steps=total_steps,
+            schedule=optim.schedule,
+            min_lr_ratio=optim.min_lr_ratio,
+        ),
+    )
+
+
+def grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of the gradients (before clipping); clips when max_norm is set."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm is None:
+        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)

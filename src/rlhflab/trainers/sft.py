@@ -1,0 +1,196 @@
+"""Supervised fine-tuning: prompt-masked cross-entropy on (prompt, completion) pairs.
+
+    loss = − Σ_{i,t} mask_{i,t} · log π_θ(y_{i,t} | x_i, y_{i,<t}) / N_tokens
+
+N_tokens counts the completion tokens of the whole optimizer step (all micro-batches), so k
+micro-batches give exactly the gradient of one batch. Prompt tokens carry no loss. Pairs come
+from a reasoning_gym task (question → answer in the configured answer format) or a local JSONL
+file (`messages` or `prompt`/`completion` rows).
+
+Phases: 0 set-up and validation (nothing written yet) → 1 run directory → 2 training steps →
+3 held-out evaluation → 4 save model, plots, final_results.json.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from rlhflab.config import SFTConfig, dump_config
+from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
+from rlhflab.data.tasks import make_splits
+from rlhflab.eval.accuracy import evaluate
+from rlhflab.losses.aggregate import aggregate
+from rlhflab.models.build import save_pretrained
+from rlhflab.models.loading import context_length
+from rlhflab.plots import plot_run
+from rlhflab.rewards.verifier import Verifier
+from rlhflab.rollout.sampler import completion_logps, pack
+from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.tracking import Tracker, read_metrics
+from rlhflab.trainers.common import (
+    default_device,
+    grad_norm_and_clip,
+    make_optimizer,
+    make_scheduler,
+    prepare_model,
+    seed_everything,
+    setup_precision,
+)
+
+
+def task_texts(splits, limit: int) -> list[str]:
+    """Question and answer strings of the training split, for training a tokenizer."""
+    texts = []
+    for p in splits.train[:limit]:
+        texts.append(p.question)
+        if p.answer is not None:
+            texts.append(str(p.answer))
+    return texts
+
+
+def train(cfg: SFTConfig) -> dict:
+    """Run SFT as configured; returns the final results dict (also in final_results.json)."""
+    t_start = time.perf_counter()
+    # -- 0. Set-up: everything that can fail on bad input fails here, before any file is written.
+    seed_everything(cfg.seed)
+    device = default_device()
+    autocast_dtype = setup_precision(cfg.precision, device)
+    needs_task = cfg.data.source == "task" or cfg.model.build is not None or cfg.eval.n > 0
+    splits = None
+    if needs_task:
+        t = cfg.task
+        splits = make_splits(
+            t.name, config=t.config, n_train=t.n_train, n_heldout=t.n_heldout, seed=t.seed
+        )
+    tokenizer, model = prepare_model(
+        cfg.model,
+        device=device,
+        seed=cfg.seed,
+        tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+    )
+    if cfg.data.source == "task":
+        examples = sft_examples_from_problems(
+            splits.train, tokenizer, answer_format=cfg.task.answer_format, system=cfg.task.system
+        )
+        drops: dict[str, int] = {}
+    else:
+        examples, drops = load_sft_jsonl(cfg.data.path, tokenizer, on_invalid=cfg.data.on_invalid)
+    max_len = min(cfg.train.max_len, context_length(model))
+    features = tokenize_sft(tokenizer, examples, max_len=max_len)
+    pairs = []  # (prompt ids, completion ids)
+    for f in features:
+        n_prompt = sum(1 for label in f["labels"] if label == -100)
+        pairs.append((f["input_ids"][:n_prompt], f["input_ids"][n_prompt:]))
+    verifier = Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward)
+    heldout = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
+    optimizer = make_optimizer(model, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
+
+    # -- 1. Run directory.
+    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
+    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    tracker = Tracker(
+        run_dir,
+        total_steps=cfg.train.steps,
+        headline=("train/loss", "eval/accuracy"),
+        console_enabled=cfg.tracking.console,
+        wandb=cfg.tracking.wandb,
+        tensorboard=cfg.tracking.tensorboard,
+        config=cfg.model_dump(mode="json"),
+        description="sft",
+    )
+    tracker.print(f"run directory: {run_dir}  ({len(pairs)} examples, dropped: {drops or 0})")
+
+    def run_eval(step: int) -> dict:
+        res = evaluate(
+            model,
+            tokenizer,
+            heldout,
+            verifier,
+            batch_size=cfg.eval.batch_size,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            k=cfg.eval.k,
+            temperature=cfg.eval.temperature,
+            seed=cfg.seed,
+            system=cfg.task.system,
+            autocast_dtype=autocast_dtype,
+        )
+        tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
+        return res
+
+    # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step.
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    last_loss = float("nan")
+    steps_done = 0
+    for step in range(1, cfg.train.steps + 1):
+        t0 = time.perf_counter()
+        batch_idx = []
+        while len(batch_idx) < cfg.train.batch_size:
+            if not order:
+                order = list(range(len(pairs)))
+                rng.shuffle(order)
+            batch_idx.append(order.pop())
+        # Denominator: completion tokens of the whole step, counted once before the micro-batches.
+        num_tokens = sum(len(pairs[i][1]) for i in batch_idx)
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros(())
+        for s in range(0, len(batch_idx), cfg.train.micro_batch_size):
+            idx = batch_idx[s : s + cfg.train.micro_batch_size]
+            mb = pack(
+                [pairs[i][0] for i in idx], [pairs[i][1] for i in idx], tokenizer.pad_token_id
+            )
+            mb = mb.to(device)
+            logp, _ = completion_logps(model, mb, autocast_dtype=autocast_dtype)
+            loss = aggregate(-logp, mb.mask, "token_mean", num_tokens=num_tokens)
+            loss.backward()
+            step_loss += loss.detach().cpu()
+        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        steps_done = step
+        last_loss = float(step_loss)
+        dt = time.perf_counter() - t0
+        metrics = {
+            "train/loss": last_loss,
+            "optim/grad_norm": float(grad_norm),
+            "optim/lr": scheduler.get_last_lr()[0],
+            "perf/step_s": dt,
+            "perf/tokens_per_s": num_tokens / dt,
+        }
+        if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
+            tracker.log(step, metrics)
+        if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+            metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
+        tracker.advance(step, metrics)
+        if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
+            tracker.print(f"stopping at step {step}: train.max_seconds reached")
+            break
+
+    # -- 3. Held-out evaluation.
+    final_eval = run_eval(steps_done) if heldout else {}
+
+    # -- 4. Save model, plots, results.
+    tracker.close()
+    if cfg.run.save_model:
+        save_pretrained(model, tokenizer, run_dir / "model")
+    plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+    results = {
+        "trainer": "sft",
+        "steps": steps_done,
+        "final_loss": last_loss,
+        "examples": len(pairs),
+        "dropped": drops,
+        "heldout_accuracy": final_eval.get("accuracy"),
+        "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
+        "heldout_n": final_eval.get("n", 0),
+        "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
+        "wall_s": round(time.perf_counter() - t_start, 2),
+        "run_dir": str(run_dir),
+        "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
+    }
+    write_json_atomic(run_dir / "final_results.json", results)
+    return results

@@ -1,0 +1,99 @@
+"""Config loading: presets, overrides, unknown keys with did-you-mean, argument checks."""
+
+from pathlib import Path
+
+import pytest
+
+from rlhflab.config import PGConfig, SFTConfig, config_from_dict, load_config
+from rlhflab.errors import ConfigError
+from rlhflab.quickstart import build_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_preset_loads(path):
+    cfg = load_config(path)
+    assert cfg.trainer in {"sft", "policy_gradient"}
+
+
+def test_presets_exist():
+    assert len(PRESETS) >= 3
+
+
+def test_quickstart_presets_validate(tmp_path):
+    for fast in (False, True):
+        sft, grpo = build_configs(fast=fast, root=tmp_path)
+        assert isinstance(sft, SFTConfig) and isinstance(grpo, PGConfig)
+        assert sft.task == grpo.task  # one task feeds both stages: same splits, same held-out set
+
+
+def test_overrides_apply_and_parse_yaml_scalars():
+    cfg = load_config(
+        ROOT / "configs/pg/grpo.yaml", ["rollout.group_size=16", "optim.lr=1e-5", "kl.coef=0.04"]
+    )
+    assert cfg.rollout.group_size == 16
+    assert cfg.optim.lr == 1e-5
+    assert cfg.kl.coef == 0.04
+
+
+def test_unknown_key_names_full_path_and_suggests():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/pg/grpo.yaml", ["rollout.grop_size=4"])
+    msg = str(err.value)
+    assert "rollout.grop_size" in msg and "did you mean 'group_size'" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'optimm'.*did you mean 'optim'"):
+        load_config(ROOT / "configs/pg/grpo.yaml", ["optimm.lr=1"])
+
+
+def test_surrogate_args_checked_against_signature():
+    with pytest.raises(
+        ConfigError,
+        match=r"loss.surrogate_args.eps_hi: not an argument of ppo_clip.*did you mean 'eps_high'",
+    ):
+        load_config(ROOT / "configs/pg/grpo.yaml", ["loss.surrogate_args={eps_hi: 0.3}"])
+
+
+def test_unknown_loss_names():
+    with pytest.raises(
+        ConfigError, match=r"loss.surrogate: unknown name 'ppo_clp'.*did you mean 'ppo_clip'"
+    ):
+        load_config(ROOT / "configs/pg/grpo.yaml", ["loss.surrogate=ppo_clp"])
+    with pytest.raises(ConfigError, match=r"kl.estimator: unknown name 'k4'"):
+        load_config(ROOT / "configs/pg/grpo.yaml", ["kl.estimator=k4"])
+
+
+def test_group_size_below_two_for_group_advantage():
+    with pytest.raises(ConfigError, match=r"rollout.group_size must be >= 2"):
+        load_config(ROOT / "configs/pg/grpo.yaml", ["rollout.group_size=1"])
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(ConfigError, match=r"train.update_epochs"):
+        load_config(ROOT / "configs/pg/grpo.yaml", ["train.update_epochs=0"])
+    with pytest.raises(
+        ConfigError, match=r"train.micro_batch_size \(48\) must divide train.batch_size"
+    ):
+        load_config(ROOT / "configs/sft/tiny_scratch.yaml", ["train.micro_batch_size=48"])
+
+
+def test_trainer_key_required():
+    with pytest.raises(ConfigError, match="'trainer' must be one of"):
+        config_from_dict({"model": {"name_or_path": "x"}})
+
+
+def test_model_needs_exactly_one_source():
+    with pytest.raises(ConfigError, match=r"exactly one of model\.name_or_path and model\.build"):
+        config_from_dict({"trainer": "sft", "model": {}})
+
+
+def test_missing_file_and_bad_override_form(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(ROOT / "configs/pg/grpo.yaml", ["rollout.group_size"])

@@ -1,0 +1,25 @@
+"""LR schedule by hand."""
+
+import math
+
+import pytest
+
+from rlhflab.trainers.common import lr_factor
+
+
+def test_warmup_then_constant():
+    f = [
+        lr_factor(s, warmup_steps=3, total_steps=10, schedule="constant", min_lr_ratio=0.0)
+        for s in range(5)
+    ]
+    assert f == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_cosine_and_linear_endpoints():
+    kw = dict(warmup_steps=0, total_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, schedule="cosine", **kw) == pytest.approx(1.0)
+    # halfway: 0.1 + 0.9 * 0.5 * (1 + cos(pi/2)) = 0.55
+    assert lr_factor(5, schedule="cosine", **kw) == pytest.approx(0.55)
+    assert lr_factor(10, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_factor(5, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert math.isclose(lr_factor(20, schedule="linear", **kw), 0.1)
