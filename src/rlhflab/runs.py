@@ -27,14 +27,17 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 def check_run_name(name: str) -> None:
     """Run names are one path component of letters, digits, '.', '_' and '-' (no '..')."""
     if not _NAME.match(name) or ".." in name:
-        raise ConfigError(
+        raise ValueError(
             f"run.name: '{name}' must be letters, digits, '.', '_' or '-' (no path separators)"
         )
 
 
 def create_run_dir(root: str | Path, name: str) -> Path:
     """Create and return `<root>/<name>-<YYYYmmdd-HHMMSS>` (a numeric suffix if it exists)."""
-    check_run_name(name)
+    try:
+        check_run_name(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
-from rlhflab.errors import DataError
+from rlhflab.errors import DataError, ModelError
 
 
 def seed_everything(seed: int) -> None:
@@ -64,13 +64,14 @@ def prepare_model(
         ModelError / ConfigError (one line) when the model cannot be loaded or built.
     """
     from rlhflab.models.build import build_model
-    from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.models.tokenizer import train_tokenizer
 
     if model_cfg.build is not None:
         b = model_cfg.build
         texts = tokenizer_texts() if tokenizer_texts is not None else []
-        tokenizer = train_tokenizer(texts, vocab_size=b.vocab_size)
+        tokenizer = train_tokenizer(
+            texts, vocab_size=b.vocab_size, model_max_length=b.max_position_embeddings
+        )
         model = build_model(
             tokenizer,
             size=b.size,
@@ -79,6 +80,17 @@ def prepare_model(
             seed=seed,
         )
     else:
+        tokenizer, model = _load_pretrained(model_cfg, device)
+    model.to(device)
+    model.train()
+    return tokenizer, model
+
+
+def _load_pretrained(model_cfg: ModelConfig, device: torch.device):
+    """Tokenizer and model from a hub id or local path; errors name `model.name_or_path`."""
+    from rlhflab.models.loading import load_model, load_tokenizer
+
+    try:
         tokenizer = load_tokenizer(
             model_cfg.name_or_path,
             trust_remote_code=model_cfg.trust_remote_code,
@@ -92,8 +104,8 @@ def prepare_model(
             gguf_file=model_cfg.gguf_file,
             device=str(device),
         )
-    model.to(device)
-    model.train()
+    except ModelError as exc:
+        raise ModelError(f"model.name_or_path: {exc}") from None
     return tokenizer, model
 
 

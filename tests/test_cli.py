@@ -1,0 +1,86 @@
+"""CLI wiring: every command answers --help; bad input is one line on stderr, exit code 2, before
+any training step, and no run directory is left behind."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhflab.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = str(ROOT / "configs/pg/grpo.yaml")
+SFT = str(ROOT / "configs/sft/tiny_scratch.yaml")
+
+
+def _commands():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sorted(sub.choices)
+
+
+@pytest.mark.parametrize("command", [None, *_commands()])
+def test_every_command_answers_help(command, capsys):
+    argv = ["--help"] if command is None else [command, "--help"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    assert "usage: rlhflab" in capsys.readouterr().out
+
+
+def _fails_cleanly(argv, capsys, root, expected):
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert expected in err[0], err[0]
+    assert not root.exists() or not any(root.iterdir()), "a run directory was left behind"
+
+
+def test_unknown_config_key(tmp_path, capsys):
+    root = tmp_path / "runs"
+    _fails_cleanly(["train", GRPO, "rollout.grop_size=4", f"run.root={root}"], capsys, root,
+                   "unknown config key 'rollout.grop_size' (did you mean 'group_size'?)")
+
+
+def test_unknown_task_name(tmp_path, capsys):
+    root = tmp_path / "runs"
+    _fails_cleanly(["train", SFT, "task.name=chain_summ", f"run.root={root}"], capsys, root,
+                   "task.name: unknown reasoning_gym dataset 'chain_summ' (did you mean 'chain_sum'?)")
+
+
+def test_model_path_does_not_exist(tmp_path, capsys):
+    root = tmp_path / "runs"
+    missing = tmp_path / "no_such_model"
+    _fails_cleanly(["train", GRPO, f"model.name_or_path={missing}", f"run.root={root}"], capsys, root,
+                   str(missing))
+
+
+def test_empty_dataset_after_filtering(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "completion": ""}) + "\n")
+    root = tmp_path / "runs"
+    _fails_cleanly(
+        ["train", SFT, "data.source=jsonl", f"data.path={data}", "data.on_invalid=drop",
+         "model.build.size=tiny", "model.build.tokenizer_texts=200", "task.n_train=200",
+         "task.n_heldout=10", "eval.n=0", f"run.root={root}"],
+        capsys, root, "empty",
+    )
+
+
+def test_prompt_longer_than_context(tmp_path, capsys):
+    root = tmp_path / "runs"
+    _fails_cleanly(
+        ["train", SFT, "model.build.size=tiny", "model.build.max_position_embeddings=16",
+         "model.build.tokenizer_texts=200", "task.n_train=200", "task.n_heldout=10",
+         "train.max_len=64", f"run.root={root}"],
+        capsys, root, "row 0",
+    )
+
+
+def test_run_name_cannot_escape_root(tmp_path, capsys):
+    root = tmp_path / "runs"
+    _fails_cleanly(
+        ["train", SFT, "run.name=../escape", "model.build.size=tiny", "model.build.tokenizer_texts=200",
+         "task.n_train=200", "task.n_heldout=10", f"run.root={root}"],
+        capsys, root, "run.name",
+    )
