@@ -22,7 +22,15 @@ their dtype. Mask and reduce with `rlhflab.losses.aggregate` or `rlhflab.ops.mas
 import torch
 from torch import Tensor
 
-__all__ = ["KL_ESTIMATORS", "k1", "k2", "k3", "kl_penalty"]
+__all__ = [
+    "KL_ESTIMATORS",
+    "adaptive_kl_coef",
+    "k1",
+    "k2",
+    "k3",
+    "kl_in_reward",
+    "kl_penalty",
+]
 
 
 def _log_r(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -78,6 +86,57 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str) -> Tensor:
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     return KL_ESTIMATORS[estimator](logp, logp_ref)
+
+
+def kl_in_reward(
+    rewards: Tensor, kl: Tensor, mask: Tensor, *, coef: float, per_token: bool
+) -> Tensor:
+    """Put the KL penalty into the reward (RLHF's regularised reward r − β·KL).
+
+    per_token=False: sequence placement, r'_i = r_i − β·Σ_t kl_{i,t}·mask_{i,t}  -> (B,)
+        (RLOO / REINFORCE: the penalty is part of the sequence's return; with k1 the sum is
+        β·log π_θ(o)/π_ref(o)).
+    per_token=True: token placement, r'_{i,t} = −β·kl_{i,t}, plus r_i at the last valid token  -> (B, T)
+        (PPO / InstructGPT; the input to GAE).
+    kl is treated as data (detached): the penalty shapes the reward, it is not differentiated.
+    Shapes: rewards (B,), kl (B, T), mask (B, T) right-padded. Returns (B,) or (B, T) float, 0 at
+    padding.
+    Source: Ziegler et al. 2019, arXiv 1909.08593, eq. 2 (R = r − β·log π/ρ); Ouyang et al. 2022
+    (InstructGPT), arXiv 2203.02155, eq. 2; per-token form as in lm-human-preferences / TRL PPO;
+    sequence form as in Ahmadian et al. 2024 (RLOO), arXiv 2402.14740, §2.
+    Raises: ValueError on shape mismatch or coef < 0.
+    """
+    if coef < 0:
+        raise ValueError(f"coef must be >= 0, got {coef}")
+    if kl.shape != mask.shape or kl.ndim != 2 or rewards.shape != kl.shape[:1]:
+        raise ValueError(
+            f"need rewards (B,), kl and mask (B, T); got {tuple(rewards.shape)}, "
+            f"{tuple(kl.shape)}, {tuple(mask.shape)}"
+        )
+    m = mask.bool()
+    penalty = torch.where(m, -coef * kl.detach(), 0.0)  # (B, T)
+    if not per_token:
+        return rewards + penalty.sum(-1)
+    last = (m.long().cumsum(-1) == m.long().sum(-1, keepdim=True)) & m  # last valid token
+    return penalty + torch.where(last, rewards[:, None].to(penalty.dtype), 0.0)
+
+
+def adaptive_kl_coef(coef: float, kl: float, *, target: float, horizon: int, n_steps: int) -> float:
+    """Ziegler et al.'s adaptive KL controller: one proportional update of β.
+
+        e = clip(KL / KL_target − 1, −0.2, 0.2);   β ← β·(1 + e·n_steps / horizon)
+    KL is the measured KL per completion (summed over tokens, mean over the batch), n_steps the
+    number of completions in the batch. β grows when KL is above target and shrinks below it.
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", arXiv
+    1909.08593, §2.2 (K_β = 0.1 folded into the clip of ±0.2 as in lm-human-preferences).
+    Raises: ValueError if target <= 0 or horizon < 1.
+    """
+    if not target > 0:
+        raise ValueError(f"target must be > 0, got {target}")
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
 
 
 KL_ESTIMATORS = {

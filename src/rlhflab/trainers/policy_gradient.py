@@ -1,16 +1,25 @@
-"""Policy-gradient RL with verifier rewards: GRPO and the family composed from named parts.
+"""Policy-gradient RL with verifier rewards: the REINFORCE / RLOO / PPO / GRPO family, composed from
+named parts.
 
 Each step reads top to bottom:
-    1. rollout     sample `group_size` completions for each of `prompts_per_step` prompts
-    2. rewards     score every completion with the task's verifier
-    3. advantages  `loss.advantage` over the rewards (e.g. group z-score)
-    4. old / ref   log-probs of the pre-update policy (only when more than one optimizer step uses
-                   the batch) and of the reference policy (only when kl.coef > 0)
+    1. rollout     sample `group_size` completions for each of `prompts_per_step` prompts; with
+                   dynamic sampling, keep drawing prompts until every group's rewards vary
+    2. rewards     score every completion: Σ weight·component (verifier correctness, format, length,
+                   overlong, ...), each component logged on its own
+    3. old / ref   log-probs of the pre-update policy (when more than one optimizer step uses the
+                   batch, or the KL goes into the reward), of the reference policy (when kl.coef > 0)
+                   and the critic's values (when there is a value model), without gradients
+    4. advantages  KL into the reward if kl.placement says so (per sequence or per token), then
+                   `loss.advantage` (group baselines on sequence rewards; GAE on token rewards and
+                   values), optionally whitened
     5. update      update_epochs × minibatches optimizer steps; each accumulates micro-batches of
-                   `loss.surrogate` + kl.coef · KL, reduced by `loss.aggregation` with denominators
-                   counted once per optimizer step
-    6. log         metrics (names in docs/metrics.md), samples every N steps, held-out eval
-At the end: held-out evaluation, the model in HF format, plots and final_results.json.
+                   `loss.surrogate` (+ kl.coef · KL when kl.placement is "loss"), reduced by
+                   `loss.aggregation` with denominators counted once per optimizer step; the value
+                   model, if any, takes a step on the clipped value loss with its own optimizer
+    6. log         metrics (names in docs/metrics.md), samples every N steps, held-out eval; the
+                   adaptive KL controller updates kl.coef
+At the end: held-out evaluation, the model (and value model) in HF format, plots and
+final_results.json.
 
 The algorithm is the preset's composition (see configs/pg/*.yaml); this loop has no branch per
 paper. On the first optimizer step of a batch, logp_old is the detached logp of the same forward,
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import random
 import time
 
@@ -30,14 +40,18 @@ from rlhflab.config import PGConfig, dump_config
 from rlhflab.data.formatting import encode_prompt, render_prompt
 from rlhflab.data.tasks import make_splits
 from rlhflab.eval.accuracy import evaluate
-from rlhflab.losses.advantages import ADVANTAGES
+from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
-from rlhflab.losses.kl import kl_penalty
+from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
 from rlhflab.losses.policy import POLICY_LOSSES
+from rlhflab.losses.value import clipped_value_loss, explained_variance
 from rlhflab.models.build import save_pretrained
 from rlhflab.models.loading import context_length
+from rlhflab.models.value import ValueModel
 from rlhflab.plots import plot_run
+from rlhflab.rewards.shaping import score_components
 from rlhflab.rewards.verifier import Verifier
+from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
 from rlhflab.rollout.sampler import completion_logps, decode_completions, sample
 from rlhflab.runs import SampleWriter, create_run_dir, write_json_atomic, write_text_atomic
 from rlhflab.tracking import Tracker, read_metrics
@@ -84,6 +98,16 @@ def train(cfg: PGConfig) -> dict:
     ref_model = None
     if cfg.kl.coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    kl_coef = cfg.kl.coef  # changes only under the adaptive controller
+    kl_in_loss = cfg.kl.placement == "loss"
+    value_model = value_optimizer = value_scheduler = None
+    if cfg.value is not None:  # PPO's critic: its own weights, optimizer and LR
+        value_model = (
+            ValueModel.load(cfg.value.init_from, device)
+            if cfg.value.init_from
+            else ValueModel.from_policy(model)
+        )
+        value_model.train()
     advantage_fn = ADVANTAGES[cfg.loss.advantage]
     advantage_kwargs = dict(cfg.loss.advantage_args)
     if "group_size" in inspect.signature(advantage_fn).parameters:
@@ -93,11 +117,16 @@ def train(cfg: PGConfig) -> dict:
     batch_size = cfg.rollout.prompts_per_step * group_size
     minibatch_size = batch_size // cfg.train.minibatches
     optimizer_steps_per_batch = cfg.train.update_epochs * cfg.train.minibatches
+    total_optimizer_steps = cfg.train.steps * optimizer_steps_per_batch
     optimizer = make_optimizer(model, cfg.optim)
-    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps * optimizer_steps_per_batch)
+    scheduler = make_scheduler(optimizer, cfg.optim, total_optimizer_steps)
+    if value_model is not None:
+        value_optimizer = make_optimizer(value_model, cfg.value.optim)
+        value_scheduler = make_scheduler(value_optimizer, cfg.value.optim, total_optimizer_steps)
+    need_logp_old = optimizer_steps_per_batch > 1 or (ref_model is not None and not kl_in_loss)
     sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
-    prompt_rng = random.Random(cfg.seed)
+    prompt_stream = _prompt_stream(len(prompts), random.Random(cfg.seed))
 
     # -- 1. Run directory.
     run_dir = create_run_dir(cfg.run.root, cfg.run.name)
@@ -135,18 +164,8 @@ def train(cfg: PGConfig) -> dict:
         tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
         return res
 
-    initial_eval = run_eval(0) if heldout else {}
-    order: list[int] = []
-    steps_done = 0
-    for step in range(1, cfg.train.steps + 1):
-        t0 = time.perf_counter()
-        # -- 1. Rollout: prompts_per_step prompts, each repeated group_size times (group-contiguous).
-        chosen = []
-        while len(chosen) < cfg.rollout.prompts_per_step:
-            if not order:
-                order = list(range(len(prompts)))
-                prompt_rng.shuffle(order)
-            chosen.append(order.pop())
+    def draw(chosen: list[int]) -> ScoredBatch:
+        """Phases 1-2 for the given prompts: sample group_size completions each, then score."""
         problems = [splits.train[i] for i in chosen for _ in range(group_size)]
         model.eval()
         rollout = sample(
@@ -162,40 +181,96 @@ def train(cfg: PGConfig) -> dict:
             autocast_dtype=autocast_dtype,
         )
         model.train()
+        texts = decode_completions(tokenizer, rollout)
+        rewards, components = score_components(
+            cfg.reward.components,
+            {
+                "texts": texts,
+                "problems": problems,
+                "verifier": verifier,
+                "lengths": rollout.lengths.cpu(),
+                "truncated": rollout.truncated.cpu(),
+                "max_new_tokens": cfg.rollout.max_new_tokens,
+                "rollout": rollout,
+            },
+        )
+        components = {k: v.to(device) for k, v in components.items()}
+        return ScoredBatch(rollout, rewards.to(device), components, texts, problems)
+
+    initial_eval = run_eval(0) if heldout else {}
+    steps_done = 0
+    for step in range(1, cfg.train.steps + 1):
+        t0 = time.perf_counter()
+        # -- 1-2. Rollout and rewards: prompts_per_step prompts, each repeated group_size times
+        #         (group-contiguous), scored by the reward components. Dynamic sampling draws
+        #         further rounds and keeps only groups whose rewards are not all equal.
+        if cfg.rollout.dynamic_sampling.enabled:
+            ds = cfg.rollout.dynamic_sampling
+            batch, sampling_stats = dynamic_sample(
+                itertools.islice(prompt_stream, ds.max_rounds * cfg.rollout.prompts_per_step),
+                draw,
+                n_groups=cfg.rollout.prompts_per_step,
+                group_size=group_size,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        else:
+            batch = draw(list(itertools.islice(prompt_stream, cfg.rollout.prompts_per_step)))
+            sampling_stats = {}
+        rollout, rewards, mask = batch.rollout, batch.rewards, batch.rollout.mask
         t_rollout = time.perf_counter() - t0
 
-        # -- 2. Rewards from the verifier.
-        texts = decode_completions(tokenizer, rollout)
-        rewards = torch.tensor(
-            verifier.score_batch(texts, problems), dtype=torch.float32, device=device
-        )
-
-        # -- 3. Advantages (one per completion, broadcast over its tokens by the surrogate).
-        adv = advantage_fn(rewards, **advantage_kwargs)
-
-        # -- 4. Log-probs of the pre-update policy (if the batch feeds several optimizer steps) and
-        #       of the reference policy (if KL is on), without gradients, in micro-batches.
-        logp_old = (
-            _no_grad_logps(model, rollout, cfg, autocast_dtype)
-            if optimizer_steps_per_batch > 1
-            else None
-        )
+        # -- 3. Log-probs of the pre-update and the reference policy, and the critic's values, in
+        #       micro-batches without gradients.
+        logp_old = _no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
         logp_ref = (
             _no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
             if ref_model is not None
             else None
         )
+        values_old = (
+            _no_grad_values(value_model, rollout, cfg, autocast_dtype)
+            if value_model is not None
+            else None
+        )
+
+        # -- 4. Advantages. The KL penalty enters the reward here when placed there; a per-token
+        #       advantage (GAE) gets the sequence reward at the last valid token.
+        kl_reward_tok = None
+        shaped = rewards
+        if logp_ref is not None and not kl_in_loss:
+            kl_reward_tok = kl_penalty(logp_old, logp_ref, cfg.kl.estimator)
+            shaped = kl_in_reward(
+                rewards,
+                kl_reward_tok,
+                mask,
+                coef=kl_coef,
+                per_token=cfg.kl.placement == "reward_token",
+            )
+        returns = None
+        if values_old is not None:
+            if shaped.ndim == 1:  # sequence reward at the last token, no per-token penalty
+                shaped = kl_in_reward(
+                    shaped, torch.zeros_like(mask), mask, coef=0.0, per_token=True
+                )
+            adv, returns = advantage_fn(shaped, values_old, mask, **advantage_kwargs)
+        else:
+            adv = advantage_fn(shaped, **advantage_kwargs)
+        if cfg.loss.whiten_advantages:
+            adv = whiten(adv, mask if adv.ndim == 2 else None)
 
         # -- 5. Update: update_epochs × minibatches optimizer steps over the rollout batch.
         sums: dict[str, torch.Tensor] = {}
-        loss_total, grad_norms, first_step = 0.0, [], True
+        update_sums: dict[str, torch.Tensor] = {}
+        loss_total, value_loss_total, grad_norms, first_step = 0.0, 0.0, [], True
         for _epoch in range(cfg.train.update_epochs):
             perm = torch.randperm(batch_size, generator=shuffle_rng).to(device)
             for m in range(cfg.train.minibatches):
                 mb_rows = perm[m * minibatch_size : (m + 1) * minibatch_size]
                 # Denominators of this optimizer step, counted once over all its micro-batches.
-                num_tokens = rollout.mask[mb_rows].sum()
+                num_tokens = mask[mb_rows].sum()
                 optimizer.zero_grad(set_to_none=True)
+                if value_optimizer is not None:
+                    value_optimizer.zero_grad(set_to_none=True)
                 for s in range(0, minibatch_size, cfg.train.micro_batch_size):
                     rows = mb_rows[s : s + cfg.train.micro_batch_size]
                     micro = rollout.select(rows)
@@ -210,10 +285,12 @@ def train(cfg: PGConfig) -> dict:
                     loss_tok, stats = surrogate_fn(
                         logp, old, adv[rows], micro.mask, **cfg.loss.surrogate_args
                     )
-                    if logp_ref is not None:
+                    if logp_ref is not None and kl_in_loss:
                         kl_tok = kl_penalty(logp, logp_ref[rows], cfg.kl.estimator)
-                        loss_tok = loss_tok + cfg.kl.coef * kl_tok
+                        loss_tok = loss_tok + kl_coef * kl_tok
                         stats = {**stats, "kl": kl_tok.detach()}
+                    elif kl_reward_tok is not None:
+                        stats = {**stats, "kl": kl_reward_tok[rows]}
                     loss = aggregate(
                         loss_tok,
                         micro.mask,
@@ -224,18 +301,39 @@ def train(cfg: PGConfig) -> dict:
                     )
                     loss.backward()
                     loss_total += float(loss.detach())
+                    if value_model is not None:  # the critic regresses the λ-returns
+                        values = value_model(micro, autocast_dtype)
+                        v_tok, v_stats = clipped_value_loss(
+                            values,
+                            values_old[rows],
+                            returns[rows],
+                            micro.mask,
+                            clip_range=cfg.value.clip_range,
+                        )
+                        v_loss = aggregate(v_tok, micro.mask, "token_mean", num_tokens=num_tokens)
+                        v_loss.backward()
+                        value_loss_total += float(v_loss.detach())
+                        _add(update_sums, "value/clip_frac", (v_stats["clipped"]).sum())
+                    _accumulate_update(update_sums, micro.mask, stats)
                     if first_step:  # diagnostics of the batch under the sampling policy
                         _accumulate(sums, micro, stats, entropy, logp.detach())
                 grad_norms.append(grad_norm_and_clip(model, cfg.optim.max_grad_norm))
                 optimizer.step()
                 scheduler.step()
+                if value_optimizer is not None:
+                    grad_norm_and_clip(value_model, cfg.value.optim.max_grad_norm)
+                    value_optimizer.step()
+                    value_scheduler.step()
                 first_step = False
         steps_done = step
         dt = time.perf_counter() - t0
 
-        # -- 6. Log.
-        metrics = _rollout_metrics(rewards, rollout, group_size)
+        # -- 6. Log, then let the adaptive controller move kl.coef.
+        metrics = _rollout_metrics(batch, group_size)
+        metrics.update({f"rollout/{k}": v for k, v in sampling_stats.items()})
         n_tok = sums.pop("tokens")
+        # KL per completion (summed over tokens) on the first optimizer step's minibatch.
+        kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
         metrics.update(
             {
                 name: (value / n_tok).item()
@@ -244,6 +342,14 @@ def train(cfg: PGConfig) -> dict:
             }
         )
         metrics["policy/ratio_max"] = sums["ratio_max"].item() if "ratio_max" in sums else 1.0
+        metrics.update(_update_metrics(update_sums))
+        if kl_seq is not None:
+            metrics["policy/kl_seq"] = kl_seq
+            metrics["policy/kl_coef"] = kl_coef
+        if value_model is not None:
+            metrics["value/loss"] = value_loss_total / optimizer_steps_per_batch
+            metrics["value/explained_var"] = explained_variance(values_old, returns, mask).item()
+            metrics["value/mean"] = (values_old.sum() / mask.sum()).item()
         metrics.update(
             {
                 "policy/loss": loss_total / optimizer_steps_per_batch,
@@ -251,10 +357,14 @@ def train(cfg: PGConfig) -> dict:
                 "optim/lr": scheduler.get_last_lr()[0],
                 "perf/step_s": dt,
                 "perf/rollout_s": t_rollout,
-                "perf/tokens_per_s": rollout.mask.sum().item() / dt,
+                "perf/tokens_per_s": mask.sum().item() / dt,
                 "verifier/errors": verifier.n_errors,
             }
         )
+        if cfg.kl.controller == "adaptive" and kl_seq is not None:
+            kl_coef = adaptive_kl_coef(
+                kl_coef, kl_seq, target=cfg.kl.target, horizon=cfg.kl.horizon, n_steps=batch_size
+            )
         if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
             tracker.log(step, metrics)
         if step % cfg.tracking.samples_every == 0 or step == 1:
@@ -263,12 +373,12 @@ def train(cfg: PGConfig) -> dict:
                 step,
                 [
                     {
-                        "prompt": problems[i].question,
-                        "completion": texts[i],
+                        "prompt": batch.problems[i].question,
+                        "completion": batch.texts[i],
                         "reward": rewards[i].item(),
-                        "answer": problems[i].answer,
+                        "answer": batch.problems[i].answer,
                     }
-                    for i in range(min(n, len(texts)))
+                    for i in range(min(n, len(batch.texts)))
                 ],
             )
         if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
@@ -283,6 +393,8 @@ def train(cfg: PGConfig) -> dict:
     samples.close()
     if cfg.run.save_model:
         save_pretrained(model, tokenizer, run_dir / "model")
+        if value_model is not None:
+            value_model.save(run_dir / "value_model")
     plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
     results = {
         "trainer": "policy_gradient",
@@ -301,6 +413,15 @@ def train(cfg: PGConfig) -> dict:
     return results
 
 
+def _prompt_stream(n: int, rng: random.Random):
+    """Train-prompt indices forever: each pass over the split in a fresh shuffled order."""
+    while True:
+        order = list(range(n))
+        rng.shuffle(order)
+        while order:
+            yield order.pop()
+
+
 @torch.no_grad()
 def _no_grad_logps(model, rollout, cfg: PGConfig, autocast_dtype) -> torch.Tensor:
     """(B, T) log-probs of the rollout under `model`, computed in micro-batches."""
@@ -314,12 +435,28 @@ def _no_grad_logps(model, rollout, cfg: PGConfig, autocast_dtype) -> torch.Tenso
     return torch.cat(out)
 
 
+@torch.no_grad()
+def _no_grad_values(value_model, rollout, cfg: PGConfig, autocast_dtype) -> torch.Tensor:
+    """(B, T) critic values of the rollout, computed in micro-batches."""
+    out = []
+    for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
+        out.append(
+            value_model(rollout.select(slice(s, s + cfg.train.micro_batch_size)), autocast_dtype)
+        )
+    return torch.cat(out)
+
+
+def _add(sums: dict, name: str, value) -> None:
+    sums[name] = sums.get(name, 0.0) + value
+
+
 def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
-    """Masked sums of per-token diagnostics; divided by the step's token count when logged."""
+    """Masked sums of per-token diagnostics of the first (on-policy) optimizer step; divided by the
+    step's token count when logged."""
     mask = micro.mask
 
     def add(name: str, value: torch.Tensor) -> None:
-        sums[name] = sums.get(name, 0.0) + value
+        _add(sums, name, value)
 
     add("tokens", mask.sum())
     add("policy/entropy", (entropy * mask).sum())
@@ -333,14 +470,38 @@ def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
     sums["ratio_max"] = torch.maximum(sums.get("ratio_max", ratio_max), ratio_max)
 
 
-def _rollout_metrics(rewards: torch.Tensor, rollout, group_size: int) -> dict:
-    """Reward, accuracy, length and truncation statistics of one rollout batch."""
+def _accumulate_update(sums: dict, mask, stats: dict) -> None:
+    """Ratio and clip statistics over every optimizer step of the batch (off-policy included)."""
+    m = mask.bool()
+    _add(sums, "tokens", mask.sum())
+    _add(sums, "update/ratio_mean", (stats["ratio"] * mask).sum())
+    _add(sums, "update/clip_frac_low", (stats["clipped_low"] * mask).sum())
+    _add(sums, "update/clip_frac_high", (stats["clipped_high"] * mask).sum())
+    if m.any():
+        hi, lo = stats["ratio"][m].max(), stats["ratio"][m].min()
+        sums["ratio_max"] = torch.maximum(sums.get("ratio_max", hi), hi)
+        sums["ratio_min"] = torch.minimum(sums.get("ratio_min", lo), lo)
+
+
+def _update_metrics(sums: dict) -> dict:
+    n_tok = sums.pop("tokens")
+    out = {k: (v / n_tok).item() for k, v in sums.items() if not k.startswith("ratio_")}
+    if "ratio_max" in sums:
+        out["update/ratio_max"] = sums["ratio_max"].item()
+        out["update/ratio_min"] = sums["ratio_min"].item()
+    return out
+
+
+def _rollout_metrics(batch: ScoredBatch, group_size: int) -> dict:
+    """Reward (total and per component), accuracy, length and truncation of one rollout batch."""
+    rewards, rollout = batch.rewards, batch.rollout
+    correct = batch.components.get("correctness", rewards)
     grouped = rewards.view(-1, group_size)
     lengths = rollout.lengths
-    return {
+    metrics = {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-        "rollout/accuracy": (rewards == 1.0).float().mean().item(),
+        "rollout/accuracy": (correct == 1.0).float().mean().item(),
         "rollout/response_len_mean": lengths.mean().item(),
         "rollout/response_len_max": lengths.max().item(),
         "rollout/truncated_frac": rollout.truncated.float().mean().item(),
@@ -348,3 +509,7 @@ def _rollout_metrics(rewards: torch.Tensor, rollout, group_size: int) -> dict:
         if group_size > 1
         else 0.0,
     }
+    for name, values in batch.components.items():
+        metrics[f"rollout/reward/{name}_mean"] = values.mean().item()
+        metrics[f"rollout/reward/{name}_std"] = values.std().item() if values.numel() > 1 else 0.0
+    return metrics

@@ -1,0 +1,179 @@
+"""`rlhflab compare`: run several presets on the same task and seeds, then plot and tabulate.
+
+    rlhflab compare configs/pg/grpo.yaml configs/pg/rloo.yaml --seeds 3 model.name_or_path=...
+
+Writes `<root>/compare-<timestamp>/`:
+    runs/<preset>-s<seed>-<ts>/   every training run, complete (config, metrics, model, ...)
+    comparison.png              reward and held-out accuracy against step and against wall-clock,
+                                mean over seeds with a min-max band
+    comparison.md               one row per preset: composition, budget, accuracy, reward, time
+    results.json                the same numbers, plus every run's directory
+
+The same overrides go to every preset (task, model, steps, ...), and seed i of every preset uses
+`seed=i`, so presets see the same prompts order and initial model; they differ only in their parts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from rlhflab.config import load_config
+from rlhflab.errors import ConfigError
+from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.tracking import read_metrics
+
+
+def _series(rows: list[dict], key: str) -> list[tuple[int, float, float]]:
+    """(step, time_s, value) for every row that has `key`."""
+    return [
+        (r["step"], r.get("time_s", 0.0), r[key])
+        for r in rows
+        if isinstance(r.get(key), int | float)
+    ]
+
+
+def _mean_over_seeds(series: list[list[tuple[int, float, float]]]):
+    """Steps present in every seed's series -> (steps, mean time, mean, min, max)."""
+    common = sorted(set.intersection(*[{s for s, _, _ in ser} for ser in series]))
+    out = []
+    for step in common:
+        vals = [v for ser in series for s, _, v in ser if s == step]
+        times = [t for ser in series for s, t, _ in ser if s == step]
+        out.append((step, statistics.mean(times), statistics.mean(vals), min(vals), max(vals)))
+    return out
+
+
+def _fmt(values: list[float | None], digits: int = 3) -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "–"
+    if len(vals) == 1:
+        return f"{vals[0]:.{digits}f}"
+    return f"{statistics.mean(vals):.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
+
+
+def _composition(cfg) -> str:
+    kl = "none" if cfg.kl.coef == 0 else f"{cfg.kl.estimator} {cfg.kl.placement} β={cfg.kl.coef:g}"
+    adv = cfg.loss.advantage + (" +DS" if cfg.rollout.dynamic_sampling.enabled else "")
+    return f"{adv} / {cfg.loss.surrogate} / {cfg.loss.aggregation} / {kl}"
+
+
+def run_compare(
+    presets: list[str],
+    *,
+    seeds: int = 3,
+    overrides: list[str] | None = None,
+    root: str = "runs",
+) -> dict:
+    """Train every preset with seeds 0..seeds−1 and write the comparison (see module doc)."""
+    from rlhflab.trainers import run_config
+
+    if not presets:
+        raise ConfigError("compare: give at least one preset")
+    if seeds < 1:
+        raise ConfigError(f"compare: --seeds must be >= 1 (got {seeds})")
+    overrides = list(overrides or [])
+    # Validate every config before the first (long) run starts.
+    configs = {
+        p: [load_config(p, [*overrides, f"seed={s}"]) for s in range(seeds)] for p in presets
+    }
+    for p, cfgs in configs.items():
+        if cfgs[0].trainer != "policy_gradient":
+            raise ConfigError(f"compare: {p} is a '{cfgs[0].trainer}' preset, not policy_gradient")
+    out = create_run_dir(root, "compare")
+    t0 = time.perf_counter()
+    results: dict = {"presets": {}, "seeds": seeds, "overrides": overrides}
+    for p in presets:
+        name = Path(p).stem
+        runs = []
+        for s in range(seeds):
+            cfg = load_config(
+                p, [*overrides, f"seed={s}", f"run.root={out / 'runs'}", f"run.name={name}-s{s}"]
+            )
+            res = run_config(cfg)
+            rows = read_metrics(Path(res["run_dir"]) / "metrics.jsonl")
+            runs.append({"result": res, "rows": rows})
+        cfg0 = configs[p][0]
+        reward = [_series(r["rows"], "rollout/reward_mean") for r in runs]
+        acc = [_series(r["rows"], "eval/accuracy") for r in runs]
+        tail = [statistics.mean(v for _, _, v in ser[-10:]) if ser else None for ser in reward]
+        results["presets"][name] = {
+            "path": str(p),
+            "composition": _composition(cfg0),
+            "steps": [r["result"]["steps"] for r in runs],
+            "completions_per_step": cfg0.rollout.prompts_per_step * cfg0.rollout.group_size,
+            "heldout_accuracy_before": [r["result"]["heldout_accuracy_before"] for r in runs],
+            "heldout_accuracy": [r["result"]["heldout_accuracy"] for r in runs],
+            "heldout_n": runs[0]["result"]["heldout_n"],
+            "reward_last10": tail,
+            "wall_s": [r["result"]["wall_s"] for r in runs],
+            "run_dirs": [r["result"]["run_dir"] for r in runs],
+            "curves": {
+                "reward": _mean_over_seeds(reward) if all(reward) else [],
+                "accuracy": _mean_over_seeds(acc) if all(acc) else [],
+            },
+        }
+    results["wall_s"] = round(time.perf_counter() - t0, 1)
+    write_json_atomic(out / "results.json", results)
+    write_text_atomic(out / "comparison.md", comparison_table(results))
+    plot_comparison(results, out / "comparison.png")
+    results["out_dir"] = str(out)
+    return {"out_dir": str(out), "wall_s": results["wall_s"], "table": str(out / "comparison.md")}
+
+
+def comparison_table(results: dict) -> str:
+    """The markdown table of a comparison (one row per preset; mean ± std over seeds)."""
+    lines = [
+        "| preset | advantage / surrogate / aggregation / KL | steps × completions | "
+        "held-out acc. before | held-out acc. after | reward (last 10 steps) | wall s / run |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["presets"].items():
+        steps = sorted(set(r["steps"]))
+        lines.append(
+            f"| {name} | {r['composition']} | {'/'.join(map(str, steps))} × "
+            f"{r['completions_per_step']} | {_fmt(r['heldout_accuracy_before'])} | "
+            f"{_fmt(r['heldout_accuracy'])} | {_fmt(r['reward_last10'])} | "
+            f"{_fmt(r['wall_s'], 0)} |"
+        )
+    n = results["seeds"]
+    heldout = next(iter(results["presets"].values()))["heldout_n"]
+    lines.append("")
+    lines.append(
+        f"Mean ± std over {n} seed{'s' if n > 1 else ''}; held-out accuracy is greedy, on "
+        f"{heldout} problems. Overrides: `{' '.join(results['overrides']) or 'none'}`."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(results: dict, path: Path) -> None:
+    """2×2 figure: reward and held-out accuracy against step and wall-clock (mean, min-max band)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=100)
+    for name, r in results["presets"].items():
+        for row, key in enumerate(("reward", "accuracy")):
+            curve = r["curves"][key]
+            if not curve:
+                continue
+            steps, times, mean, lo, hi = zip(*curve, strict=True)
+            for col, x in enumerate((steps, times)):
+                ax = axes[row][col]
+                (line,) = ax.plot(x, mean, label=name, marker="o" if len(x) < 15 else None, ms=3)
+                ax.fill_between(x, lo, hi, alpha=0.15, color=line.get_color())
+    titles = [["rollout reward", "rollout reward"], ["held-out accuracy", "held-out accuracy"]]
+    for row in range(2):
+        for col in range(2):
+            ax = axes[row][col]
+            ax.set_title(titles[row][col])
+            ax.set_xlabel("step" if col == 0 else "wall-clock (s)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""PPO's value model: a causal LM's backbone with a scalar head V(q, o_<t) per completion position.
+
+Initialised from the policy (a copy of its transformer backbone and a zero head, so V = 0 at the
+start) or loaded from a directory written by `ValueModel.save` (a value model, or a reward model
+saved in the same layout: backbone in HF format + `value_head.safetensors`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from rlhflab.rollout.sampler import Rollout, position_ids_from_mask
+
+HEAD_FILE = "value_head.safetensors"
+
+
+class ValueModel(nn.Module):
+    """backbone: a transformers base model (returns last_hidden_state); head: nn.Linear(hidden, 1)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module) -> ValueModel:
+        """A copy of the policy's backbone (`get_decoder()`) with a fresh zero head."""
+        backbone = copy.deepcopy(policy.get_decoder())
+        model = cls(backbone, policy.config.hidden_size)
+        return model.to(next(policy.parameters()).device)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], device: torch.device | str = "cpu") -> ValueModel:
+        """Backbone via `AutoModel.from_pretrained(path)`, head from `value_head.safetensors`."""
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        from rlhflab.errors import ModelError
+
+        head_file = Path(path) / HEAD_FILE
+        if not head_file.is_file():
+            raise ModelError(f"value.init_from: {path} has no {HEAD_FILE} (not a value model)")
+        backbone = AutoModel.from_pretrained(path)
+        model = cls(backbone, backbone.config.hidden_size)
+        model.head.load_state_dict(load_file(str(head_file)))
+        return model.to(device)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Backbone in HF format (config + safetensors) and the head in `value_head.safetensors`."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.backbone.save_pretrained(path)
+        save_file(
+            {k: v.contiguous() for k, v in self.head.state_dict().items()}, Path(path) / HEAD_FILE
+        )
+
+    def forward(self, rollout: Rollout, autocast_dtype: torch.dtype | None = None) -> Tensor:
+        """Values (B, T) float32 of the states before each completion token, 0 on padding.
+
+        V_t is read from the hidden state at position P−1+t, the one from which the policy
+        predicts o_t, so V_t = V(q, o_<t), with the same attention mask and position ids as the
+        sampler.
+        """
+        attn = rollout.attention_mask
+        width = rollout.completion_ids.size(1)
+        ids = rollout.input_ids
+        with torch.autocast(
+            ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+        ):
+            hidden = self.backbone(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=position_ids_from_mask(attn),
+                use_cache=False,
+            ).last_hidden_state[:, -(width + 1) : -1]
+        return self.head(hidden.float()).squeeze(-1) * rollout.mask

@@ -1,0 +1,139 @@
+"""Every configs/pg preset runs 3 steps on a tiny SFT model: finite numbers, parameters change,
+the first update of a step is on-policy, and each preset's own parts show up in its metrics."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhflab.config import config_from_dict, load_config
+from rlhflab.errors import ConfigError
+from rlhflab.trainers import run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted((ROOT / "configs/pg").glob("*.yaml"))
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "n_train": 200,
+    "n_heldout": 8,
+    "seed": 0,
+    "answer_format": "plain",
+    "reward": "binary",
+}
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    cfg = config_from_dict(
+        {
+            "trainer": "sft",
+            "model": {
+                "build": {
+                    "size": "tiny",
+                    "vocab_size": 300,
+                    "max_position_embeddings": 64,
+                    "tokenizer_texts": 300,
+                }
+            },
+            "task": TASK,
+            "train": {"steps": 20, "batch_size": 8, "micro_batch_size": 8, "max_len": 48},
+            "optim": {"lr": 1e-3},
+            "eval": {"n": 1, "max_new_tokens": 4},
+            "tracking": {"console": False},
+            "run": {"name": "sft", "root": str(root)},
+        }
+    )
+    return run_config(cfg)["model_dir"]
+
+
+def _overrides(path, model_dir, run_root):
+    raw = load_config(path)
+    group = raw.rollout.group_size > 1
+    # A small length term makes rewards vary even when no answer is right, so every preset gets
+    # a non-zero policy gradient (and DAPO's dynamic sampling finds varied groups).
+    components = "[{name: correctness}, {name: length, weight: 0.1}"
+    components += ", {name: overlong, args: {cache: 2}}]" if path.stem == "dapo" else "]"
+    return [
+        f"model.name_or_path={model_dir}",
+        f"task={json.dumps(TASK)}",
+        f"rollout.prompts_per_step={4 if group else 8}",
+        f"rollout.group_size={2 if group else 1}",
+        "rollout.max_new_tokens=5",
+        f"reward.components={components}",
+        "train.steps=3",
+        "train.micro_batch_size=3",
+        "optim.warmup_steps=0",
+        "optim.lr=1e-3",
+        "eval.n=4",
+        "eval.every=0",
+        "eval.max_new_tokens=5",
+        "tracking.console=false",
+        f"run.root={run_root}",
+    ]
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_preset_runs_three_steps(path, sft_model, tmp_path):
+    cfg = load_config(path, _overrides(path, sft_model, tmp_path))
+    res = run_config(cfg)
+    run_dir = Path(res["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "policy/loss" in r]
+    assert len(rows) == 3
+    for r in rows:
+        for key in ("policy/loss", "optim/grad_norm", "policy/entropy", "update/ratio_mean"):
+            assert math.isfinite(r[key]), key
+        assert r["policy/ratio_mean"] == 1.0  # first optimizer step of every batch is on-policy
+        assert r["rollout/logp_diff"] < 1e-5
+        assert "rollout/reward/correctness_mean" in r and "rollout/reward/length_mean" in r
+        assert ("policy/kl" in r) == (cfg.kl.coef > 0)
+        assert ("value/loss" in r) == (cfg.value is not None)
+    if cfg.value is not None:
+        assert all(math.isfinite(r["value/loss"]) for r in rows)
+        assert math.isfinite(rows[-1]["value/explained_var"])
+        assert (run_dir / "value_model/value_head.safetensors").exists()
+    if cfg.rollout.dynamic_sampling.enabled:
+        assert all(r["rollout/rounds"] >= 1 for r in rows)
+    if cfg.train.update_epochs * cfg.train.minibatches > 1:  # later steps are off-policy
+        assert any(r["update/ratio_max"] != 1.0 for r in rows)
+    before, after = (
+        load_file(f"{sft_model}/model.safetensors"),
+        load_file(run_dir / "model/model.safetensors"),
+    )
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+
+
+def test_compare_writes_plot_table_and_results(sft_model, tmp_path):
+    from rlhflab.compare import run_compare
+
+    presets = [str(ROOT / "configs/pg/grpo.yaml"), str(ROOT / "configs/pg/reinforce.yaml")]
+    overrides = [
+        o
+        for o in _overrides(ROOT / "configs/pg/grpo.yaml", sft_model, tmp_path)
+        if not o.startswith(("run.root", "train.steps", "rollout."))
+    ]
+    overrides += ["train.steps=2", "rollout.max_new_tokens=4", "rollout.prompts_per_step=4"]
+    overrides += ["rollout.group_size=2"]
+    # every config is validated before the first run starts: no directory is created
+    with pytest.raises(ConfigError, match=r"rollout\.group_size must be >= 2"):
+        run_compare(
+            presets,
+            seeds=1,
+            overrides=[*overrides, "rollout.group_size=1"],
+            root=str(tmp_path / "bad"),
+        )
+    assert not (tmp_path / "bad").exists()
+    res = run_compare(presets[:1], seeds=2, overrides=overrides, root=str(tmp_path))
+    out = Path(res["out_dir"])
+    for name in ("comparison.png", "comparison.md", "results.json"):
+        assert (out / name).exists(), name
+    results = json.loads((out / "results.json").read_text())
+    assert results["presets"]["grpo"]["steps"] == [2, 2]
+    assert len(results["presets"]["grpo"]["curves"]["reward"]) == 2
+    table = (out / "comparison.md").read_text()
+    assert "| grpo | group_zscore / ppo_clip / seq_mean_token_mean / none |" in table
