@@ -1,0 +1,197 @@
+"""Reward models: a causal-LM backbone plus a linear head, stored as a Hugging Face
+`*ForSequenceClassification` model.
+
+The model object *is* the transformers sequence-classification model (`Qwen3ForSequenceClassification`,
+`LlamaForSequenceClassification`, ...), so `save_pretrained` / `AutoModelForSequenceClassification
+.from_pretrained` round-trip it. rlhflab does not use that class's own pooling in `forward`, which
+locates the last token by searching for `pad_token_id` in `input_ids` and therefore picks the wrong
+token when pad == eos and a sequence ends in eos. Instead:
+
+    h = backbone(input_ids, attention_mask, position_ids = cumsum(mask) − 1)     (B, T, H)
+    z = head(h)                                                                  (B, T, C)
+    score_i = z[i, last index where attention_mask_i == 1]                       (B, C)
+
+The last real token is found from the attention mask alone, and positions count real tokens only,
+so the score does not depend on the padding side, the batch neighbours or the pad id.
+
+Heads: C = 1 for a preference RM and ORM (a logit of P(correct)), C = 2 or 3 for a PRM (classes at
+step separators, see `rlhflab.losses.reward_model`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
+
+from rlhflab.errors import ModelError
+from rlhflab.rollout.sampler import position_ids_from_mask
+
+
+def reward_head(model: PreTrainedModel) -> torch.nn.Linear:
+    """The linear head of a sequence-classification model (`score` or `classifier`)."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+    raise ModelError(f"{type(model).__name__} has no linear `score`/`classifier` head")
+
+
+def reward_model_from_causal_lm(
+    causal_lm: PreTrainedModel,
+    *,
+    num_labels: int = 1,
+    seed: int = 0,
+    pad_token_id: int | None = None,
+) -> PreTrainedModel:
+    """A sequence-classification model with `causal_lm`'s backbone weights and a fresh head.
+
+    The head is initialised N(0, 1/(H + 1)) (as TRL's RewardTrainer / OpenAI's lm-human-preferences)
+    with `torch.manual_seed(seed)`. The LM head of `causal_lm` is dropped.
+
+    Raises:
+        ModelError: transformers has no sequence-classification class for this architecture.
+    """
+    config = causal_lm.config.__class__.from_dict(causal_lm.config.to_dict())
+    config.num_labels = num_labels
+    config.architectures = None
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    if num_labels == 1:
+        config.problem_type = "regression"
+    try:
+        rm = AutoModelForSequenceClassification.from_config(config)
+    except Exception as exc:
+        raise ModelError(
+            f"no sequence-classification model for '{config.model_type}': {exc}"
+        ) from exc
+    missing, _unexpected = rm.base_model.load_state_dict(
+        causal_lm.base_model.state_dict(), strict=False
+    )
+    if missing:
+        raise ModelError(f"backbone weights missing when building the reward model: {missing[:3]}")
+    head = reward_head(rm)
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(head.weight, std=1.0 / math.sqrt(config.hidden_size + 1))
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+    dtype = next(causal_lm.parameters()).dtype
+    return rm.to(device=next(causal_lm.parameters()).device, dtype=dtype)
+
+
+def load_reward_model(
+    name_or_path: str,
+    *,
+    num_labels: int = 1,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Load a reward model, or make one from a causal LM checkpoint.
+
+    A checkpoint saved as `*ForSequenceClassification` loads as is (its `num_labels` wins and must
+    equal `num_labels`); a causal LM checkpoint gets a fresh head (`reward_model_from_causal_lm`).
+
+    Raises:
+        ModelError: path missing / unloadable / head size mismatch.
+    """
+    from rlhflab.models.loading import DTYPES, load_model
+
+    if os.path.isdir(name_or_path):
+        try:
+            config = AutoConfig.from_pretrained(name_or_path)
+        except Exception as exc:
+            raise ModelError(f"cannot read the config of '{name_or_path}': {exc}") from exc
+        archs = config.architectures or []
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            if config.num_labels != num_labels:
+                raise ModelError(
+                    f"reward model '{name_or_path}' has {config.num_labels} labels, "
+                    f"expected {num_labels}"
+                )
+            try:
+                rm = AutoModelForSequenceClassification.from_pretrained(
+                    name_or_path, dtype=DTYPES[dtype]
+                )
+            except Exception as exc:
+                raise ModelError(f"cannot load reward model '{name_or_path}': {exc}") from exc
+            return rm.to(device)
+    lm = load_model(name_or_path, dtype=dtype, device=device)
+    return reward_model_from_causal_lm(
+        lm, num_labels=num_labels, seed=seed, pad_token_id=lm.config.pad_token_id
+    )
+
+
+def last_token_index(attention_mask: Tensor) -> Tensor:
+    """(B,) index of the last position whose mask is 1 (works for left and right padding)."""
+    t = attention_mask.size(1)
+    positions = torch.arange(t, device=attention_mask.device).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), positions, torch.full_like(positions, -1)).amax(-1)
+
+
+def token_logits(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Head logits at every position: (B, T, C) float32, with position ids from the mask."""
+    autocast = torch.autocast(
+        input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+    )
+    with autocast:
+        out = model.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        logits = reward_head(model)(out.last_hidden_state)
+    return logits.float()
+
+
+def final_token_scores(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Head output at the last real token: (B,) when C == 1, else (B, C). float32, with gradients."""
+    logits = token_logits(model, input_ids, attention_mask, autocast_dtype=autocast_dtype)
+    idx = last_token_index(attention_mask)
+    out = logits[torch.arange(logits.size(0), device=logits.device), idx]  # (B, C)
+    return out.squeeze(-1) if out.size(-1) == 1 else out
+
+
+def score_rollout(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Tensor:
+    """Scalar reward of each [prompt; completion] of a `Rollout` at its last real token (B,)."""
+    return final_token_scores(
+        model, rollout.input_ids, rollout.attention_mask, autocast_dtype=autocast_dtype
+    )
+
+
+def completion_token_logits(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Tensor:
+    """Head logits at the rollout's completion positions: (B, T, C), T = completion width.
+
+    Position P + t holds the prediction after reading completion token t (so a separator token's
+    logit is read *at* the separator)."""
+    logits = token_logits(
+        model, rollout.input_ids, rollout.attention_mask, autocast_dtype=autocast_dtype
+    )
+    return logits[:, rollout.prompt_ids.size(1) :]
+
+
+def save_reward_model(model: PreTrainedModel, tokenizer, path: str | os.PathLike[str]) -> None:
+    """`save_pretrained` the model (its config names the *ForSequenceClassification class) and
+    tokenizer; `AutoModelForSequenceClassification.from_pretrained(path)` reads it back."""
+    os.makedirs(path, exist_ok=True)
+    if tokenizer is not None and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

@@ -1,0 +1,181 @@
+"""A trained reward model as a reward source: batched scoring of (prompt ids, completion ids).
+
+    scorer = RewardModelScorer.from_pretrained("runs/rm-.../model", kind="preference")
+    rewards = scorer.score(prompts_ids, completions_ids)        # Tensor (B,)
+    rewards = scorer.score_rollout(rollout)                      # same, from a Rollout
+
+What a score is, per kind:
+    preference  the Bradley–Terry scalar r(x, y) at the last real token (unbounded logit scale)
+    orm         σ(z) at the last real token: P(correct)
+    prm         min_k or Π_k of P(step k correct) at the step-separator tokens of the completion
+
+`normalize`: "none"; "batch" whitens each call's scores (mean 0, std 1 over the batch); "running"
+subtracts a running mean and divides by a running std (Welford over every score seen), the usual
+choice for PPO against a learned RM. The raw scores of the last call are kept in `last_raw`.
+
+Integration with the policy-gradient trainer: `reward_model_component` is the reward component
+named "reward_model" (`rlhflab.rewards.shaping.REWARD_COMPONENTS`), next to the verifier's
+"correctness"; give the gold verifier weight 0 to log it beside the RM score without training on it:
+
+    reward:
+      components:
+        - {name: reward_model, weight: 1.0, args: {path: runs/rm-.../model, kind: preference}}
+        - {name: correctness, weight: 0.0}     # logged as rollout/reward/correctness_mean
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rlhflab.errors import ConfigError
+from rlhflab.losses.reward_model import prm_solution_score, prm_step_correct_prob
+from rlhflab.rollout.sampler import pack
+
+RM_KINDS = ("preference", "orm", "prm")
+NORMALIZATIONS = ("none", "batch", "running")
+
+
+class RewardModelScorer:
+    """Score completions with a reward model in micro-batches, without gradients.
+
+    Args:
+        model: a sequence-classification reward model (`rlhflab.models.reward`).
+        kind: "preference", "orm" or "prm" (how a score is read, module docstring).
+        pad_token_id: id used to pad batches (any id: scores do not depend on it).
+        sep_id: step-separator token id (PRM only).
+        prm_reduce: "min" or "prod" (PRM only).
+        normalize: "none", "batch" or "running".
+        micro_batch_size: sequences per forward.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        kind: str,
+        pad_token_id: int,
+        sep_id: int | None = None,
+        prm_reduce: str = "min",
+        normalize: str = "none",
+        micro_batch_size: int = 64,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        if kind not in RM_KINDS:
+            raise ConfigError(
+                f"reward_model.kind: must be one of {', '.join(RM_KINDS)}, got {kind!r}"
+            )
+        if normalize not in NORMALIZATIONS:
+            raise ConfigError(
+                f"reward_model.normalize: must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}"
+            )
+        if kind == "prm" and sep_id is None:
+            raise ConfigError("reward_model: a PRM needs the step separator token id (sep_id)")
+        self.model = model.eval().requires_grad_(False)
+        self.kind, self.pad_token_id, self.sep_id = kind, pad_token_id, sep_id
+        self.prm_reduce, self.normalize = prm_reduce, normalize
+        self.micro_batch_size = micro_batch_size
+        self.autocast_dtype = autocast_dtype
+        self._n, self._mean, self._m2 = 0, 0.0, 0.0
+        self.last_raw: Tensor | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, kind: str, device="cpu", sep: str = "\n", **kwargs):
+        """Load a saved reward model and its tokenizer (for pad / separator ids)."""
+        from rlhflab.data.prm import separator_id
+        from rlhflab.models.loading import load_tokenizer
+        from rlhflab.models.reward import load_reward_model
+
+        tokenizer = load_tokenizer(path)
+        num_labels = None
+        if kind == "prm":
+            from transformers import AutoConfig
+
+            num_labels = AutoConfig.from_pretrained(path).num_labels
+        model = load_reward_model(path, num_labels=num_labels or 1, device=device)
+        sep_id = separator_id(tokenizer, sep) if kind == "prm" else None
+        return cls(model, kind=kind, pad_token_id=tokenizer.pad_token_id, sep_id=sep_id, **kwargs)
+
+    @torch.no_grad()
+    def raw_scores_rollout(self, rollout) -> Tensor:
+        """Un-normalised scores (B,) of a Rollout (micro-batched)."""
+        from rlhflab.models.reward import completion_token_logits, score_rollout
+
+        device = next(self.model.parameters()).device
+        out = []
+        for s in range(0, rollout.completion_ids.size(0), self.micro_batch_size):
+            mb = rollout.select(slice(s, s + self.micro_batch_size)).to(device)
+            if self.kind == "prm":
+                logits = completion_token_logits(self.model, mb, autocast_dtype=self.autocast_dtype)
+                probs = prm_step_correct_prob(logits)  # (b, T)
+                steps = (mb.completion_ids == self.sep_id) & mb.mask.bool()
+                out.append(prm_solution_score(probs, steps, reduce=self.prm_reduce))
+            else:
+                scores = score_rollout(self.model, mb, autocast_dtype=self.autocast_dtype)
+                out.append(torch.sigmoid(scores) if self.kind == "orm" else scores)
+        return torch.cat(out).float()
+
+    def score_rollout(self, rollout) -> Tensor:
+        """Scores (B,) of a Rollout, normalised as configured."""
+        raw = self.raw_scores_rollout(rollout)
+        self.last_raw = raw
+        return self._normalize(raw)
+
+    def score(self, prompts_ids: list[list[int]], completions_ids: list[list[int]]) -> Tensor:
+        """Scores (B,) of prompts (token ids) with completions (token ids, eos included)."""
+        return self.score_rollout(pack(prompts_ids, completions_ids, self.pad_token_id))
+
+    __call__ = score
+
+    def _normalize(self, raw: Tensor) -> Tensor:
+        if self.normalize == "none":
+            return raw
+        if self.normalize == "batch":
+            if raw.numel() < 2:
+                return raw - raw.mean()
+            return (raw - raw.mean()) / (raw.std() + 1e-8)
+        for x in raw.tolist():  # Welford
+            self._n += 1
+            delta = x - self._mean
+            self._mean += delta / self._n
+            self._m2 += delta * (x - self._mean)
+        std = math.sqrt(self._m2 / (self._n - 1)) if self._n > 1 else 1.0
+        return (raw - self._mean) / (std + 1e-8)
+
+
+_SCORERS: dict[tuple, RewardModelScorer] = {}
+
+
+def reward_model_component(
+    *,
+    rollout,
+    path: str,
+    kind: str = "preference",
+    normalize: str = "none",
+    prm_reduce: str = "min",
+    step_separator: str = "\n",
+    micro_batch_size: int = 64,
+) -> Tensor:
+    """Reward component "reward_model": the RM's score of each completion of the rollout (B,) on
+    the CPU, float32. The RM at `path` is loaded once per process (on the rollout's device) and
+    reused; with normalize "running" its statistics persist across steps.
+
+    The RM must share the policy's tokenizer (it scores the sampled token ids as they are).
+    """
+    device = rollout.completion_ids.device
+    key = (path, kind, normalize, prm_reduce, step_separator, micro_batch_size, str(device))
+    scorer = _SCORERS.get(key)
+    if scorer is None:
+        scorer = RewardModelScorer.from_pretrained(
+            path,
+            kind=kind,
+            device=device,
+            sep=step_separator,
+            prm_reduce=prm_reduce,
+            normalize=normalize,
+            micro_batch_size=micro_batch_size,
+        )
+        _SCORERS[key] = scorer
+    return scorer.score_rollout(rollout).cpu()

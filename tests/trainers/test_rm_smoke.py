@@ -1,0 +1,189 @@
+"""Smoke runs of the reward-model trainer (preference, ORM, PRM) and RM-as-reward inside GRPO."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhflab.config import config_from_dict
+from rlhflab.trainers import run_config
+
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1},
+    "n_train": 200,
+    "n_heldout": 16,
+    "seed": 0,
+    "answer_format": "tags",
+}
+BUILD = {"size": "tiny", "vocab_size": 300, "max_position_embeddings": 96, "tokenizer_texts": 300}
+RUN_FILES = [
+    "config.yaml",
+    "metrics.jsonl",
+    "final_results.json",
+    "model/config.json",
+    "model/model.safetensors",
+    "model/tokenizer.json",
+]
+
+
+def _rm_cfg(root, kind, data, model=None, **extra):
+    raw = {
+        "trainer": "reward_model",
+        "kind": kind,
+        "model": model or {"build": BUILD},
+        "task": TASK,
+        "data": {"max_len": 96, **data},
+        "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "eval": {"n_problems": 8, "max_new_tokens": 8},
+        "tracking": {"console": False},
+        "run": {"name": f"rm-{kind}", "root": str(root)},
+    }
+    raw.update(extra)
+    return config_from_dict(raw)
+
+
+def _check_run(res):
+    run_dir = Path(res["run_dir"])
+    for name in RUN_FILES:
+        assert (run_dir / name).exists(), name
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == res["steps"] and all(math.isfinite(v) for v in losses)
+    cfg = json.loads((run_dir / "model/config.json").read_text())
+    assert cfg["architectures"][0].endswith("ForSequenceClassification")
+
+
+@pytest.mark.parametrize("num_classes", [2, 3])
+def test_prm_worked_solutions_smoke(tmp_path, num_classes):
+    res = run_config(
+        _rm_cfg(
+            tmp_path,
+            "prm",
+            {"source": "worked_solutions", "n_prompts": 32},
+            loss={"num_classes": num_classes},
+        )
+    )
+    _check_run(res)
+    assert res["data"]["train"]["planted"] > 0 and res["eval_examples"] == 8
+    assert 0.0 <= res["eval"]["step_accuracy"] <= 1.0 and res["eval"]["steps"] > 0
+
+
+def test_orm_worked_solutions_smoke(tmp_path):
+    res = run_config(
+        _rm_cfg(
+            tmp_path,
+            "orm",
+            {"source": "worked_solutions", "n_prompts": 32},
+            loss={"orm_loss": "orm_seq_bce"},
+        )
+    )
+    _check_run(res)
+    assert set(res["eval"]) >= {"accuracy", "auc", "ece"}
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory, tiny_tokenizer):
+    from rlhflab.models.build import build_model, save_pretrained
+
+    path = tmp_path_factory.mktemp("lm") / "lm"
+    save_pretrained(
+        build_model(tiny_tokenizer, size="tiny", max_position_embeddings=128), tiny_tokenizer, path
+    )
+    return str(path)
+
+
+def test_preference_pairs_file_smoke(tmp_path, backbone):
+    rows = [
+        {"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i + 2)}
+        for i in range(20)
+    ]
+    rows.append({"prompt": "x", "chosen": "same", "rejected": "same"})  # dropped: identical
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    res = run_config(
+        _rm_cfg(
+            tmp_path,
+            "preference",
+            {
+                "source": "preference",
+                "path": str(path),
+                "format": "pairs",
+                "on_invalid": "drop",
+                "heldout_frac": 0.2,
+            },
+            model={"name_or_path": backbone},
+            loss={"margin": 0.1, "center_coef": 0.01},
+        )
+    )
+    _check_run(res)
+    assert res["data"]["dropped"]["identical"] == 1
+    assert res["train_examples"] == 16 and res["eval_examples"] == 4
+    assert set(res["eval"]) >= {"accuracy", "margin", "chosen_mean", "rejected_mean", "ece"}
+    before, after = (
+        load_file(f"{backbone}/model.safetensors"),
+        load_file(f"{res['model_dir']}/model.safetensors"),
+    )
+    assert any(
+        not torch.equal(before[k], after["model." + k.removeprefix("model.")])
+        for k in before
+        if k.startswith("model.") and "model." + k.removeprefix("model.") in after
+    )
+
+
+def test_orm_task_samples_and_grpo_with_rm_reward(tmp_path, backbone):
+    res = run_config(
+        _rm_cfg(
+            tmp_path,
+            "orm",
+            {
+                "source": "task_samples",
+                "n_prompts": 8,
+                "samples_per_prompt": 2,
+                "max_new_tokens": 6,
+            },
+            model={"name_or_path": backbone},
+            eval={"n_problems": 4, "best_of_n": [1, 2], "max_new_tokens": 6},
+        )
+    )
+    _check_run(res)
+    assert res["train_examples"] == 16 and res["eval_examples"] == 8
+    assert set(res["best_of_n"]["orm"]) == {1, 2}
+
+    # RM as a reward component of a 3-step GRPO run, the gold verifier logged beside it.
+    pg = config_from_dict(
+        {
+            "trainer": "policy_gradient",
+            "model": {"name_or_path": backbone},
+            "task": TASK,
+            "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+            "reward": {
+                "components": [
+                    {
+                        "name": "reward_model",
+                        "weight": 1.0,
+                        "args": {"path": res["model_dir"], "kind": "orm", "normalize": "batch"},
+                    },
+                    {"name": "correctness", "weight": 0.0},
+                ]
+            },
+            "train": {"steps": 3, "micro_batch_size": 4},
+            "optim": {"lr": 1e-3},
+            "eval": {"n": 4, "max_new_tokens": 6},
+            "tracking": {"console": False},
+            "run": {"name": "grpo-rm", "root": str(tmp_path)},
+        }
+    )
+    out = run_config(pg)
+    rows = [
+        json.loads(x) for x in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    rows = [r for r in rows if "rollout/reward/reward_model_mean" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert "rollout/reward/correctness_mean" in r
+        assert abs(r["rollout/reward/reward_model_mean"]) < 1e-5  # batch-normalised RM score
