@@ -84,3 +84,16 @@ def test_run_name_cannot_escape_root(tmp_path, capsys):
          "task.n_train=200", "task.n_heldout=10", f"run.root={root}"],
         capsys, root, "run.name",
     )
+
+
+def test_eval_command_on_a_saved_model(tmp_path, tiny_model, tiny_tokenizer, capsys):
+    from rlhflab.models.build import save_pretrained
+
+    save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
+    cfg = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
+    code = main(["eval", str(tmp_path / "model"), "--task", "chain_sum", "--task-config", cfg,
+                 "--n", "6", "--k", "2", "--exclude-train", "50", "--max-new-tokens", "4"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 6 and out["k"] == 2
+    assert 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["pass@1"] <= out["pass@k"] <= 1.0

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhflab.config import PGConfig, SFTConfig, config_from_dict, load_config
+from rlhflab.config import CONFIG_CLASSES, PGConfig, SFTConfig, config_from_dict, load_config
 from rlhflab.errors import ConfigError
 from rlhflab.quickstart import build_configs
 
@@ -15,7 +15,7 @@ PRESETS = sorted((ROOT / "configs").rglob("*.yaml"))
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_preset_loads(path):
     cfg = load_config(path)
-    assert cfg.trainer in {"sft", "policy_gradient"}
+    assert cfg.trainer in CONFIG_CLASSES
 
 
 def test_presets_exist():
@@ -97,3 +97,13 @@ def test_missing_file_and_bad_override_form(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not of the form"):
         load_config(ROOT / "configs/pg/grpo.yaml", ["rollout.group_size"])
+
+
+def test_quickstart_overrides_task_for_both_stages(tmp_path):
+    sft, grpo = build_configs(
+        fast=True, root=tmp_path, overrides=["task.name=chain_sum", "grpo.optim.lr=5e-5"]
+    )
+    assert sft.task.name == grpo.task.name == "chain_sum"
+    assert grpo.optim.lr == 5e-5
+    with pytest.raises(ConfigError, match=r"must start with 'task\.', 'sft\.' or 'grpo\.'"):
+        build_configs(fast=True, root=tmp_path, overrides=["optim.lr=1"])

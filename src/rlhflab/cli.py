@@ -4,6 +4,9 @@ Commands:
     train CONFIG [key.path=value ...]   run the trainer named by the config's `trainer` key
     eval MODEL --task NAME              held-out greedy accuracy and pass@k of a model
     quickstart [--fast]                 the main job: tiny model → SFT → GRPO → held-out eval
+    compare PRESET... [k=v ...]         several policy-gradient presets, same seeds: plot + table
+    best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
+    prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
 
 Every user-facing error is printed as one line `error: ...` with exit code 2.
 """
@@ -59,6 +62,68 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from rlhflab.compare import run_compare
+
+    overrides = [a for a in args.args if "=" in a]
+    presets = [a for a in args.args if "=" not in a]
+    results = run_compare(presets, seeds=args.seeds, overrides=overrides, root=args.root)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _cmd_best_of_n(args: argparse.Namespace) -> int:
+    from rlhflab.eval.best_of_n import run_best_of_n_command
+
+    results = run_best_of_n_command(
+        args.policy,
+        args.rm,
+        task=args.task,
+        task_config=json.loads(args.task_config) if args.task_config else {},
+        problems=args.problems,
+        exclude_train=args.exclude_train,
+        seed=args.seed,
+        ns=_ints(args.n),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        answer_format=args.answer_format,
+        prm_reduce=args.prm_reduce,
+        out_dir=args.out,
+        write_sft=args.write_sft,
+        min_score=args.min_score,
+        threads=args.threads,
+    )
+    print(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
+    from rlhflab.prm_vs_orm import run_prm_vs_orm
+
+    results = run_prm_vs_orm(
+        root=args.root,
+        policy=args.policy,
+        task=args.task,
+        task_config=json.loads(args.task_config) if args.task_config else None,
+        size=args.size,
+        sft_steps=args.sft_steps,
+        n_prompts=args.prompts,
+        samples_per_prompt=args.samples_per_prompt,
+        rm_steps=args.rm_steps,
+        problems=args.problems,
+        ns=_ints(args.n),
+        prm_reduce=args.prm_reduce,
+        seed=args.seed,
+        threads=args.threads,
+    )
+    print(json.dumps(results, indent=2, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhflab",
@@ -97,9 +162,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "overrides",
         nargs="*",
-        help="overrides for the embedded presets: sft.<key>=value or grpo.<key>=value",
+        help="overrides of the embedded preset: task.<key>=value (both stages), sft.<key>=value, "
+        "grpo.<key>=value",
     )
     p.set_defaults(func=_cmd_quickstart)
+
+    p = sub.add_parser(
+        "compare", help="run policy-gradient presets on the same seeds; plot + table"
+    )
+    p.add_argument(
+        "args",
+        nargs="+",
+        metavar="PRESET.yaml | key.path=value",
+        help="presets (e.g. configs/pg/grpo.yaml) then overrides applied to every preset "
+        "(put --seeds/--root before them)",
+    )
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per preset (default 3)")
+    p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("best-of-n", help="best-of-N accuracy vs N with reward models")
+    p.add_argument("policy", help="hub id or local directory of the sampling policy")
+    p.add_argument("--rm", action="append", required=True, help="PATH:KIND (preference|orm|prm)")
+    p.add_argument("--task", required=True, help="reasoning_gym dataset name")
+    p.add_argument("--task-config", default=None, help="the dataset's kwargs as JSON")
+    p.add_argument("--problems", type=int, default=64, help="held-out problems (default 64)")
+    p.add_argument("--exclude-train", type=int, default=20000, help="training items excluded")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", default="1,2,4,8", help="comma-separated N values (default 1,2,4,8)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--answer-format", choices=["plain", "tags"], default="tags")
+    p.add_argument("--prm-reduce", choices=["min", "prod"], default="min")
+    p.add_argument("--out", default=None, help="directory for best_of_n.json and the plot")
+    p.add_argument("--write-sft", default=None, help="write the selected samples as SFT JSONL")
+    p.add_argument("--min-score", type=float, default=None, help="rejection threshold (RM score)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.set_defaults(func=_cmd_best_of_n)
+
+    p = sub.add_parser("prm-vs-orm", help="PRM vs ORM best-of-N, same data budget, with a plot")
+    p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
+    p.add_argument("--policy", default=None, help="a policy that writes steps (default: train one)")
+    p.add_argument("--task", default="chain_sum")
+    p.add_argument("--task-config", default=None, help="the dataset's kwargs as JSON")
+    p.add_argument("--size", default="small", help="size of the policy trained from scratch")
+    p.add_argument("--sft-steps", type=int, default=400)
+    p.add_argument("--prompts", type=int, default=256, help="training prompts sampled")
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--rm-steps", type=int, default=200)
+    p.add_argument("--problems", type=int, default=200, help="held-out problems")
+    p.add_argument("--n", default="1,2,4,8,16")
+    p.add_argument("--prm-reduce", choices=["min", "prod"], default="min")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=_cmd_prm_vs_orm)
     return parser
 
 

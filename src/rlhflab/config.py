@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlhflab.errors import ConfigError
 
@@ -112,6 +112,14 @@ class RunConfig(Strict):
     root: str = "runs"
     save_model: bool = True
 
+    @field_validator("name")
+    @classmethod
+    def _simple_name(cls, name: str) -> str:
+        from rlhflab.runs import check_run_name
+
+        check_run_name(name)
+        return name
+
 
 class EvalConfig(Strict):
     """Held-out evaluation during and after training."""
@@ -175,6 +183,14 @@ class SFTConfig(Strict):
 # ---------------------------------------------------------------------------------------------
 
 
+class DynamicSamplingConfig(Strict):
+    """DAPO's dynamic sampling: draw further prompt batches until every group of the step has
+    non-zero reward variance (groups with all-equal rewards carry no gradient and are dropped)."""
+
+    enabled: bool = False
+    max_rounds: int = Field(8, ge=1)  # generation rounds per step; then a DataError
+
+
 class RolloutConfig(Strict):
     """Sampling: all prompts of a step in one batched generation with a KV cache."""
 
@@ -184,6 +200,46 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0: off
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+
+
+class RewardComponentConfig(Strict):
+    """One named reward term: weight · REWARD_COMPONENTS[name](..., **args)."""
+
+    name: str
+    weight: float = 1.0
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _name_and_args(self) -> RewardComponentConfig:
+        from rlhflab.rewards.shaping import REWARD_COMPONENTS, SUPPLIED_ARGS
+
+        _check_name("reward.components.name", self.name, REWARD_COMPONENTS)
+        _check_kwargs(
+            f"reward.components[{self.name}].args",
+            REWARD_COMPONENTS[self.name],
+            self.args,
+            SUPPLIED_ARGS,
+        )
+        return self
+
+
+class RewardConfig(Strict):
+    """The scalar reward of a completion: the sum of weighted named components (each logged as
+    rollout/reward/<name>_mean). `correctness` scores with the task's verifier (task.reward)."""
+
+    components: list[RewardComponentConfig] = Field(
+        default_factory=lambda: [RewardComponentConfig(name="correctness")]
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> RewardConfig:
+        names = [c.name for c in self.components]
+        if not names:
+            raise ValueError("reward.components: at least one component is required")
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward.components: names must be unique, got {names}")
+        return self
 
 
 class LossConfig(Strict):
@@ -191,6 +247,7 @@ class LossConfig(Strict):
 
     advantage: str = "group_zscore"
     advantage_args: dict[str, Any] = Field(default_factory=dict)
+    whiten_advantages: bool = False  # losses.advantages.whiten over the batch's valid tokens
     surrogate: str = "ppo_clip"
     surrogate_args: dict[str, Any] = Field(default_factory=dict)
     aggregation: str = "seq_mean_token_mean"
@@ -205,27 +262,57 @@ class LossConfig(Strict):
         _check_name("loss.surrogate", self.surrogate, POLICY_LOSSES)
         _check_name("loss.aggregation", self.aggregation, AGGREGATIONS)
         _check_kwargs(
-            "loss.advantage_args", ADVANTAGES[self.advantage], self.advantage_args, {"group_size"}
+            "loss.advantage_args",
+            ADVANTAGES[self.advantage],
+            self.advantage_args,
+            {"group_size"},
+            required=True,
         )
         _check_kwargs(
             "loss.surrogate_args", POLICY_LOSSES[self.surrogate], self.surrogate_args, set()
         )
+        _check_clip_bounds("loss.surrogate_args", self.surrogate_args)
         return self
 
 
 class KLConfig(Strict):
-    """KL(π_θ ‖ π_ref) regularisation. A reference model is loaded only when coef > 0."""
+    """KL(π_θ ‖ π_ref) regularisation. A reference model is loaded only when coef > 0.
+
+    placement: "loss" adds coef·KL_t to the per-token loss (GRPO); "reward_sequence" subtracts
+    coef·Σ_t KL_t from the completion's reward before the advantage (RLOO, REINFORCE);
+    "reward_token" gives each token the reward −coef·KL_t, plus the completion's reward at its last
+    token (PPO / InstructGPT; needs a per-token advantage such as gae).
+    controller: "fixed" keeps coef; "adaptive" is Ziegler et al. 2019's proportional controller
+    towards `target` (KL per completion, summed over tokens) with horizon `horizon` completions.
+    """
 
     coef: float = Field(0.0, ge=0)
     estimator: str = "k3"
-    placement: Literal["loss"] = "loss"
+    placement: Literal["loss", "reward_sequence", "reward_token"] = "loss"
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    target: float | None = Field(None, gt=0)
+    horizon: int = Field(10000, ge=1)
 
     @model_validator(mode="after")
     def _estimator(self) -> KLConfig:
         from rlhflab.losses.kl import KL_ESTIMATORS
 
         _check_name("kl.estimator", self.estimator, KL_ESTIMATORS)
+        if self.controller == "adaptive" and (self.target is None or self.coef <= 0):
+            raise ValueError(
+                "kl.controller 'adaptive' needs kl.target and an initial kl.coef > 0 "
+                f"(got target={self.target}, coef={self.coef})"
+            )
         return self
+
+
+class ValueConfig(Strict):
+    """PPO's critic: the policy's backbone (copied at start, or loaded from `init_from`, e.g. a
+    reward model) with a scalar head, trained with its own AdamW on the clipped value loss."""
+
+    init_from: str | None = None  # None: a copy of the initial policy with a fresh head
+    clip_range: float = Field(0.2, gt=0)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 
 class PGTrainConfig(Strict):
@@ -242,8 +329,10 @@ class PGConfig(Strict):
     model: ModelConfig
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
+    value: ValueConfig | None = None  # set for advantages that need a critic (gae)
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
@@ -253,15 +342,34 @@ class PGConfig(Strict):
 
     @model_validator(mode="after")
     def _consistency(self) -> PGConfig:
-        group_advantages = {"group_zscore", "group_mean", "rloo"}
-        if self.loss.advantage in group_advantages and self.rollout.group_size < 2:
+        from rlhflab.losses.advantages import ADVANTAGES
+
+        params = inspect.signature(ADVANTAGES[self.loss.advantage]).parameters
+        per_group, per_token = "group_size" in params, "values" in params
+        if per_group and self.rollout.group_size < 2:
             raise ValueError(
                 f"rollout.group_size must be >= 2 for the group advantage "
                 f"'{self.loss.advantage}' (got {self.rollout.group_size})"
             )
-        if self.loss.advantage == "gae":
+        if self.rollout.dynamic_sampling.enabled and self.rollout.group_size < 2:
             raise ValueError(
-                "loss.advantage 'gae' needs a value model (PPO), which this trainer does not have yet"
+                "rollout.group_size must be >= 2 for rollout.dynamic_sampling "
+                f"(got {self.rollout.group_size})"
+            )
+        if per_token and self.value is None:
+            raise ValueError(
+                f"value: loss.advantage '{self.loss.advantage}' needs a value model; "
+                "add a `value:` section"
+            )
+        if self.value is not None and not per_token:
+            raise ValueError(
+                f"value: a value model is set but loss.advantage '{self.loss.advantage}' "
+                "does not use one (use 'gae' or remove the `value:` section)"
+            )
+        if self.kl.placement == "reward_token" and not per_token:
+            raise ValueError(
+                f"kl.placement 'reward_token' needs a per-token advantage such as 'gae' "
+                f"(loss.advantage is '{self.loss.advantage}'; use 'reward_sequence')"
             )
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
@@ -301,8 +409,13 @@ def _check_name(field: str, name: str, registry: dict) -> None:
         )
 
 
-def _check_kwargs(field: str, fn: typing.Callable, kwargs: dict, supplied: set[str]) -> None:
-    """Check `kwargs` against the keyword-only parameters of `fn` (minus those the trainer supplies)."""
+def _check_kwargs(
+    field: str, fn: typing.Callable, kwargs: dict, supplied: set[str], *, required: bool = False
+) -> None:
+    """Check `kwargs` against the keyword-only parameters of `fn` (minus those the trainer supplies).
+
+    With required=True, keyword-only parameters without a default must be present too.
+    """
     params = inspect.signature(fn).parameters
     valid = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - supplied
     for key in kwargs:
@@ -312,6 +425,26 @@ def _check_kwargs(field: str, fn: typing.Callable, kwargs: dict, supplied: set[s
                 f"{field}.{key}: not an argument of {fn.__name__}{_did_you_mean(key, valid)}; "
                 f"valid: {choices}"
             )
+    if required:
+        missing = [n for n in sorted(valid) if params[n].default is inspect.Parameter.empty]
+        missing = [n for n in missing if n not in kwargs]
+        if missing:
+            raise ValueError(f"{field}: {fn.__name__} needs {', '.join(missing)}")
+
+
+def _check_clip_bounds(field: str, args: dict) -> None:
+    """Clip bounds [1 − eps_low, 1 + eps_high] must satisfy 0 <= 1 − eps_low <= 1 <= 1 + eps_high."""
+    eps_low, eps_high = args.get("eps_low", 0.0), args.get("eps_high", 0.0)
+    for name, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
+        if eps is not None and not isinstance(eps, int | float):
+            raise ValueError(f"{field}.{name}: must be a number, got {eps!r}")
+    low = 1.0 - (eps_low or 0.0)
+    high = 1.0 + eps_high
+    if not 0.0 <= low <= 1.0 <= high or eps_low == 1.0:
+        raise ValueError(
+            f"{field}: clip bounds out of order: need 0 <= 1 - eps_low < 1 <= 1 + eps_high, "
+            f"got eps_low={eps_low}, eps_high={eps_high} (bounds [{low:g}, {high:g}])"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,3 +537,225 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> AnyConf
 def dump_config(cfg: BaseModel) -> str:
     """The resolved config as YAML (every default written out)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct alignment (DPO and relatives)
+# ---------------------------------------------------------------------------------------------
+
+
+class DPODataConfig(Strict):
+    """Preference pairs from a file / hub dataset, or verifiable pairs sampled from the policy.
+
+    source "file": `path` (hub id or .json/.jsonl/.parquet) in `format` (see
+    rlhflab.data.preference); `heldout_pairs` of them (after a seeded shuffle) are held out.
+    source "verifiable": per round, `verifiable.n_prompts` task prompts, K samples each from the
+    current policy, best vs worst by the task's verifier (see VerifiablePairsConfig).
+    """
+
+    source: Literal["file", "verifiable"] = "verifiable"
+    path: str | None = None
+    format: Literal["ultrafeedback", "hh_rlhf", "pairs", "unpaired"] = "pairs"
+    split: str = "train"
+    max_rows: int | None = Field(None, ge=1)
+    on_invalid: Literal["error", "drop"] = "error"
+    heldout_pairs: int = Field(
+        64, ge=0
+    )  # held-out preference pairs (accuracy every eval.pref_every)
+    max_prompt_len: int | None = Field(None, ge=1)
+    max_completion_len: int | None = Field(None, ge=1)
+    truncation_side: Literal["left", "right"] = "left"  # of the prompt; "left" keeps its end
+
+    @model_validator(mode="after")
+    def _path_for_file(self) -> DPODataConfig:
+        if self.source == "file" and not self.path:
+            raise ValueError("data.path is required when data.source is 'file'")
+        return self
+
+
+class VerifiablePairsConfig(Strict):
+    """Pairs sampled from the policy and labelled by the task's verifier (online when rounds > 1).
+
+    Each round: sample `samples_per_prompt` completions for each of `n_prompts` training prompts,
+    pair the best with the worst (`chosen`: "sampled" best, "gold" reference answer, or
+    "sampled_or_gold": the best sample if it beats the worst, else the gold answer), recompute
+    reference log-probs with the policy as it is at the start of the round, train
+    train.steps / rounds steps. rounds = 1 is offline DPO on pairs from the initial model.
+    """
+
+    n_prompts: int = Field(512, ge=1)
+    samples_per_prompt: int = Field(8, ge=2)
+    chosen: Literal["sampled", "gold", "sampled_or_gold"] = "sampled_or_gold"
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(24, ge=1)
+    rounds: int = Field(1, ge=1)
+
+
+class DPOLossConfig(Strict):
+    """`name` is a key of rlhflab.losses.preference.PREFERENCE_LOSSES; `args` its keyword args."""
+
+    name: str = "dpo"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _name_and_args(self) -> DPOLossConfig:
+        from rlhflab.losses.preference import PREFERENCE_LOSSES
+
+        _check_name("loss.name", self.name, PREFERENCE_LOSSES)
+        _check_kwargs(
+            "loss.args",
+            PREFERENCE_LOSSES[self.name],
+            self.args,
+            {"chosen_lengths", "rejected_lengths"},
+        )
+        return self
+
+
+class DPOTrainConfig(Strict):
+    steps: int = Field(100, ge=1)  # optimizer steps in total (split evenly over rounds)
+    batch_size: int = Field(32, ge=1)  # pairs (KTO: labelled completions) per optimizer step
+    micro_batch_size: int = Field(32, ge=1)  # pairs per forward (chosen and rejected together)
+    max_seconds: float | None = Field(None, gt=0)
+
+
+class DPOEvalConfig(EvalConfig):
+    pref_every: int = Field(10, ge=0)  # held-out preference accuracy every N steps (0: ends only)
+
+
+class DPOConfig(Strict):
+    trainer: Literal["direct_alignment"] = "direct_alignment"
+    seed: int = 0
+    model: ModelConfig
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    data: DPODataConfig = Field(default_factory=DPODataConfig)
+    verifiable: VerifiablePairsConfig = Field(default_factory=VerifiablePairsConfig)
+    loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
+    train: DPOTrainConfig = Field(default_factory=DPOTrainConfig)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    eval: DPOEvalConfig = Field(default_factory=DPOEvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _consistency(self) -> DPOConfig:
+        _check_micro(self.train.batch_size, self.train.micro_batch_size, "train")
+        if self.train.steps % self.verifiable.rounds:
+            raise ValueError(
+                f"verifiable.rounds ({self.verifiable.rounds}) must divide train.steps "
+                f"({self.train.steps})"
+            )
+        if self.data.source == "file" and self.verifiable.rounds > 1:
+            raise ValueError(
+                "verifiable.rounds > 1 needs data.source 'verifiable' (on-policy pairs)"
+            )
+        if (
+            self.data.format == "unpaired"
+            and self.data.source == "file"
+            and self.loss.name != "kto"
+        ):
+            raise ValueError(
+                f"data.format 'unpaired' (prompt/completion/label rows) needs loss.name 'kto', "
+                f"not '{self.loss.name}'"
+            )
+        return self
+
+
+CONFIG_CLASSES["direct_alignment"] = DPOConfig
+AnyConfig = Union[AnyConfig, DPOConfig]  # noqa: UP007
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward models (preference / outcome / process)
+# ---------------------------------------------------------------------------------------------
+
+
+class RMDataConfig(Strict):
+    """Where the reward model's labelled data comes from.
+
+    task_samples      the policy `data.policy` samples `samples_per_prompt` completions for
+                      `n_prompts` task prompts; the verifier labels them (pairs / outcomes / steps)
+    worked_solutions  arithmetic worked solutions with planted errors (orm / prm; no policy)
+    preference        a preference dataset (`path`, `format`: ultrafeedback, hh_rlhf, pairs)
+    prm800k           PRM800K rows (`path`: file or hub id)
+    """
+
+    source: Literal["task_samples", "worked_solutions", "preference", "prm800k"] = "task_samples"
+    policy: str | None = None  # task_samples: the sampling policy (default: model.name_or_path)
+    n_prompts: int = Field(256, ge=1)
+    samples_per_prompt: int = Field(8, ge=1)
+    max_new_tokens: int = Field(48, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    max_pairs_per_prompt: int = Field(4, ge=1)
+    error_frac: float = Field(0.5, ge=0, le=1)  # worked_solutions: share with a planted error
+    path: str | None = None
+    format: Literal["ultrafeedback", "hh_rlhf", "pairs"] = "pairs"
+    split: str = "train"
+    max_rows: int | None = Field(None, ge=1)
+    heldout_frac: float = Field(0.1, ge=0, lt=1)  # preference / prm800k: rows held out for eval
+    on_invalid: Literal["error", "drop"] = "error"
+    step_separator: str = "\n"
+    max_len: int = Field(256, ge=8)
+
+
+class RMLossConfig(Strict):
+    """Loss hyperparameters (rlhflab.losses.reward_model)."""
+
+    margin: float | None = None  # bradley_terry margin m
+    center_coef: float = Field(0.0, ge=0)  # bradley_terry centring η
+    orm_loss: Literal["orm_bce", "orm_seq_bce"] = "orm_bce"
+    num_classes: Literal[2, 3] = 2  # prm: binary or {−1, 0, +1}
+    prm_reduce: Literal["min", "prod"] = "min"
+
+
+class RMTrainConfig(Strict):
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(32, ge=1)  # pairs (preference) or sequences (orm / prm) per step
+    micro_batch_size: int = Field(32, ge=1)
+    max_seconds: float | None = Field(None, gt=0)
+
+
+class RMEvalConfig(Strict):
+    """Held-out RM metrics after training; best-of-N needs a policy and a task."""
+
+    best_of_n: list[int] = Field(default_factory=list)  # e.g. [1, 2, 4, 8]; empty: skip
+    n_problems: int = Field(64, ge=1)
+    max_new_tokens: int = Field(48, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    batch_size: int = Field(256, ge=1)
+
+
+class RMConfig(Strict):
+    trainer: Literal["reward_model"] = "reward_model"
+    kind: Literal["preference", "orm", "prm"] = "preference"
+    seed: int = 0
+    model: ModelConfig  # the backbone (a causal LM, usually the SFT policy) or a saved RM
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    data: RMDataConfig = Field(default_factory=RMDataConfig)
+    loss: RMLossConfig = Field(default_factory=RMLossConfig)
+    train: RMTrainConfig = Field(default_factory=RMTrainConfig)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _consistency(self) -> RMConfig:
+        _check_micro(self.train.batch_size, self.train.micro_batch_size, "train")
+        src, kind = self.data.source, self.kind
+        if src == "preference" and kind != "preference":
+            raise ValueError(f"data.source 'preference' trains kind 'preference', not {kind!r}")
+        if src == "prm800k" and kind != "prm":
+            raise ValueError(f"data.source 'prm800k' trains kind 'prm', not {kind!r}")
+        if src == "worked_solutions" and kind == "preference":
+            raise ValueError("data.source 'worked_solutions' trains kind 'orm' or 'prm'")
+        if src in ("preference", "prm800k") and not self.data.path:
+            raise ValueError(f"data.path is required when data.source is {src!r}")
+        if src == "task_samples" and not (self.data.policy or self.model.name_or_path):
+            raise ValueError("data.policy (or model.name_or_path) is needed to sample task data")
+        return self
+
+
+CONFIG_CLASSES["reward_model"] = RMConfig
+AnyConfig = Union[AnyConfig, RMConfig]  # noqa: UP007

@@ -42,10 +42,14 @@ def build_configs(*, fast: bool, root: Path, overrides: list[str] | None = None)
         stage_overrides = list(preset["fast"].get(stage, [])) if fast else []
         prefix = f"{stage}."
         for item in overrides or []:
-            if not item.startswith(("sft.", "grpo.")):
-                raise ConfigError(f"quickstart override '{item}' must start with 'sft.' or 'grpo.'")
-            if item.startswith(prefix):
+            if item.startswith("task."):  # the task is shared: both stages get it
+                stage_overrides.append(item)
+            elif item.startswith(prefix):
                 stage_overrides.append(item[len(prefix) :])
+            elif not item.startswith(("sft.", "grpo.")):
+                raise ConfigError(
+                    f"quickstart override '{item}' must start with 'task.', 'sft.' or 'grpo.'"
+                )
         stages[stage] = apply_overrides(raw, stage_overrides)
     stages["grpo"]["model"] = {"name_or_path": "<the SFT model>"}
     sft_cfg = config_from_dict(stages["sft"], source="quickstart preset (sft)")

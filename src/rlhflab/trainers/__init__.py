@@ -5,7 +5,12 @@ from __future__ import annotations
 
 def run_config(cfg) -> dict:
     """Run the trainer named by `cfg.trainer`; returns its final results."""
-    from rlhflab.trainers import policy_gradient, sft
+    from rlhflab.trainers import direct_alignment, policy_gradient, reward_model, sft
 
-    trainers = {"sft": sft.train, "policy_gradient": policy_gradient.train}
+    trainers = {
+        "sft": sft.train,
+        "policy_gradient": policy_gradient.train,
+        "direct_alignment": direct_alignment.train,
+        "reward_model": reward_model.train,
+    }
     return trainers[cfg.trainer](cfg)

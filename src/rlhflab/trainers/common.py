@@ -69,9 +69,7 @@ def prepare_model(
     if model_cfg.build is not None:
         b = model_cfg.build
         texts = tokenizer_texts() if tokenizer_texts is not None else []
-        tokenizer = train_tokenizer(
-            texts, vocab_size=b.vocab_size, model_max_length=b.max_position_embeddings
-        )
+        tokenizer = train_tokenizer(texts, vocab_size=b.vocab_size)
         model = build_model(
             tokenizer,
             size=b.size,

@@ -1,0 +1,561 @@
+"""Direct alignment: DPO and its relatives (cDPO, IPO, hinge, DPO-norm, SimPO, ORPO, APO, KTO).
+
+Each step reads top to bottom:
+    1. batch      `batch_size` pairs (KTO: labelled completions), micro-batches of `micro_batch_size`
+    2. forward    chosen and rejected completions of a micro-batch in ONE forward
+                  (KTO: the labelled completions and their mismatched (x_i, y_j) pairs), packed with
+                  dynamic padding by `rollout.sampler.pack`, scored by `completion_logps` exactly as
+                  SFT targets and sampled completions are; summed token log-probs and lengths
+    3. loss       `loss.name` from rlhflab.losses.preference on (policy, cached reference) log-probs,
+                  summed over the micro-batch and divided by the step's batch size
+    4. log        dpo/* rewards, margin, accuracy, log-probs, loss-specific terms, grad norm, LR;
+                  held-out preference accuracy every eval.pref_every steps; in-loop samples
+Before training, a reference pass computes log π_ref of every sequence once (model in eval mode,
+no gradients) and caches it with the dataset: no reference model is in memory while training.
+Reference-free losses (SimPO, ORPO) skip it.
+
+Data: a preference file (UltraFeedback, HH-RLHF, generic pairs, unpaired KTO rows), or verifiable
+pairs — K samples per task prompt from the policy, best vs worst by the verifier (or the gold
+answer). With `verifiable.rounds` > 1 this is iterative/online DPO: each round samples new pairs from
+the current policy, which also becomes the reference for that round (Xu et al. 2023,
+arXiv 2312.16682; Yuan et al. 2024, arXiv 2401.10020).
+
+KTO: every labelled completion gets, once at data preparation, a fixed mismatched completion of
+another prompt; z₀ is the mean reference-normalised log-ratio of the mismatched pairs of the
+micro-batch (as TRL per device batch), so with KTO micro-batching changes z₀ slightly; for every
+other loss k micro-batches give exactly the gradient of one batch (tested).
+Sampled completions are decoded and re-encoded with `encode_completion` (eos appended), exactly as
+SFT targets are, so a sample cut at max_new_tokens is trained as if it had ended there.
+
+Held-out preference accuracy: fraction of held-out pairs whose implicit reward margin is positive,
+measured against the initial model (reference-based losses: (log π_θ − log π_ref)(y_w) >
+(log π_θ − log π_ref)(y_l), summed log-probs; reference-free losses: average log-prob of y_w >
+that of y_l); ties count one half, so a reference-based method starts at exactly 0.5.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import time
+
+import torch
+
+from rlhflab.config import DPOConfig, dump_config
+from rlhflab.data.formatting import encode_prompt, format_completion, render_prompt
+from rlhflab.data.preference import (
+    PreferencePair,
+    TokenizedPair,
+    load_preference_data,
+    pairs_from_scored_samples,
+    tokenize_pairs,
+)
+from rlhflab.data.tasks import make_splits
+from rlhflab.errors import DataError
+from rlhflab.eval.accuracy import evaluate
+from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
+from rlhflab.models.build import save_pretrained
+from rlhflab.plots import plot_run
+from rlhflab.rewards.verifier import Verifier
+from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
+from rlhflab.runs import SampleWriter, create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.tracking import Tracker, read_metrics
+from rlhflab.trainers.common import (
+    default_device,
+    grad_norm_and_clip,
+    make_optimizer,
+    make_scheduler,
+    prepare_model,
+    seed_everything,
+    setup_precision,
+)
+from rlhflab.trainers.sft import task_texts
+
+#: Held-out margins closer to 0 than this are ties (float32 noise of summed log-probs is ~1e-5).
+PREF_TIE_TOL = 1e-4
+
+
+def sequence_logps(model, prompts, completions, pad_id, *, autocast_dtype=None):
+    """Summed completion log-probs (N,) and completion lengths (N,) of N (prompt, completion)
+    token lists, in one forward (dynamic padding to the longest row)."""
+    device = next(model.parameters()).device
+    batch = pack(prompts, completions, pad_id).to(device)
+    logp, _ = completion_logps(model, batch, autocast_dtype=autocast_dtype)
+    return logp.sum(1), batch.mask.sum(1)
+
+
+@torch.no_grad()
+def reference_logps(model, prompts, completions, pad_id, *, chunk: int, autocast_dtype=None):
+    """log π(y|x) summed over tokens for every row, in eval mode without gradients → list[float]."""
+    was_training = model.training
+    model.eval()
+    out: list[float] = []
+    for s in range(0, len(prompts), chunk):
+        lp, _ = sequence_logps(
+            model,
+            prompts[s : s + chunk],
+            completions[s : s + chunk],
+            pad_id,
+            autocast_dtype=autocast_dtype,
+        )
+        out.extend(lp.float().cpu().tolist())
+    model.train(was_training)
+    return out
+
+
+def paired_rows(tokenized: list[TokenizedPair]) -> list[dict]:
+    return [
+        {"prompt": t.prompt_ids, "chosen": t.chosen_ids, "rejected": t.rejected_ids}
+        for t in tokenized
+    ]
+
+
+def unpaired_rows(tokenized: list[TokenizedPair], rng: random.Random) -> list[dict]:
+    """KTO rows from pairs: (x, y_w, desirable) and (x, y_l, undesirable), each with a fixed
+    mismatched completion y' of another prompt for the z₀ estimate (KTO paper §4.1)."""
+    rows = []
+    for t in tokenized:
+        rows.append({"prompt": t.prompt_ids, "completion": t.chosen_ids, "label": True})
+        rows.append({"prompt": t.prompt_ids, "completion": t.rejected_ids, "label": False})
+    return _with_mismatched(rows, rng)
+
+
+def _with_mismatched(rows: list[dict], rng: random.Random) -> list[dict]:
+    n = len(rows)
+    if n < 2:
+        raise DataError("data: KTO needs at least 2 examples to form mismatched pairs")
+    shift = rng.randrange(1, n)
+    for i, row in enumerate(rows):  # a cyclic shift never pairs a row with itself
+        j = (i + shift) % n
+        k = 1
+        while rows[j]["prompt"] == row["prompt"] and k < n:
+            j = (i + shift + k) % n
+            k += 1
+        row["kl_completion"] = rows[j]["completion"]
+    return rows
+
+
+def cache_reference(model, rows, pad_id, *, unpaired, chunk, autocast_dtype) -> None:
+    """Add cached reference log-probs to every row (`ref_chosen`/`ref_rejected`, KTO: `ref`/`ref_kl`)."""
+    keys = (
+        (("completion", "ref"), ("kl_completion", "ref_kl"))
+        if unpaired
+        else (
+            ("chosen", "ref_chosen"),
+            ("rejected", "ref_rejected"),
+        )
+    )
+    for src, dst in keys:
+        values = reference_logps(
+            model,
+            [r["prompt"] for r in rows],
+            [r[src] for r in rows],
+            pad_id,
+            chunk=chunk,
+            autocast_dtype=autocast_dtype,
+        )
+        for r, v in zip(rows, values, strict=True):
+            r[dst] = v
+
+
+def verifiable_pairs(
+    model, tokenizer, problems, verifier, vcfg, task, *, generator, rng, chunk, autocast_dtype
+):
+    """Sample K completions per problem from `model`, score them, pair best with worst."""
+    prompts = [render_prompt(tokenizer, p.question, system=task.system) for p in problems]
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    K = vcfg.samples_per_prompt
+    texts: list[str] = []
+    flat = [p for p in ids for _ in range(K)]
+    was_training = model.training
+    model.eval()
+    for s in range(0, len(flat), chunk):
+        ro = sample(
+            model,
+            flat[s : s + chunk],
+            max_new_tokens=vcfg.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=vcfg.temperature,
+            generator=generator,
+            autocast_dtype=autocast_dtype,
+        )
+        texts.extend(decode_completions(tokenizer, ro))
+    model.train(was_training)
+    scores = verifier.score_batch(texts, [p for p in problems for _ in range(K)])
+    samples = [texts[i * K : (i + 1) * K] for i in range(len(problems))]
+    score_rows = [scores[i * K : (i + 1) * K] for i in range(len(problems))]
+    gold = [
+        None if p.answer is None else format_completion(p.answer, answer_format=task.answer_format)
+        for p in problems
+    ]
+    pairs, counts = pairs_from_scored_samples(
+        prompts, samples, score_rows, gold=gold, chosen_source=vcfg.chosen, rng=rng
+    )
+    counts["sample_accuracy"] = sum(scores) / max(1, len(scores))
+    return pairs, counts
+
+
+def train(cfg: DPOConfig) -> dict:
+    """Run direct alignment as configured; returns final results (also in final_results.json)."""
+    t_start = time.perf_counter()
+    # -- 0. Set-up and validation: nothing is written before the run directory.
+    seed_everything(cfg.seed)
+    device = default_device()
+    autocast_dtype = setup_precision(cfg.precision, device)
+    loss_fn = PREFERENCE_LOSSES[cfg.loss.name]
+    unpaired = cfg.loss.name == "kto"
+    use_ref = cfg.loss.name not in REFERENCE_FREE
+    wants_lengths = "chosen_lengths" in inspect.signature(loss_fn).parameters
+    verifiable = cfg.data.source == "verifiable"
+    t = cfg.task
+    splits = None
+    if verifiable or cfg.eval.n > 0 or cfg.model.build is not None:
+        splits = make_splits(
+            t.name, config=t.config, n_train=t.n_train, n_heldout=t.n_heldout, seed=t.seed
+        )
+    tokenizer, model = prepare_model(
+        cfg.model,
+        device=device,
+        seed=cfg.seed,
+        tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+    )
+    pad = tokenizer.pad_token_id
+    verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
+    heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
+    chunk = 2 * cfg.train.micro_batch_size
+    rng = random.Random(cfg.seed)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    tok_kw = {
+        "max_prompt_len": cfg.data.max_prompt_len,
+        "max_completion_len": cfg.data.max_completion_len,
+        "truncation_side": cfg.data.truncation_side,
+    }
+    drops: dict[str, int] = {}
+    data_counts: dict = {}
+    v = cfg.verifiable
+
+    def round_pairs() -> tuple[list[PreferencePair], dict]:
+        problems = rng.sample(splits.train, min(v.n_prompts, len(splits.train)))
+        return verifiable_pairs(
+            model, tokenizer, problems, verifier, v, t,
+            generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
+        )  # fmt: skip
+
+    if verifiable:
+        heldout_pairs, data_counts["heldout"] = verifiable_pairs(
+            model, tokenizer, splits.heldout[: cfg.data.heldout_pairs], verifier, v, t,
+            generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
+        )  # fmt: skip
+        train_pairs, data_counts["round_1"] = round_pairs()
+        examples = train_pairs
+    else:
+        examples, drops = load_preference_data(
+            cfg.data.path,
+            cfg.data.format,
+            split=cfg.data.split,
+            on_invalid=cfg.data.on_invalid,
+            max_rows=cfg.data.max_rows,
+        )
+        rng.shuffle(examples)
+        n_held = min(cfg.data.heldout_pairs, len(examples) - 1)
+        heldout_pairs = [] if cfg.data.format == "unpaired" else examples[:n_held]
+        train_pairs = examples if cfg.data.format == "unpaired" else examples[n_held:]
+    if not train_pairs:
+        raise DataError(
+            f"data: no training pairs ({data_counts.get('round_1', {})}); with verifiable pairs "
+            "the policy needs some correct and some wrong samples, or verifiable.chosen 'gold'"
+        )
+
+    def build_rows(pairs) -> tuple[list[dict], dict]:
+        if cfg.data.format == "unpaired" and not verifiable:
+            rows, counts = _tokenize_unpaired(tokenizer, pairs, tok_kw)
+            return _with_mismatched(rows, rng), counts
+        tokenized, counts = tokenize_pairs(tokenizer, pairs, **tok_kw)
+        return (unpaired_rows(tokenized, rng) if unpaired else paired_rows(tokenized)), counts
+
+    rows, trunc = build_rows(train_pairs)
+    held_tok, _ = tokenize_pairs(tokenizer, heldout_pairs, **tok_kw)
+    held_rows = paired_rows(held_tok)
+    optimizer = make_optimizer(model, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
+
+    # -- 1. Reference pass (once per round): cached log π_ref, no reference model kept.
+    t_ref = time.perf_counter()
+    if use_ref:
+        cache_reference(
+            model, rows, pad, unpaired=unpaired, chunk=chunk, autocast_dtype=autocast_dtype
+        )
+    if held_rows:  # held-out pairs are always scored against the initial model
+        cache_reference(
+            model, held_rows, pad, unpaired=False, chunk=chunk, autocast_dtype=autocast_dtype
+        )
+    t_ref = time.perf_counter() - t_ref
+
+    # -- 2. Run directory.
+    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
+    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    tracker = Tracker(
+        run_dir,
+        total_steps=cfg.train.steps,
+        headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy"),
+        console_enabled=cfg.tracking.console,
+        wandb=cfg.tracking.wandb,
+        tensorboard=cfg.tracking.tensorboard,
+        config=cfg.model_dump(mode="json"),
+        description=cfg.run.name,
+    )
+    samples = SampleWriter(run_dir)
+    tracker.print(
+        f"run directory: {run_dir}  ({len(rows)} training rows, {len(held_rows)} held-out pairs, "
+        f"dropped: {sum(drops.values()) if drops else 0}, truncated: {trunc}, "
+        f"reference pass {t_ref:.1f}s)"
+    )
+
+    def run_eval(step: int) -> dict:
+        res = evaluate(
+            model, tokenizer, heldout_tasks, verifier,
+            batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
+            k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.seed,
+            system=t.system, autocast_dtype=autocast_dtype,
+        )  # fmt: skip
+        tracker.log(step, {f"eval/{k}": val for k, val in res.items()})
+        return res
+
+    @torch.no_grad()
+    def pref_eval(step: int) -> dict:
+        if not held_rows:
+            return {}
+        was_training = model.training
+        model.eval()
+        margins = []
+        for s in range(0, len(held_rows), cfg.train.micro_batch_size):
+            b = held_rows[s : s + cfg.train.micro_batch_size]
+            n = len(b)
+            lp, ln = sequence_logps(
+                model, [r["prompt"] for r in b] * 2,
+                [r["chosen"] for r in b] + [r["rejected"] for r in b], pad,
+                autocast_dtype=autocast_dtype,
+            )  # fmt: skip
+            lp = lp.float().cpu()
+            if use_ref:
+                rc = torch.tensor([r["ref_chosen"] for r in b])
+                rr = torch.tensor([r["ref_rejected"] for r in b])
+                margins.append((lp[:n] - rc) - (lp[n:] - rr))
+            else:
+                ln = ln.cpu()
+                margins.append(lp[:n] / ln[:n] - lp[n:] / ln[n:])
+        model.train(was_training)
+        m = torch.cat(margins)
+        # Ties (|margin| within float32 noise, e.g. every pair while π_θ = π_ref) count one half.
+        acc = ((m > PREF_TIE_TOL).float() + 0.5 * (m.abs() <= PREF_TIE_TOL).float()).mean()
+        res = {
+            "eval/pref_accuracy": acc.item(),
+            "eval/pref_margin": m.mean().item(),
+        }
+        tracker.log(step, res)
+        return res
+
+    initial_eval = run_eval(0) if heldout_tasks else {}
+    initial_pref = pref_eval(0)
+
+    # -- 3. Training steps, in rounds (rounds > 1: new on-policy pairs and reference each round).
+    steps_per_round = cfg.train.steps // v.rounds
+    order: list[int] = []
+    steps_done = 0
+    last_loss = float("nan")
+    B = cfg.train.batch_size
+    for step in range(1, cfg.train.steps + 1):
+        if verifiable and step > 1 and (step - 1) % steps_per_round == 0:
+            r = (step - 1) // steps_per_round + 1
+            new_pairs, data_counts[f"round_{r}"] = round_pairs()
+            if new_pairs:
+                rows, _ = build_rows(new_pairs)
+                if use_ref:  # the reference of this round is the policy as it is now
+                    cache_reference(
+                        model,
+                        rows,
+                        pad,
+                        unpaired=unpaired,
+                        chunk=chunk,
+                        autocast_dtype=autocast_dtype,
+                    )
+                order = []
+            tracker.print(f"round {r}: {data_counts[f'round_{r}']}")
+        t0 = time.perf_counter()
+        batch_idx = []
+        while len(batch_idx) < B:
+            if not order:
+                order = list(range(len(rows)))
+                rng.shuffle(order)
+            batch_idx.append(order.pop())
+        optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        n_tokens = 0
+        for s in range(0, B, cfg.train.micro_batch_size):
+            mb = [rows[i] for i in batch_idx[s : s + cfg.train.micro_batch_size]]
+            n = len(mb)
+            if unpaired:
+                comps = [r["completion"] for r in mb] + [r["kl_completion"] for r in mb]
+            else:
+                comps = [r["chosen"] for r in mb] + [r["rejected"] for r in mb]
+            logps, lengths = sequence_logps(
+                model, [r["prompt"] for r in mb] * 2, comps, pad, autocast_dtype=autocast_dtype
+            )
+            n_tokens += int(lengths.sum())
+            pc, pr = logps[:n], logps[n:]
+            if unpaired:
+                ref = torch.tensor([r["ref"] for r in mb], device=device)
+                ref_kl = torch.tensor([r["ref_kl"] for r in mb], device=device)
+                label = torch.tensor([r["label"] for r in mb], device=device)
+                losses, stats = loss_fn(pc, ref, label, pr, ref_kl, **cfg.loss.args)
+                d = stats["desirable"]
+                stats = {
+                    "kto/kl": stats["kl"].expand(n),
+                    "kto/kl_raw": stats["kl_raw"].expand(n),
+                    "kto/reward_desirable_sum": stats["reward"] * d,
+                    "kto/reward_undesirable_sum": stats["reward"] * (1 - d),
+                    "kto/desirable_n": d,
+                    "logps/completion": pc.detach(),
+                }
+            else:
+                rc = rr = None
+                if use_ref:
+                    rc = torch.tensor([r["ref_chosen"] for r in mb], device=device)
+                    rr = torch.tensor([r["ref_rejected"] for r in mb], device=device)
+                kw = (
+                    {"chosen_lengths": lengths[:n], "rejected_lengths": lengths[n:]}
+                    if wants_lengths
+                    else {}
+                )
+                losses, stats = loss_fn(pc, pr, rc, rr, **kw, **cfg.loss.args)
+                stats = {
+                    (
+                        f"dpo/{k}"
+                        if k in ("chosen_reward", "rejected_reward", "margin", "accuracy")
+                        else f"{cfg.loss.name}/{k}"
+                    ): val
+                    for k, val in stats.items()
+                }
+                stats["logps/chosen"] = pc.detach()
+                stats["logps/rejected"] = pr.detach()
+            loss = losses.sum() / B  # the step's mean over pairs, whatever the micro-batching
+            loss.backward()
+            sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
+            for k, val in stats.items():
+                sums[k] = sums.get(k, 0.0) + val.float().sum().item() / B
+        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        steps_done = step
+        last_loss = sums["train/loss"]
+        if unpaired:  # means over desirable / undesirable examples
+            nd = sums.pop("kto/desirable_n") * B
+            sums["kto/chosen_reward"] = sums.pop("kto/reward_desirable_sum") * B / max(nd, 1)
+            sums["kto/rejected_reward"] = (
+                sums.pop("kto/reward_undesirable_sum") * B / max(B - nd, 1)
+            )
+        dt = time.perf_counter() - t0
+        metrics = {
+            **sums,
+            "optim/grad_norm": float(grad_norm),
+            "optim/lr": scheduler.get_last_lr()[0],
+            "perf/step_s": dt,
+            "perf/tokens_per_s": n_tokens / dt,
+        }
+        if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
+            tracker.log(step, metrics)
+        if cfg.eval.pref_every and step % cfg.eval.pref_every == 0 and step < cfg.train.steps:
+            metrics.update(pref_eval(step))
+        if (
+            heldout_tasks
+            and cfg.eval.every
+            and step % cfg.eval.every == 0
+            and step < cfg.train.steps
+        ):
+            metrics.update({f"eval/{k}": val for k, val in run_eval(step).items()})
+        if (step % cfg.tracking.samples_every == 0 or step == 1) and cfg.tracking.samples_per_step:
+            _write_samples(
+                samples, step, model, tokenizer, heldout_tasks, verifier, cfg, autocast_dtype
+            )
+        tracker.advance(step, metrics)
+        if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
+            tracker.print(f"stopping at step {step}: train.max_seconds reached")
+            break
+
+    # -- 4. Held-out evaluation, model, plots, results.
+    final_pref = pref_eval(steps_done)
+    final_eval = run_eval(steps_done) if heldout_tasks else {}
+    tracker.close()
+    samples.close()
+    if cfg.run.save_model:
+        save_pretrained(model, tokenizer, run_dir / "model")
+    plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+    results = {
+        "trainer": "direct_alignment",
+        "loss": cfg.loss.name,
+        "steps": steps_done,
+        "final_loss": last_loss,
+        "train_rows": len(rows),
+        "dropped": drops,
+        "truncated": trunc,
+        "pairs": data_counts,
+        "heldout_pref_accuracy_before": initial_pref.get("eval/pref_accuracy"),
+        "heldout_pref_accuracy": final_pref.get("eval/pref_accuracy"),
+        "heldout_pref_n": len(held_rows),
+        "heldout_accuracy_before": initial_eval.get("accuracy"),
+        "heldout_accuracy": final_eval.get("accuracy"),
+        "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
+        "heldout_n": final_eval.get("n", 0),
+        "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
+        "reference_pass_s": round(t_ref, 2),
+        "wall_s": round(time.perf_counter() - t_start, 2),
+        "run_dir": str(run_dir),
+        "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
+    }
+    write_json_atomic(run_dir / "final_results.json", results)
+    return results
+
+
+def _tokenize_unpaired(tokenizer, examples, tok_kw) -> tuple[list[dict], dict]:
+    """KTO rows from UnpairedExamples (the completion is tokenized as a pair's chosen side)."""
+    pseudo = [PreferencePair(e.prompt, e.completion, e.completion) for e in examples]
+    tokenized, counts = tokenize_pairs(tokenizer, pseudo, **tok_kw)
+    counts["completion_truncated"] //= 2  # each completion was counted twice
+    rows = [
+        {"prompt": tp.prompt_ids, "completion": tp.chosen_ids, "label": e.label}
+        for tp, e in zip(tokenized, examples, strict=True)
+    ]
+    return rows, counts
+
+
+@torch.no_grad()
+def _write_samples(writer, step, model, tokenizer, problems, verifier, cfg, autocast_dtype) -> None:
+    """Greedy completions of the first held-out task problems (in-loop samples)."""
+    problems = problems[: cfg.tracking.samples_per_step]
+    if not problems:
+        return
+    was_training = model.training
+    model.eval()
+    prompts = [
+        encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=cfg.task.system))
+        for p in problems
+    ]
+    ro = sample(
+        model, prompts, max_new_tokens=cfg.eval.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, greedy=True, autocast_dtype=autocast_dtype,
+    )  # fmt: skip
+    model.train(was_training)
+    texts = decode_completions(tokenizer, ro)
+    writer.write(
+        step,
+        [
+            {
+                "prompt": p.question,
+                "completion": c,
+                "reward": verifier.score(c, p),
+                "answer": p.answer,
+            }
+            for p, c in zip(problems, texts, strict=True)
+        ],
+    )

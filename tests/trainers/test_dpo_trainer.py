@@ -1,0 +1,260 @@
+"""Direct-alignment trainer: concatenated forward, cached reference, smoke runs of every preset."""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhflab.config import config_from_dict, load_config
+from rlhflab.data.preference import PreferencePair, tokenize_pairs
+from rlhflab.trainers import run_config
+from rlhflab.trainers.direct_alignment import cache_reference, paired_rows, sequence_logps
+
+PRESETS = sorted(Path(__file__).parents[2].glob("configs/dpo/*.yaml"))
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "n_train": 300,
+    "n_heldout": 16,
+    "seed": 0,
+    "answer_format": "plain",
+    "reward": "binary",
+}
+
+
+def _pairs(tok):
+    from rlhflab.data.formatting import render_prompt
+
+    qs = ["What is 2 + 3?", "What is 7 + 1? Answer briefly.", "9 + 9 = ?"]
+    return [
+        PreferencePair(render_prompt(tok, q), c, r)
+        for q, c, r in zip(qs, ["5", "8", "18"], ["6", "81", "1"], strict=True)
+    ]
+
+
+def test_concatenated_forward_equals_separate_forwards(tiny_model, tiny_tokenizer):
+    tok = tiny_tokenizer
+    rows = paired_rows(tokenize_pairs(tok, _pairs(tok))[0])
+    prompts = [r["prompt"] for r in rows]
+    pad = tok.pad_token_id
+    tiny_model.eval()
+    both, lens = sequence_logps(
+        tiny_model, prompts * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows], pad
+    )
+    chosen, lc = sequence_logps(tiny_model, prompts, [r["chosen"] for r in rows], pad)
+    rejected, lr = sequence_logps(tiny_model, prompts, [r["rejected"] for r in rows], pad)
+    torch.testing.assert_close(both, torch.cat([chosen, rejected]), atol=1e-5, rtol=0)
+    assert torch.equal(lens, torch.cat([lc, lr]))
+    # one row alone (no padding at all) gives the same log-prob too
+    alone, _ = sequence_logps(tiny_model, prompts[:1], [rows[0]["chosen"]], pad)
+    torch.testing.assert_close(alone[0], chosen[0], atol=1e-5, rtol=0)
+
+
+def test_cached_reference_equals_on_the_fly(tiny_model, tiny_tokenizer):
+    tok = tiny_tokenizer
+    rows = paired_rows(tokenize_pairs(tok, _pairs(tok))[0])
+    ref_model = copy.deepcopy(tiny_model)  # what a trainer with a live reference model would use
+    cache_reference(
+        tiny_model, rows, tok.pad_token_id, unpaired=False, chunk=2, autocast_dtype=None
+    )
+    assert tiny_model.training  # the pass restores train mode
+    ref_model.eval()
+    with torch.no_grad():
+        fly, _ = sequence_logps(
+            ref_model,
+            [r["prompt"] for r in rows] * 2,
+            [r["chosen"] for r in rows] + [r["rejected"] for r in rows],
+            tok.pad_token_id,
+        )
+    cached = torch.tensor([r["ref_chosen"] for r in rows] + [r["ref_rejected"] for r in rows])
+    torch.testing.assert_close(cached, fly.float(), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def sft_model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    cfg = config_from_dict(
+        {
+            "trainer": "sft",
+            "model": {
+                "build": {
+                    "size": "tiny",
+                    "vocab_size": 300,
+                    "max_position_embeddings": 64,
+                    "tokenizer_texts": 300,
+                }
+            },
+            "task": TASK,
+            "train": {"steps": 30, "batch_size": 8, "micro_batch_size": 8, "max_len": 48},
+            "optim": {"lr": 3e-3},
+            "eval": {"n": 0},
+            "tracking": {"console": False},
+            "run": {"name": "sft", "root": str(root)},
+        }
+    )
+    return run_config(cfg)["model_dir"]
+
+
+SMOKE = [
+    "data.heldout_pairs=8",
+    "verifiable.n_prompts=12",
+    "verifiable.samples_per_prompt=4",
+    "verifiable.max_new_tokens=6",
+    "verifiable.chosen=gold",
+    "train.steps=2",
+    "train.batch_size=4",
+    "train.micro_batch_size=2",
+    "eval.n=4",
+    "eval.max_new_tokens=6",
+    "eval.pref_every=1",
+    "tracking.console=false",
+    "tracking.samples_every=1",
+    "optim.lr=1e-3",
+]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_preset_smoke(preset, sft_model_dir, tmp_path):
+    over = [f"model.name_or_path={sft_model_dir}", f"run.root={tmp_path}", *SMOKE]
+    over += [f"task.{k}={json.dumps(v)}" for k, v in TASK.items()]
+    if "rounds: 1" not in preset.read_text():
+        over.append("verifiable.rounds=2")  # online: 2 rounds of 1 step
+    cfg = load_config(preset, over)
+    res = run_config(cfg)
+    run_dir = Path(res["run_dir"])
+    for name in ["config.yaml", "metrics.jsonl", "final_results.json", "samples.jsonl"]:
+        assert (run_dir / name).exists(), name
+    with open(run_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert len(train_rows) == 2
+    for r in train_rows:
+        assert math.isfinite(r["train/loss"]) and math.isfinite(r["optim/grad_norm"])
+    first = train_rows[0]
+    if cfg.loss.name == "kto":
+        assert "kto/kl" in first
+    else:
+        assert {"dpo/chosen_reward", "dpo/margin", "dpo/accuracy", "logps/chosen"} <= set(first)
+    if cfg.loss.name == "orpo":
+        assert {"orpo/sft_loss", "orpo/or_loss"} <= set(first)
+    if cfg.loss.name in ("dpo", "cdpo") and cfg.verifiable.rounds == 1:
+        # step 1: policy == reference, so rewards and margin are 0 and DPO's loss is log 2
+        assert abs(first["dpo/margin"]) < 1e-4
+        if cfg.loss.name == "dpo":
+            assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert any("eval/pref_accuracy" in r for r in rows)
+    if cfg.loss.name not in ("simpo", "orpo"):  # π_θ = π_ref before training: every pair a tie
+        assert res["heldout_pref_accuracy_before"] == 0.5
+    for key in ("heldout_accuracy", "heldout_accuracy_before", "heldout_pref_accuracy"):
+        assert res[key] is not None
+    before, after = (
+        load_file(f"{sft_model_dir}/model.safetensors"),
+        load_file(run_dir / "model" / "model.safetensors"),
+    )
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+
+
+def test_file_pairs_and_unpaired_kto(sft_model_dir, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    unp = tmp_path / "unpaired.jsonl"
+    with open(pairs, "w") as f, open(unp, "w") as g:
+        for i in range(12):
+            f.write(
+                json.dumps(
+                    {"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i)}
+                )
+                + "\n"
+            )
+            g.write(json.dumps({"prompt": f"What is {i} + 1?", "completion": str(i + i % 2), "label": i % 2 == 0}) + "\n")  # fmt: skip
+    base = {
+        "trainer": "direct_alignment",
+        "model": {"name_or_path": sft_model_dir},
+        "task": TASK,
+        "train": {"steps": 2, "batch_size": 4, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 0, "pref_every": 1},
+        "tracking": {"console": False, "samples_per_step": 0},
+        "run": {"root": str(tmp_path)},
+    }
+    res = run_config(
+        config_from_dict(
+            {
+                **base,
+                "data": {
+                    "source": "file",
+                    "path": str(pairs),
+                    "heldout_pairs": 4,
+                    "max_completion_len": 2,
+                },
+            }
+        )
+    )
+    assert res["train_rows"] == 8 and res["heldout_pref_n"] == 4
+    assert res["heldout_pref_accuracy"] is not None
+    res = run_config(
+        config_from_dict(
+            {
+                **base,
+                "data": {"source": "file", "path": str(unp), "format": "unpaired"},
+                "loss": {"name": "kto"},
+            }
+        )
+    )
+    assert res["train_rows"] == 12 and math.isfinite(res["final_loss"])
+
+
+def test_bad_config_fails_before_run_dir(tmp_path):
+    from rlhflab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"loss\.args\.bta"):
+        config_from_dict(
+            {
+                "trainer": "direct_alignment",
+                "model": {"name_or_path": "x"},
+                "loss": {"name": "dpo", "args": {"bta": 0.1}},
+            }
+        )
+    with pytest.raises(ConfigError, match=r"needs loss\.name 'kto'"):
+        config_from_dict(
+            {
+                "trainer": "direct_alignment",
+                "model": {"name_or_path": "x"},
+                "data": {"source": "file", "path": "a.jsonl", "format": "unpaired"},
+            }
+        )
+
+
+@pytest.mark.parametrize("loss", ["dpo", "simpo", "kto"])
+def test_micro_batches_match_one_batch(sft_model_dir, tmp_path, loss):
+    """k micro-batches give the update of one batch (the loss is divided by the step's pairs)."""
+    path = tmp_path / "pairs.jsonl"
+    with open(path, "w") as f:
+        for i in range(8):
+            row = {"prompt": f"What is {i} + 2?", "chosen": str(i + 2), "rejected": str(3 * i + 1)}
+            f.write(json.dumps(row) + "\n")
+    results = []
+    for micro in (4, 1):
+        cfg = config_from_dict(
+            {
+                "trainer": "direct_alignment",
+                "model": {"name_or_path": sft_model_dir},
+                "data": {"source": "file", "path": str(path), "heldout_pairs": 0},
+                "loss": {"name": loss},
+                "train": {"steps": 1, "batch_size": 4, "micro_batch_size": micro},
+                "optim": {"lr": 1e-3},
+                "eval": {"n": 0, "pref_every": 0},
+                "tracking": {"console": False, "samples_per_step": 0},
+                "run": {"root": str(tmp_path / str(micro))},
+            }
+        )
+        results.append(run_config(cfg))
+    a, b = results
+    if loss != "kto":  # KTO's z₀ is estimated per micro-batch (documented), so the loss differs
+        assert a["final_loss"] == pytest.approx(b["final_loss"], abs=1e-6)
+        wa, wb = (load_file(f"{r['model_dir']}/model.safetensors") for r in results)
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0)
