@@ -38,21 +38,33 @@ def _fails_cleanly(argv, capsys, root, expected):
 
 def test_unknown_config_key(tmp_path, capsys):
     root = tmp_path / "runs"
-    _fails_cleanly(["train", GRPO, "rollout.grop_size=4", f"run.root={root}"], capsys, root,
-                   "unknown config key 'rollout.grop_size' (did you mean 'group_size'?)")
+    _fails_cleanly(
+        ["train", GRPO, "rollout.grop_size=4", f"run.root={root}"],
+        capsys,
+        root,
+        "unknown config key 'rollout.grop_size' (did you mean 'group_size'?)",
+    )
 
 
 def test_unknown_task_name(tmp_path, capsys):
     root = tmp_path / "runs"
-    _fails_cleanly(["train", SFT, "task.name=chain_summ", f"run.root={root}"], capsys, root,
-                   "task.name: unknown reasoning_gym dataset 'chain_summ' (did you mean 'chain_sum'?)")
+    _fails_cleanly(
+        ["train", SFT, "task.name=chain_summ", f"run.root={root}"],
+        capsys,
+        root,
+        "task.name: unknown reasoning_gym dataset 'chain_summ' (did you mean 'chain_sum'?)",
+    )
 
 
 def test_model_path_does_not_exist(tmp_path, capsys):
     root = tmp_path / "runs"
     missing = tmp_path / "no_such_model"
-    _fails_cleanly(["train", GRPO, f"model.name_or_path={missing}", f"run.root={root}"], capsys, root,
-                   str(missing))
+    _fails_cleanly(
+        ["train", GRPO, f"model.name_or_path={missing}", f"run.root={root}"],
+        capsys,
+        root,
+        str(missing),
+    )
 
 
 def test_empty_dataset_after_filtering(tmp_path, capsys):
@@ -60,29 +72,61 @@ def test_empty_dataset_after_filtering(tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "hi", "completion": ""}) + "\n")
     root = tmp_path / "runs"
     _fails_cleanly(
-        ["train", SFT, "data.source=jsonl", f"data.path={data}", "data.on_invalid=drop",
-         "model.build.size=tiny", "model.build.tokenizer_texts=200", "task.n_train=200",
-         "task.n_heldout=10", "eval.n=0", f"run.root={root}"],
-        capsys, root, "empty",
+        [
+            "train",
+            SFT,
+            "data.source=jsonl",
+            f"data.path={data}",
+            "data.on_invalid=drop",
+            "model.build.size=tiny",
+            "model.build.tokenizer_texts=200",
+            "task.n_train=200",
+            "task.n_heldout=10",
+            "eval.n=0",
+            f"run.root={root}",
+        ],
+        capsys,
+        root,
+        "empty",
     )
 
 
 def test_prompt_longer_than_context(tmp_path, capsys):
     root = tmp_path / "runs"
     _fails_cleanly(
-        ["train", SFT, "model.build.size=tiny", "model.build.max_position_embeddings=16",
-         "model.build.tokenizer_texts=200", "task.n_train=200", "task.n_heldout=10",
-         "train.max_len=64", f"run.root={root}"],
-        capsys, root, "row 0",
+        [
+            "train",
+            SFT,
+            "model.build.size=tiny",
+            "model.build.max_position_embeddings=16",
+            "model.build.tokenizer_texts=200",
+            "task.n_train=200",
+            "task.n_heldout=10",
+            "train.max_len=64",
+            f"run.root={root}",
+        ],
+        capsys,
+        root,
+        "row 0",
     )
 
 
 def test_run_name_cannot_escape_root(tmp_path, capsys):
     root = tmp_path / "runs"
     _fails_cleanly(
-        ["train", SFT, "run.name=../escape", "model.build.size=tiny", "model.build.tokenizer_texts=200",
-         "task.n_train=200", "task.n_heldout=10", f"run.root={root}"],
-        capsys, root, "run.name",
+        [
+            "train",
+            SFT,
+            "run.name=../escape",
+            "model.build.size=tiny",
+            "model.build.tokenizer_texts=200",
+            "task.n_train=200",
+            "task.n_heldout=10",
+            f"run.root={root}",
+        ],
+        capsys,
+        root,
+        "run.name",
     )
 
 
@@ -91,8 +135,24 @@ def test_eval_command_on_a_saved_model(tmp_path, tiny_model, tiny_tokenizer, cap
 
     save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
     cfg = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
-    code = main(["eval", str(tmp_path / "model"), "--task", "chain_sum", "--task-config", cfg,
-                 "--n", "6", "--k", "2", "--exclude-train", "50", "--max-new-tokens", "4"])
+    code = main(
+        [
+            "eval",
+            str(tmp_path / "model"),
+            "--task",
+            "chain_sum",
+            "--task-config",
+            cfg,
+            "--n",
+            "6",
+            "--k",
+            "2",
+            "--exclude-train",
+            "50",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n"] == 6 and out["k"] == 2

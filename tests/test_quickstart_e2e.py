@@ -14,19 +14,31 @@ def test_quickstart_fast_end_to_end(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "rlhflab.cli", "quickstart", "--fast", "--root", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(tmp_path.glob("quickstart-fast-*"))
     results = json.loads((run_dir / "final_results.json").read_text())
     for key in ("heldout_accuracy_sft", "heldout_accuracy_rl", "heldout_n", "wall_s"):
         assert key in results, key
-    assert 0.0 <= results["heldout_accuracy_sft"] <= 1.0 and 0.0 <= results["heldout_accuracy_rl"] <= 1.0
+    assert (
+        0.0 <= results["heldout_accuracy_sft"] <= 1.0
+        and 0.0 <= results["heldout_accuracy_rl"] <= 1.0
+    )
     assert results["heldout_n"] >= 500
     report = (run_dir / "report.md").read_text()
     assert "after GRPO" in report
     grpo = Path(results["grpo_run"])
-    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "final_results.json", "model/config.json"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "samples.jsonl",
+        "final_results.json",
+        "model/config.json",
+    ):
         assert (grpo / name).exists(), name
     assert (grpo / "plots" / "reward.png").exists()
     rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
