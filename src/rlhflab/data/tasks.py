@@ -1,7 +1,7 @@
 """Verifiable tasks from reasoning_gym: problems, datasets and leak-free train/held-out splits.
 
 Source: reasoning_gym (https://github.com/open-thought/reasoning-gym), 0.1.25. Traps handled here
-(FACTS.md):
+(measured reasoning_gym behaviour):
 
 * Item i of a dataset is generated from `Random(seed + i)`, so two datasets whose seeds are closer
   than their sizes share items. Held-out data is drawn from `seed + heldout_seed_offset` (1e9 by

@@ -11,7 +11,7 @@ Parameter counts below are for a 1024-token vocabulary with tied embeddings (emb
 | medium | 384    | 6      | 6     | 2        | 64       | 1536         | ~13.4 M |
 
 (Llama has no q/k norms and is a few hundred parameters smaller.) `base` is the 4.2 M model
-measured in FACTS.md (train step 32×128 tokens ≈ 0.5 s on 2 CPU cores).
+measured on a 2-core CPU (train step 32×128 tokens ≈ 0.5 s on 2 CPU cores).
 """
 
 from __future__ import annotations

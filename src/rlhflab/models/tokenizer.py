@@ -1,7 +1,7 @@
 """A small byte-level BPE tokenizer trained locally, with a chat template.
 
 Models trained from scratch in rlhflab use this tokenizer. Its design follows from two traps
-(see FACTS.md):
+(measured on this design):
 
 * Digits are split one per token (`Digits(individual_digits=True)`) so arithmetic answers are
   spelled digit by digit instead of by whatever multi-digit merges BPE happened to learn.

@@ -1,6 +1,6 @@
 """Verifiable rewards: extract the answer from a completion and score it with reasoning_gym.
 
-Decisions (FACTS.md):
+Decisions (measured reasoning_gym behaviour):
 * Answers are always stripped before scoring: reasoning_gym's default `score_answer` gives partial
   credit `len(reference) / len(answer)` when the reference is a substring, so " 42 " would score
   below "42" for formatting alone.
