@@ -90,7 +90,9 @@ class OptimConfig(Strict):
 class PrecisionConfig(Strict):
     """fp32 master weights; optional bf16 autocast for the forward passes."""
 
-    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA GPUs that have it; CPU: none
+    autocast: Literal["auto", "bf16", "none"] = (
+        "auto"  # auto: bf16 on CUDA GPUs that have it; CPU: none
+    )
     threads: int | None = None  # torch.set_num_threads; None leaves torch's default
 
 
