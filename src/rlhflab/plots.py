@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The curves worth a picture, by family. Missing keys are skipped.
+# The curves worth a picture, by family. Missing keys are skipped; a key ending in "*" matches every
+# metric with that prefix (e.g. each reward component's mean).
 MAIN_CURVES: dict[str, list[str]] = {
-    "reward": ["rollout/reward_mean"],
+    "reward": ["rollout/reward_mean", "rollout/reward/*_mean"],
     "accuracy": ["rollout/accuracy", "eval/accuracy"],
     "kl": ["policy/kl"],
     "entropy": ["policy/entropy"],
@@ -35,7 +36,7 @@ def plot_run(
     written = []
     for stem, keys in (curves or MAIN_CURVES).items():
         series = {}
-        for key in keys:
+        for key in _expand(keys, rows):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
             if pts:
                 series[key] = pts
@@ -55,3 +56,16 @@ def plot_run(
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _expand(keys: list[str], rows: list[dict]) -> list[str]:
+    """`keys` with each "prefix*suffix" pattern replaced by the matching metric names, in order."""
+    out: list[str] = []
+    for key in keys:
+        if "*" not in key:
+            out.append(key)
+            continue
+        prefix, suffix = key.split("*", 1)
+        names = {k for r in rows for k in r if k.startswith(prefix) and k.endswith(suffix)}
+        out.extend(sorted(names))
+    return out
