@@ -4,13 +4,16 @@
 
 Writes `<root>/compare-<timestamp>/`:
     runs/<preset>-s<seed>-<ts>/   every training run, complete (config, metrics, model, ...)
-    comparison.png              reward and held-out accuracy against step and against wall-clock,
-                                mean over seeds with a min-max band
-    comparison.md               one row per preset: composition, budget, accuracy, reward, time
+    comparison.png              the training signal (policy gradients: rollout reward; direct
+                                alignment: DPO margin) and held-out accuracy against step and
+                                against wall-clock, mean over seeds with a min-max band
+    comparison.md               one row per preset: composition, budget, accuracy, signal, time
+                                (direct alignment adds held-out preference accuracy)
     results.json                the same numbers, plus every run's directory
 
 The same overrides go to every preset (task, model, steps, ...), and seed i of every preset uses
 `seed=i`, so presets see the same prompts order and initial model; they differ only in their parts.
+One comparison holds presets of one family (`policy_gradient` or `direct_alignment`).
 """
 
 from __future__ import annotations
@@ -54,10 +57,29 @@ def _fmt(values: list[float | None], digits: int = 3) -> str:
     return f"{statistics.mean(vals):.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
 
 
+# Per family: the metric plotted and tabulated beside held-out accuracy, and its label.
+SIGNALS = {
+    "policy_gradient": ("rollout/reward_mean", "reward"),
+    "direct_alignment": ("dpo/margin", "margin"),
+}
+
+
 def _composition(cfg) -> str:
+    """One line naming the preset's parts (what differs between rows)."""
+    if cfg.trainer == "direct_alignment":
+        args = ", ".join(f"{k}={v}" for k, v in cfg.loss.args.items())
+        rounds = f", {cfg.verifiable.rounds} rounds" if cfg.verifiable.rounds > 1 else ""
+        return f"{cfg.loss.name}({args}){rounds}"
     kl = "none" if cfg.kl.coef == 0 else f"{cfg.kl.estimator} {cfg.kl.placement} β={cfg.kl.coef:g}"
     adv = cfg.loss.advantage + (" +DS" if cfg.rollout.dynamic_sampling.enabled else "")
     return f"{adv} / {cfg.loss.surrogate} / {cfg.loss.aggregation} / {kl}"
+
+
+def _per_step(cfg) -> int:
+    """Work per step: completions (policy gradients) or preference pairs (direct alignment)."""
+    if cfg.trainer == "direct_alignment":
+        return cfg.train.batch_size
+    return cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 
 def run_compare(
@@ -79,12 +101,29 @@ def run_compare(
     configs = {
         p: [load_config(p, [*overrides, f"seed={s}"]) for s in range(seeds)] for p in presets
     }
+    family = next(iter(configs.values()))[0].trainer
     for p, cfgs in configs.items():
-        if cfgs[0].trainer != "policy_gradient":
-            raise ConfigError(f"compare: {p} is a '{cfgs[0].trainer}' preset, not policy_gradient")
+        if cfgs[0].trainer not in SIGNALS:
+            raise ConfigError(
+                f"compare: {p} is a '{cfgs[0].trainer}' preset; compare takes "
+                f"{' or '.join(SIGNALS)} presets"
+            )
+        if cfgs[0].trainer != family:
+            raise ConfigError(
+                f"compare: {p} is a '{cfgs[0].trainer}' preset but the first is '{family}'; "
+                "compare one family at a time"
+            )
+    signal_key, signal_name = SIGNALS[family]
     out = create_run_dir(root, "compare")
     t0 = time.perf_counter()
-    results: dict = {"presets": {}, "seeds": seeds, "overrides": overrides}
+    results: dict = {
+        "presets": {},
+        "seeds": seeds,
+        "overrides": overrides,
+        "family": family,
+        "signal": signal_key,
+        "signal_name": signal_name,
+    }
     for p in presets:
         name = Path(p).stem
         runs = []
@@ -96,18 +135,22 @@ def run_compare(
             rows = read_metrics(Path(res["run_dir"]) / "metrics.jsonl")
             runs.append({"result": res, "rows": rows})
         cfg0 = configs[p][0]
-        reward = [_series(r["rows"], "rollout/reward_mean") for r in runs]
+        reward = [_series(r["rows"], signal_key) for r in runs]
         acc = [_series(r["rows"], "eval/accuracy") for r in runs]
         tail = [statistics.mean(v for _, _, v in ser[-10:]) if ser else None for ser in reward]
         results["presets"][name] = {
             "path": str(p),
             "composition": _composition(cfg0),
             "steps": [r["result"]["steps"] for r in runs],
-            "completions_per_step": cfg0.rollout.prompts_per_step * cfg0.rollout.group_size,
+            "completions_per_step": _per_step(cfg0),
             "heldout_accuracy_before": [r["result"]["heldout_accuracy_before"] for r in runs],
             "heldout_accuracy": [r["result"]["heldout_accuracy"] for r in runs],
             "heldout_n": runs[0]["result"]["heldout_n"],
             "reward_last10": tail,
+            "heldout_pref_accuracy_before": [
+                r["result"].get("heldout_pref_accuracy_before") for r in runs
+            ],
+            "heldout_pref_accuracy": [r["result"].get("heldout_pref_accuracy") for r in runs],
             "wall_s": [r["result"]["wall_s"] for r in runs],
             "run_dirs": [r["result"]["run_dir"] for r in runs],
             "curves": {
@@ -125,16 +168,30 @@ def run_compare(
 
 def comparison_table(results: dict) -> str:
     """The markdown table of a comparison (one row per preset; mean ± std over seeds)."""
-    lines = [
-        "| preset | advantage / surrogate / aggregation / KL | steps × completions | "
-        "held-out acc. before | held-out acc. after | reward (last 10 steps) | wall s / run |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    pairs = results.get("family") == "direct_alignment"
+    signal = results.get("signal_name", "reward")
+    if pairs:
+        head = (
+            "| preset | loss | steps × pairs | held-out pref. acc. before | held-out pref. acc. "
+            f"after | held-out acc. before | held-out acc. after | {signal} (last 10 steps) "
+            "| wall s / run |"
+        )
+    else:
+        head = (
+            "| preset | advantage / surrogate / aggregation / KL | steps × completions | "
+            f"held-out acc. before | held-out acc. after | {signal} (last 10 steps) | wall s / run |"
+        )
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for name, r in results["presets"].items():
         steps = sorted(set(r["steps"]))
+        pref = (
+            f"{_fmt(r['heldout_pref_accuracy_before'])} | {_fmt(r['heldout_pref_accuracy'])} | "
+            if pairs
+            else ""
+        )
         lines.append(
             f"| {name} | {r['composition']} | {'/'.join(map(str, steps))} × "
-            f"{r['completions_per_step']} | {_fmt(r['heldout_accuracy_before'])} | "
+            f"{r['completions_per_step']} | {pref}{_fmt(r['heldout_accuracy_before'])} | "
             f"{_fmt(r['heldout_accuracy'])} | {_fmt(r['reward_last10'])} | "
             f"{_fmt(r['wall_s'], 0)} |"
         )
@@ -166,7 +223,8 @@ def plot_comparison(results: dict, path: Path) -> None:
                 ax = axes[row][col]
                 (line,) = ax.plot(x, mean, label=name, marker="o" if len(x) < 15 else None, ms=3)
                 ax.fill_between(x, lo, hi, alpha=0.15, color=line.get_color())
-    titles = [["rollout reward", "rollout reward"], ["held-out accuracy", "held-out accuracy"]]
+    signal = results.get("signal", "rollout/reward_mean")
+    titles = [[signal, signal], ["held-out accuracy", "held-out accuracy"]]
     for row in range(2):
         for col in range(2):
             ax = axes[row][col]

@@ -258,3 +258,31 @@ def test_micro_batches_match_one_batch(sft_model_dir, tmp_path, loss):
         wa, wb = (load_file(f"{r['model_dir']}/model.safetensors") for r in results)
         for k in wa:
             torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0)
+
+
+def test_compare_direct_alignment_presets(sft_model_dir, tmp_path):
+    from rlhflab.compare import run_compare
+    from rlhflab.errors import ConfigError
+
+    root = Path(__file__).parents[2]
+    over = [f"model.name_or_path={sft_model_dir}", *SMOKE]
+    over += [f"task.{k}={json.dumps(v)}" for k, v in TASK.items()]
+    dpo, ipo = str(root / "configs/dpo/dpo.yaml"), str(root / "configs/dpo/ipo.yaml")
+    # one family at a time, checked before any run starts
+    with pytest.raises(ConfigError, match="compare one family at a time"):
+        run_compare(
+            [dpo, str(root / "configs/pg/grpo.yaml")],
+            seeds=1,
+            overrides=[f"model.name_or_path={sft_model_dir}"],
+            root=str(tmp_path / "bad"),
+        )
+    assert not (tmp_path / "bad").exists()
+    res = run_compare([dpo, ipo], seeds=1, overrides=over, root=str(tmp_path))
+    out = Path(res["out_dir"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["family"] == "direct_alignment" and results["signal"] == "dpo/margin"
+    assert results["presets"]["dpo"]["heldout_pref_accuracy_before"] == [0.5]
+    assert results["presets"]["ipo"]["composition"].startswith("ipo(")
+    table = (out / "comparison.md").read_text()
+    assert "held-out pref. acc. before" in table and "| dpo | dpo(" in table
+    assert (out / "comparison.png").exists()
