@@ -213,7 +213,11 @@ def plot_comparison(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=100)
-    for name, r in results["presets"].items():
+    # One colour per preset in every panel (a preset without a curve in one panel must not shift
+    # the others' colours); tab20 beyond ten presets.
+    cmap = plt.get_cmap("tab10" if len(results["presets"]) <= 10 else "tab20")
+    for i, (name, r) in enumerate(results["presets"].items()):
+        color = cmap(i % cmap.N)
         for row, key in enumerate(("reward", "accuracy")):
             curve = r["curves"][key]
             if not curve:
@@ -221,8 +225,9 @@ def plot_comparison(results: dict, path: Path) -> None:
             steps, times, mean, lo, hi = zip(*curve, strict=True)
             for col, x in enumerate((steps, times)):
                 ax = axes[row][col]
-                (line,) = ax.plot(x, mean, label=name, marker="o" if len(x) < 15 else None, ms=3)
-                ax.fill_between(x, lo, hi, alpha=0.15, color=line.get_color())
+                marker = "o" if len(x) < 15 else None
+                ax.plot(x, mean, label=name, color=color, marker=marker, ms=3)
+                ax.fill_between(x, lo, hi, alpha=0.15, color=color)
     signal = results.get("signal", "rollout/reward_mean")
     titles = [[signal, signal], ["held-out accuracy", "held-out accuracy"]]
     for row in range(2):
@@ -231,7 +236,7 @@ def plot_comparison(results: dict, path: Path) -> None:
             ax.set_title(titles[row][col])
             ax.set_xlabel("step" if col == 0 else "wall-clock (s)")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)  # the accuracy panel has every preset
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
