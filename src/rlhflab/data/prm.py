@@ -187,13 +187,6 @@ def final_value(steps: list[str]) -> str | None:
     return m[4] if m else None
 
 
-def split_solution(text: str, sep: str = DEFAULT_SEP) -> tuple[list[str], str]:
-    """(steps, final) of a completion text "s1 SEP s2 SEP … final": the pieces before each SEP and
-    the rest after the last one."""
-    parts = text.split(sep)
-    return [p for p in parts[:-1]], parts[-1]
-
-
 def solution_text(steps: list[str], final: str, sep: str = DEFAULT_SEP) -> str:
     return "".join(s + sep for s in steps) + final
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 
 def auc(scores: list[float], labels: list[float]) -> float:
     """ROC AUC of `scores` for binary `labels` (ties count ½); NaN if one class is absent."""
@@ -120,7 +118,3 @@ def prm_metrics(
         "steps": total,
         "solutions": len(step_probs),
     }
-
-
-def probs_from_logits(logits: torch.Tensor) -> list[float]:
-    return torch.sigmoid(logits.float()).tolist()

@@ -17,7 +17,6 @@ measured on a 2-core CPU (train step 32×128 tokens ≈ 0.5 s on 2 CPU cores).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 from transformers import (
@@ -140,15 +139,3 @@ def save_pretrained(
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)  # safetensors is the default (and only format in v5)
     tokenizer.save_pretrained(path)
-
-
-def model_summary(model: PreTrainedModel) -> dict[str, Any]:
-    """A few facts worth logging: architecture, size, shape."""
-    cfg = model.config
-    return {
-        "arch": cfg.model_type,
-        "params": count_parameters(model),
-        "hidden_size": getattr(cfg, "hidden_size", None),
-        "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
-        "vocab_size": getattr(cfg, "vocab_size", None),
-    }

@@ -334,14 +334,7 @@ def train(cfg: PGConfig) -> dict:
         n_tok = sums.pop("tokens")
         # KL per completion (summed over tokens) on the first optimizer step's minibatch.
         kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
-        metrics.update(
-            {
-                name: (value / n_tok).item()
-                for name, value in sums.items()
-                if name != "ratio_max" and name != "ratio_min"
-            }
-        )
-        metrics["policy/ratio_max"] = sums["ratio_max"].item() if "ratio_max" in sums else 1.0
+        metrics.update({name: (value / n_tok).item() for name, value in sums.items()})
         metrics.update(_update_metrics(update_sums))
         if kl_seq is not None:
             metrics["policy/kl_seq"] = kl_seq
@@ -452,7 +445,8 @@ def _add(sums: dict, name: str, value) -> None:
 
 def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
     """Masked sums of per-token diagnostics of the first (on-policy) optimizer step; divided by the
-    step's token count when logged."""
+    step's token count when logged. (The ratio's extremes are 1 there by construction; they are
+    tracked over every optimizer step by `_accumulate_update`.)"""
     mask = micro.mask
 
     def add(name: str, value: torch.Tensor) -> None:
@@ -466,8 +460,6 @@ def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
     add("rollout/logp_diff", ((logp - micro.logp).abs() * mask).sum())
     if "kl" in stats:
         add("policy/kl", (stats["kl"] * mask).sum())
-    ratio_max = (stats["ratio"] * mask).max()
-    sums["ratio_max"] = torch.maximum(sums.get("ratio_max", ratio_max), ratio_max)
 
 
 def _accumulate_update(sums: dict, mask, stats: dict) -> None:
