@@ -125,6 +125,7 @@ def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of every `rlhflab` subcommand (tests introspect it for `--help`)."""
     parser = argparse.ArgumentParser(
         prog="rlhflab",
         description="LLM post-training for people who study RLHF.",
@@ -220,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse `argv`, run the command; user errors print one line and return 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:

@@ -154,6 +154,8 @@ class SFTDataConfig(Strict):
 
 
 class SFTTrainConfig(Strict):
+    """SFT budget: optimizer steps, sequences per step and per micro-batch, max sequence length."""
+
     steps: int = Field(100, ge=1)
     batch_size: int = Field(64, ge=1)  # sequences per optimizer step
     micro_batch_size: int = Field(64, ge=1)
@@ -162,6 +164,8 @@ class SFTTrainConfig(Strict):
 
 
 class SFTConfig(Strict):
+    """Config of `trainer: sft` (see trainers/sft.py)."""
+
     trainer: Literal["sft"] = "sft"
     seed: int = 0
     model: ModelConfig
@@ -318,6 +322,8 @@ class ValueConfig(Strict):
 
 
 class PGTrainConfig(Strict):
+    """Policy-gradient budget: rollout steps, micro-batch size, update epochs × minibatches."""
+
     steps: int = Field(100, ge=1)
     micro_batch_size: int = Field(64, ge=1)  # completions per forward/backward
     update_epochs: int = Field(1, ge=1)  # passes over each rollout batch
@@ -326,6 +332,8 @@ class PGTrainConfig(Strict):
 
 
 class PGConfig(Strict):
+    """Config of `trainer: policy_gradient` (see trainers/policy_gradient.py)."""
+
     trainer: Literal["policy_gradient"] = "policy_gradient"
     seed: int = 0
     model: ModelConfig
@@ -614,6 +622,8 @@ class DPOLossConfig(Strict):
 
 
 class DPOTrainConfig(Strict):
+    """Direct-alignment budget: steps, pairs per step and per micro-batch."""
+
     steps: int = Field(100, ge=1)  # optimizer steps in total (split evenly over rounds)
     batch_size: int = Field(32, ge=1)  # pairs (KTO: labelled completions) per optimizer step
     micro_batch_size: int = Field(32, ge=1)  # pairs per forward (chosen and rejected together)
@@ -621,10 +631,14 @@ class DPOTrainConfig(Strict):
 
 
 class DPOEvalConfig(EvalConfig):
+    """Held-out task accuracy and held-out preference accuracy of a direct-alignment run."""
+
     pref_every: int = Field(10, ge=0)  # held-out preference accuracy every N steps (0: ends only)
 
 
 class DPOConfig(Strict):
+    """Config of `trainer: direct_alignment` (see trainers/direct_alignment.py)."""
+
     trainer: Literal["direct_alignment"] = "direct_alignment"
     seed: int = 0
     model: ModelConfig
@@ -711,6 +725,8 @@ class RMLossConfig(Strict):
 
 
 class RMTrainConfig(Strict):
+    """Reward-model budget: steps, examples per step and per micro-batch."""
+
     steps: int = Field(100, ge=1)
     batch_size: int = Field(32, ge=1)  # pairs (preference) or sequences (orm / prm) per step
     micro_batch_size: int = Field(32, ge=1)
@@ -728,6 +744,8 @@ class RMEvalConfig(Strict):
 
 
 class RMConfig(Strict):
+    """Config of `trainer: reward_model` (see trainers/reward_model.py)."""
+
     trainer: Literal["reward_model"] = "reward_model"
     kind: Literal["preference", "orm", "prm"] = "preference"
     seed: int = 0

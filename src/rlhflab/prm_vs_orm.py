@@ -37,6 +37,9 @@ def run_prm_vs_orm(
     seed: int = 0,
     threads: int | None = 1,
 ) -> dict:
+    """PRM vs ORM from the same data budget: SFT a policy (or load `policy`), sample it once,
+    train an ORM and a PRM on those samples, and report best-of-N accuracy vs N on held-out
+    problems for both (with oracle and random picks), with a plot. Returns the results dict."""
     import torch
 
     from rlhflab.config import config_from_dict

@@ -218,6 +218,9 @@ def parse_hh_transcript(text: Any, field: str) -> Messages:
 
 
 def parse_ultrafeedback_row(row: Any) -> PreferencePair:
+    """One UltraFeedback-binarized row (`chosen`/`rejected` message lists sharing the prompt) → PreferencePair.
+
+    Raises DataError naming the field when a field is missing or malformed."""
     chosen = _messages(_get(row, "chosen"), "chosen")
     rejected = _messages(_get(row, "rejected"), "rejected")
     prompt, c, r = split_shared_prompt(chosen, rejected)
@@ -228,6 +231,8 @@ def parse_ultrafeedback_row(row: Any) -> PreferencePair:
 
 
 def parse_hh_row(row: Any) -> PreferencePair:
+    """One HH-RLHF row (`chosen`/`rejected` "\\n\\nHuman: … \\n\\nAssistant: …" transcripts; the
+    shared prefix is the prompt) → PreferencePair. Raises DataError naming the field."""
     chosen = parse_hh_transcript(_get(row, "chosen"), "chosen")
     rejected = parse_hh_transcript(_get(row, "rejected"), "rejected")
     prompt, c, r = split_shared_prompt(chosen, rejected)
@@ -250,6 +255,7 @@ def _completion(value: Any, field: str, prompt: Messages) -> str:
 
 
 def parse_pairs_row(row: Any) -> PreferencePair:
+    """One generic row {prompt, chosen, rejected} → PreferencePair. Raises DataError naming the field."""
     prompt = _prompt(_get(row, "prompt"))
     chosen = _completion(_get(row, "chosen"), "chosen", prompt)
     rejected = _completion(_get(row, "rejected"), "rejected", prompt)
@@ -259,6 +265,8 @@ def parse_pairs_row(row: Any) -> PreferencePair:
 
 
 def parse_unpaired_row(row: Any) -> UnpairedExample:
+    """One unpaired row {prompt, completion, label} (KTO) → UnpairedExample. Raises DataError
+    naming the field."""
     prompt = _prompt(_get(row, "prompt"))
     completion = _completion(_get(row, "completion"), "completion", prompt)
     label = _get(row, "label")

@@ -188,6 +188,7 @@ def final_value(steps: list[str]) -> str | None:
 
 
 def solution_text(steps: list[str], final: str, sep: str = DEFAULT_SEP) -> str:
+    """The completion text of a worked solution: each step followed by `sep`, then the final answer."""
     return "".join(s + sep for s in steps) + final
 
 

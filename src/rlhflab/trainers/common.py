@@ -41,6 +41,7 @@ def setup_precision(precision: PrecisionConfig, device: torch.device) -> torch.d
 
 
 def default_device() -> torch.device:
+    """CUDA when available, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

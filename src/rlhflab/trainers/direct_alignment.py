@@ -104,6 +104,7 @@ def reference_logps(model, prompts, completions, pad_id, *, chunk: int, autocast
 
 
 def paired_rows(tokenized: list[TokenizedPair]) -> list[dict]:
+    """Tokenized pairs as row dicts {prompt, chosen, rejected} of token ids (the trainer's data rows)."""
     return [
         {"prompt": t.prompt_ids, "chosen": t.chosen_ids, "rejected": t.rejected_ids}
         for t in tokenized
