@@ -8,7 +8,9 @@ Commands:
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
 
-Every user-facing error is printed as one line `error: ...` with exit code 2.
+Every user-facing error is printed as one line `error: ...` with exit code 2. A run stopped by
+SIGTERM / SIGINT writes a committed checkpoint and exits with 128 + the signal number (143 / 130);
+`rlhflab train CONFIG --resume` continues it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import os
 import sys
 
-from rlhflab.errors import RlhfLabError
+from rlhflab.errors import Interrupted, RlhfLabError
 
 EXIT_USER_ERROR = 2
 
@@ -27,7 +29,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rlhflab.config import load_config
     from rlhflab.trainers import run_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"run.resume={args.resume}")
+    if args.allow_config_change:
+        overrides.append("run.allow_config_change=true")
+    cfg = load_config(args.config, overrides)
     results = run_config(cfg)
     print(json.dumps(results, indent=2))
     return 0
@@ -135,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a YAML preset with dotted overrides")
     p.add_argument("config", help="YAML preset, e.g. configs/pg/grpo.yaml")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optim.lr=1e-5")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue a run: a run directory or checkpoint directory; without PATH the newest "
+        "committed checkpoint of a run of this name (an error if there is none)",
+    )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume although config keys that matter (model, data, seed, batch sizes) changed",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("eval", help="held-out accuracy (greedy) and pass@k of a model on a task")
@@ -226,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except Interrupted as exc:
+        print(f"interrupted: {exc}; continue with --resume", file=sys.stderr)
+        return exc.exit_code
     except RlhfLabError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

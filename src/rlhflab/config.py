@@ -108,11 +108,16 @@ class TrackingConfig(Strict):
 
 
 class RunConfig(Strict):
-    """The run directory runs/<name>-<timestamp>/."""
+    """The run directory runs/<name>-<timestamp>/, and resuming one."""
 
     name: str = "run"
     root: str = "runs"
     save_model: bool = True
+    # None: a fresh run. "auto": continue the newest committed checkpoint of a run of this name
+    # under `root` (fresh when there is none). A path: that run directory's newest committed
+    # checkpoint, or that checkpoint directory (an error when it holds none).
+    resume: str | None = None  # also "latest": like "auto" but an error when there is none
+    allow_config_change: bool = False  # resume although keys that matter changed (listed)
 
     @field_validator("name")
     @classmethod
@@ -121,6 +126,23 @@ class RunConfig(Strict):
 
         check_run_name(name)
         return name
+
+
+class CheckpointConfig(Strict):
+    """Atomic, verified checkpoints for exact resume (see rlhflab/checkpoint.py)."""
+
+    every: int = Field(50, ge=0)  # optimizer steps between checkpoints; 0: only at the end
+    keep_last: int | None = Field(2, ge=1)  # committed checkpoints kept; None keeps all
+
+
+class TrainBase(Strict):
+    """Fault policy shared by every trainer's `train` section."""
+
+    # A non-finite loss or gradient norm: "raise" stops before the optimizer step, naming the
+    # step and the metric; "skip" drops the step (no optimizer or scheduler step), counts it in
+    # train/nan_skips, and raises after `nan_max_skips` skipped steps in a row.
+    nan_policy: Literal["raise", "skip"] = "raise"
+    nan_max_skips: int = Field(3, ge=1)
 
 
 class EvalConfig(Strict):
@@ -153,7 +175,7 @@ class SFTDataConfig(Strict):
         return self
 
 
-class SFTTrainConfig(Strict):
+class SFTTrainConfig(TrainBase):
     """SFT budget: optimizer steps, sequences per step and per micro-batch, max sequence length."""
 
     steps: int = Field(100, ge=1)
@@ -176,6 +198,7 @@ class SFTConfig(Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -321,7 +344,7 @@ class ValueConfig(Strict):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 
-class PGTrainConfig(Strict):
+class PGTrainConfig(TrainBase):
     """Policy-gradient budget: rollout steps, micro-batch size, update epochs × minibatches."""
 
     steps: int = Field(100, ge=1)
@@ -348,6 +371,7 @@ class PGConfig(Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -621,7 +645,7 @@ class DPOLossConfig(Strict):
         return self
 
 
-class DPOTrainConfig(Strict):
+class DPOTrainConfig(TrainBase):
     """Direct-alignment budget: steps, pairs per step and per micro-batch."""
 
     steps: int = Field(100, ge=1)  # optimizer steps in total (split evenly over rounds)
@@ -651,6 +675,7 @@ class DPOConfig(Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: DPOEvalConfig = Field(default_factory=DPOEvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -724,7 +749,7 @@ class RMLossConfig(Strict):
     prm_reduce: Literal["min", "prod"] = "min"
 
 
-class RMTrainConfig(Strict):
+class RMTrainConfig(TrainBase):
     """Reward-model budget: steps, examples per step and per micro-batch."""
 
     steps: int = Field(100, ge=1)
@@ -758,6 +783,7 @@ class RMConfig(Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")

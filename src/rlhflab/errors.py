@@ -5,6 +5,11 @@ Every error raised for bad input (config, data, paths, models) is an `RlhfLabErr
 Messages name the field, file or row at fault.
 """
 
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
 
 class RlhfLabError(Exception):
     """Base class: a user-facing problem that is explained in one line."""
@@ -20,3 +25,28 @@ class DataError(RlhfLabError):
 
 class ModelError(RlhfLabError):
     """A model or tokenizer cannot be loaded or does not fit the request."""
+
+
+class CheckpointError(RlhfLabError):
+    """A checkpoint is incomplete, corrupted or does not fit the run (message names the file)."""
+
+
+class NonFiniteError(RlhfLabError):
+    """A loss or gradient became NaN/inf (message names the step and the metric)."""
+
+
+class Interrupted(Exception):
+    """Training stopped on SIGTERM / SIGINT after writing a committed checkpoint.
+
+    The CLI exits with `128 + signum` (130 for SIGINT, 143 for SIGTERM), as a shell reports a
+    process ended by that signal; `--resume` continues from `checkpoint`.
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after step {step}; checkpoint {checkpoint}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
-from rlhflab.errors import DataError, ModelError
+from rlhflab.errors import DataError, ModelError, NonFiniteError
 
 
 def seed_everything(seed: int) -> None:
@@ -168,3 +169,70 @@ def grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> torch.
     if max_norm is None:
         return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+class NonFiniteGuard:
+    """`train.nan_policy`: what happens when a loss or gradient norm is NaN/inf.
+
+    `check(step, values)` is called after the backward pass and before the optimizer step.
+    "raise": a NonFiniteError naming the step and the first non-finite metric. "skip": returns
+    False (the caller skips the optimizer and scheduler step), counts the skip, and raises after
+    `max_skips` skipped steps in a row. One host sync per optimizer step.
+    """
+
+    def __init__(self, policy: str, max_skips: int) -> None:
+        self.policy, self.max_skips = policy, max_skips
+        self.skipped = 0  # total skipped optimizer steps
+        self.in_a_row = 0
+
+    def check(self, step: int, values: dict[str, torch.Tensor | float]) -> bool:
+        for name, value in values.items():
+            v = float(value)
+            if math.isfinite(v):
+                continue
+            if self.policy == "raise":
+                raise NonFiniteError(
+                    f"step {step}: {name} is {v}; stopped before the optimizer step "
+                    "(train.nan_policy: raise)"
+                )
+            self.skipped += 1
+            self.in_a_row += 1
+            if self.in_a_row >= self.max_skips:
+                raise NonFiniteError(
+                    f"step {step}: {name} is {v}; {self.in_a_row} non-finite steps in a row "
+                    f"(train.nan_max_skips: {self.max_skips})"
+                )
+            return False
+        self.in_a_row = 0
+        return True
+
+    def state(self) -> dict:
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
+
+    def load(self, state: dict) -> None:
+        self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
+
+
+def open_run(cfg, ckpt) -> Path:
+    """The run directory: a new one (config.yaml written) or, when resuming, the checkpoint's run
+    (checked by `resume_point`)."""
+    from rlhflab.config import dump_config
+    from rlhflab.runs import create_run_dir, write_text_atomic
+
+    if ckpt is not None:
+        return ckpt.run_dir
+    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
+    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    return run_dir
+
+
+def resume_point(cfg):
+    """The verified checkpoint `run.resume` asks for (None: fresh run), after checking that no
+    config key that matters changed. Called first in set-up, before anything is written, so a bad
+    resume request fails early."""
+    from rlhflab.checkpoint import check_config_change, find_resume_checkpoint
+
+    ckpt = find_resume_checkpoint(cfg.run.resume, cfg.run.root, cfg.run.name)
+    if ckpt is not None:
+        check_config_change(ckpt, cfg.model_dump(mode="json"), allow=cfg.run.allow_config_change)
+    return ckpt

@@ -41,7 +41,9 @@ import time
 
 import torch
 
-from rlhflab.config import DPOConfig, dump_config
+from rlhflab import faults
+from rlhflab.checkpoint import Checkpointer, StopSignals
+from rlhflab.config import DPOConfig
 from rlhflab.data.formatting import encode_prompt, format_completion, render_prompt
 from rlhflab.data.preference import (
     PreferencePair,
@@ -58,14 +60,17 @@ from rlhflab.models.build import save_pretrained
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
-from rlhflab.runs import SampleWriter, create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
+    NonFiniteGuard,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
     make_scheduler,
+    open_run,
     prepare_model,
+    resume_point,
     seed_everything,
     setup_precision,
 )
@@ -201,6 +206,7 @@ def train(cfg: DPOConfig) -> dict:
     """Run direct alignment as configured; returns final results (also in final_results.json)."""
     t_start = time.perf_counter()
     # -- 0. Set-up and validation: nothing is written before the run directory.
+    ckpt = resume_point(cfg)  # the verified checkpoint to continue from, or None
     seed_everything(cfg.seed)
     device = default_device()
     autocast_dtype = setup_precision(cfg.precision, device)
@@ -293,9 +299,8 @@ def train(cfg: DPOConfig) -> dict:
         )
     t_ref = time.perf_counter() - t_ref
 
-    # -- 2. Run directory.
-    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
-    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    # -- 2. Run directory (a resumed run continues in its own).
+    run_dir = open_run(cfg, ckpt)
     tracker = Tracker(
         run_dir,
         total_steps=cfg.train.steps,
@@ -357,132 +362,180 @@ def train(cfg: DPOConfig) -> dict:
         tracker.log(step, res)
         return res
 
-    initial_eval = run_eval(0) if heldout_tasks else {}
-    initial_pref = pref_eval(0)
-
     # -- 3. Training steps, in rounds (rounds > 1: new on-policy pairs and reference each round).
+    #       Checkpoints hold model, optimizer, schedule, RNGs, the data position and, from round 2
+    #       on, the round's pairs with their cached reference log-probs (round 1's are rebuilt
+    #       exactly by the set-up above).
     steps_per_round = cfg.train.steps // v.rounds
     order: list[int] = []
-    steps_done = 0
     last_loss = float("nan")
     B = cfg.train.batch_size
-    for step in range(1, cfg.train.steps + 1):
-        if verifiable and step > 1 and (step - 1) % steps_per_round == 0:
-            r = (step - 1) // steps_per_round + 1
-            new_pairs, data_counts[f"round_{r}"] = round_pairs()
-            if new_pairs:
-                rows, _ = build_rows(new_pairs)
-                if use_ref:  # the reference of this round is the policy as it is now
-                    cache_reference(
-                        model,
-                        rows,
-                        pad,
-                        unpaired=unpaired,
-                        chunk=chunk,
-                        autocast_dtype=autocast_dtype,
-                    )
-                order = []
-            tracker.print(f"round {r}: {data_counts[f'round_{r}']}")
-        t0 = time.perf_counter()
-        batch_idx = []
-        while len(batch_idx) < B:
-            if not order:
-                order = list(range(len(rows)))
-                rng.shuffle(order)
-            batch_idx.append(order.pop())
-        optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        n_tokens = 0
-        for s in range(0, B, cfg.train.micro_batch_size):
-            mb = [rows[i] for i in batch_idx[s : s + cfg.train.micro_batch_size]]
-            n = len(mb)
-            if unpaired:
-                comps = [r["completion"] for r in mb] + [r["kl_completion"] for r in mb]
-            else:
-                comps = [r["chosen"] for r in mb] + [r["rejected"] for r in mb]
-            logps, lengths = sequence_logps(
-                model, [r["prompt"] for r in mb] * 2, comps, pad, autocast_dtype=autocast_dtype
-            )
-            n_tokens += int(lengths.sum())
-            pc, pr = logps[:n], logps[n:]
-            if unpaired:
-                ref = torch.tensor([r["ref"] for r in mb], device=device)
-                ref_kl = torch.tensor([r["ref_kl"] for r in mb], device=device)
-                label = torch.tensor([r["label"] for r in mb], device=device)
-                losses, stats = loss_fn(pc, ref, label, pr, ref_kl, **cfg.loss.args)
-                d = stats["desirable"]
-                stats = {
-                    "kto/kl": stats["kl"].expand(n),
-                    "kto/kl_raw": stats["kl_raw"].expand(n),
-                    "kto/reward_desirable_sum": stats["reward"] * d,
-                    "kto/reward_undesirable_sum": stats["reward"] * (1 - d),
-                    "kto/desirable_n": d,
-                    "logps/completion": pc.detach(),
-                }
-            else:
-                rc = rr = None
-                if use_ref:
-                    rc = torch.tensor([r["ref_chosen"] for r in mb], device=device)
-                    rr = torch.tensor([r["ref_rejected"] for r in mb], device=device)
-                kw = (
-                    {"chosen_lengths": lengths[:n], "rejected_lengths": lengths[n:]}
-                    if wants_lengths
-                    else {}
-                )
-                losses, stats = loss_fn(pc, pr, rc, rr, **kw, **cfg.loss.args)
-                stats = {
-                    (
-                        f"dpo/{k}"
-                        if k in ("chosen_reward", "rejected_reward", "margin", "accuracy")
-                        else f"{cfg.loss.name}/{k}"
-                    ): val
-                    for k, val in stats.items()
-                }
-                stats["logps/chosen"] = pc.detach()
-                stats["logps/rejected"] = pr.detach()
-            loss = losses.sum() / B  # the step's mean over pairs, whatever the micro-batching
-            loss.backward()
-            sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
-            for k, val in stats.items():
-                sums[k] = sums.get(k, 0.0) + val.float().sum().item() / B
-        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        steps_done = step
-        last_loss = sums["train/loss"]
-        if unpaired:  # means over desirable / undesirable examples
-            nd = sums.pop("kto/desirable_n") * B
-            sums["kto/chosen_reward"] = sums.pop("kto/reward_desirable_sum") * B / max(nd, 1)
-            sums["kto/rejected_reward"] = (
-                sums.pop("kto/reward_undesirable_sum") * B / max(B - nd, 1)
-            )
-        dt = time.perf_counter() - t0
-        metrics = {
-            **sums,
-            "optim/grad_norm": float(grad_norm),
-            "optim/lr": scheduler.get_last_lr()[0],
-            "perf/step_s": dt,
-            "perf/tokens_per_s": n_tokens / dt,
+    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
+    checkpointer = Checkpointer(
+        run_dir,
+        cfg.model_dump(mode="json"),
+        modules={"model": model},
+        optimizers={"optimizer": optimizer},
+        schedulers={"scheduler": scheduler},
+        generators={"sampler": generator},
+        randoms={"data": rng},
+        every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        resumed_from=ckpt,
+    )
+
+    def state() -> dict:
+        later_round = verifiable and steps_done > steps_per_round
+        return {
+            "order": order,
+            "rows": rows if later_round else None,
+            "data_counts": data_counts,
+            "last_loss": last_loss,
+            "initial_eval": initial_eval,
+            "initial_pref": initial_pref,
+            "nan": guard.state(),
         }
-        if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
-            tracker.log(step, metrics)
-        if cfg.eval.pref_every and step % cfg.eval.pref_every == 0 and step < cfg.train.steps:
-            metrics.update(pref_eval(step))
-        if (
-            heldout_tasks
-            and cfg.eval.every
-            and step % cfg.eval.every == 0
-            and step < cfg.train.steps
-        ):
-            metrics.update({f"eval/{k}": val for k, val in run_eval(step).items()})
-        if (step % cfg.tracking.samples_every == 0 or step == 1) and cfg.tracking.samples_per_step:
-            _write_samples(
-                samples, step, model, tokenizer, heldout_tasks, verifier, cfg, autocast_dtype
-            )
-        tracker.advance(step, metrics)
-        if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-            tracker.print(f"stopping at step {step}: train.max_seconds reached")
-            break
+
+    steps_done = ckpt.step if ckpt is not None else 0
+    if ckpt is not None:
+        st = checkpointer.restore(ckpt)
+        order, last_loss, data_counts = st["order"], st["last_loss"], st["data_counts"]
+        initial_eval, initial_pref = st["initial_eval"], st["initial_pref"]
+        if st["rows"] is not None:
+            rows = st["rows"]
+        guard.load(st["nan"])
+        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
+        tracker.advance(ckpt.step, {})
+    else:
+        initial_eval = run_eval(0) if heldout_tasks else {}
+        initial_pref = pref_eval(0)
+    with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
+        for step in range(steps_done + 1, cfg.train.steps + 1):
+            if verifiable and step > 1 and (step - 1) % steps_per_round == 0:
+                r = (step - 1) // steps_per_round + 1
+                new_pairs, data_counts[f"round_{r}"] = round_pairs()
+                if new_pairs:
+                    rows, _ = build_rows(new_pairs)
+                    if use_ref:  # the reference of this round is the policy as it is now
+                        cache_reference(
+                            model,
+                            rows,
+                            pad,
+                            unpaired=unpaired,
+                            chunk=chunk,
+                            autocast_dtype=autocast_dtype,
+                        )
+                    order = []
+                tracker.print(f"round {r}: {data_counts[f'round_{r}']}")
+            t0 = time.perf_counter()
+            batch_idx = []
+            while len(batch_idx) < B:
+                if not order:
+                    order = list(range(len(rows)))
+                    rng.shuffle(order)
+                batch_idx.append(order.pop())
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            n_tokens = 0
+            for s in range(0, B, cfg.train.micro_batch_size):
+                mb = [rows[i] for i in batch_idx[s : s + cfg.train.micro_batch_size]]
+                n = len(mb)
+                if unpaired:
+                    comps = [r["completion"] for r in mb] + [r["kl_completion"] for r in mb]
+                else:
+                    comps = [r["chosen"] for r in mb] + [r["rejected"] for r in mb]
+                logps, lengths = sequence_logps(
+                    model, [r["prompt"] for r in mb] * 2, comps, pad, autocast_dtype=autocast_dtype
+                )
+                n_tokens += int(lengths.sum())
+                pc, pr = logps[:n], logps[n:]
+                if unpaired:
+                    ref = torch.tensor([r["ref"] for r in mb], device=device)
+                    ref_kl = torch.tensor([r["ref_kl"] for r in mb], device=device)
+                    label = torch.tensor([r["label"] for r in mb], device=device)
+                    losses, stats = loss_fn(pc, ref, label, pr, ref_kl, **cfg.loss.args)
+                    d = stats["desirable"]
+                    stats = {
+                        "kto/kl": stats["kl"].expand(n),
+                        "kto/kl_raw": stats["kl_raw"].expand(n),
+                        "kto/reward_desirable_sum": stats["reward"] * d,
+                        "kto/reward_undesirable_sum": stats["reward"] * (1 - d),
+                        "kto/desirable_n": d,
+                        "logps/completion": pc.detach(),
+                    }
+                else:
+                    rc = rr = None
+                    if use_ref:
+                        rc = torch.tensor([r["ref_chosen"] for r in mb], device=device)
+                        rr = torch.tensor([r["ref_rejected"] for r in mb], device=device)
+                    kw = (
+                        {"chosen_lengths": lengths[:n], "rejected_lengths": lengths[n:]}
+                        if wants_lengths
+                        else {}
+                    )
+                    losses, stats = loss_fn(pc, pr, rc, rr, **kw, **cfg.loss.args)
+                    stats = {
+                        (
+                            f"dpo/{k}"
+                            if k in ("chosen_reward", "rejected_reward", "margin", "accuracy")
+                            else f"{cfg.loss.name}/{k}"
+                        ): val
+                        for k, val in stats.items()
+                    }
+                    stats["logps/chosen"] = pc.detach()
+                    stats["logps/rejected"] = pr.detach()
+                loss = losses.sum() / B  # the step's mean over pairs, whatever the micro-batching
+                loss = faults.corrupt("loss", step, loss)
+                loss.backward()
+                sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
+                for k, val in stats.items():
+                    sums[k] = sums.get(k, 0.0) + val.float().sum().item() / B
+            faults.hit("step_mid", step)
+            grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+            if guard.check(step, {"train/loss": sums["train/loss"], "optim/grad_norm": grad_norm}):
+                optimizer.step()
+                scheduler.step()
+            steps_done = step
+            last_loss = sums["train/loss"]
+            if unpaired:  # means over desirable / undesirable examples
+                nd = sums.pop("kto/desirable_n") * B
+                sums["kto/chosen_reward"] = sums.pop("kto/reward_desirable_sum") * B / max(nd, 1)
+                sums["kto/rejected_reward"] = (
+                    sums.pop("kto/reward_undesirable_sum") * B / max(B - nd, 1)
+                )
+            dt = time.perf_counter() - t0
+            if cfg.train.nan_policy == "skip":
+                sums["train/nan_skips"] = guard.skipped
+            metrics = {
+                **sums,
+                "optim/grad_norm": float(grad_norm),
+                "optim/lr": scheduler.get_last_lr()[0],
+                "perf/step_s": dt,
+                "perf/tokens_per_s": n_tokens / dt,
+            }
+            if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
+                tracker.log(step, metrics)
+            if cfg.eval.pref_every and step % cfg.eval.pref_every == 0 and step < cfg.train.steps:
+                metrics.update(pref_eval(step))
+            if (
+                heldout_tasks
+                and cfg.eval.every
+                and step % cfg.eval.every == 0
+                and step < cfg.train.steps
+            ):
+                metrics.update({f"eval/{k}": val for k, val in run_eval(step).items()})
+            if (
+                step % cfg.tracking.samples_every == 0 or step == 1
+            ) and cfg.tracking.samples_per_step:
+                _write_samples(
+                    samples, step, model, tokenizer, heldout_tasks, verifier, cfg, autocast_dtype
+                )
+            tracker.advance(step, metrics)
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close, samples.close))
+            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
+                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+                break
+    checkpointer.finish(steps_done, state())
 
     # -- 4. Held-out evaluation, model, plots, results.
     final_pref = pref_eval(steps_done)

@@ -36,7 +36,9 @@ import time
 
 import torch
 
-from rlhflab.config import PGConfig, dump_config
+from rlhflab import faults
+from rlhflab.checkpoint import Checkpointer, StopSignals
+from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, render_prompt
 from rlhflab.data.tasks import make_splits
 from rlhflab.eval.accuracy import evaluate
@@ -53,15 +55,18 @@ from rlhflab.rewards.shaping import score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
 from rlhflab.rollout.sampler import completion_logps, decode_completions, sample
-from rlhflab.runs import SampleWriter, create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
+    NonFiniteGuard,
     check_lengths,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
     make_scheduler,
+    open_run,
     prepare_model,
+    resume_point,
     seed_everything,
     setup_precision,
 )
@@ -72,6 +77,7 @@ def train(cfg: PGConfig) -> dict:
     """Run policy-gradient RL as configured; returns final results (also in final_results.json)."""
     t_start = time.perf_counter()
     # -- 0. Set-up: all validation happens here, before the run directory exists.
+    ckpt = resume_point(cfg)  # the verified checkpoint to continue from, or None
     seed_everything(cfg.seed)
     device = default_device()
     autocast_dtype = setup_precision(cfg.precision, device)
@@ -126,11 +132,11 @@ def train(cfg: PGConfig) -> dict:
     need_logp_old = optimizer_steps_per_batch > 1 or (ref_model is not None and not kl_in_loss)
     sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
-    prompt_stream = _prompt_stream(len(prompts), random.Random(cfg.seed))
+    prompt_stream = PromptStream(len(prompts), random.Random(cfg.seed))
+    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
 
-    # -- 1. Run directory.
-    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
-    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    # -- 1. Run directory (a resumed run continues in its own).
+    run_dir = open_run(cfg, ckpt)
     tracker = Tracker(
         run_dir,
         total_steps=cfg.train.steps,
@@ -197,189 +203,250 @@ def train(cfg: PGConfig) -> dict:
         components = {k: v.to(device) for k, v in components.items()}
         return ScoredBatch(rollout, rewards.to(device), components, texts, problems)
 
-    initial_eval = run_eval(0) if heldout else {}
-    steps_done = 0
-    for step in range(1, cfg.train.steps + 1):
-        t0 = time.perf_counter()
-        # -- 1-2. Rollout and rewards: prompts_per_step prompts, each repeated group_size times
-        #         (group-contiguous), scored by the reward components. Dynamic sampling draws
-        #         further rounds and keeps only groups whose rewards are not all equal.
-        if cfg.rollout.dynamic_sampling.enabled:
-            ds = cfg.rollout.dynamic_sampling
-            batch, sampling_stats = dynamic_sample(
-                itertools.islice(prompt_stream, ds.max_rounds * cfg.rollout.prompts_per_step),
-                draw,
-                n_groups=cfg.rollout.prompts_per_step,
-                group_size=group_size,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        else:
-            batch = draw(list(itertools.islice(prompt_stream, cfg.rollout.prompts_per_step)))
-            sampling_stats = {}
-        rollout, rewards, mask = batch.rollout, batch.rewards, batch.rollout.mask
-        t_rollout = time.perf_counter() - t0
+    # Checkpoints hold both models, optimizers and schedules, every RNG stream, the prompt
+    # stream's position, the KL controller's coefficient and the counters.
+    checkpointer = Checkpointer(
+        run_dir,
+        cfg.model_dump(mode="json"),
+        modules={"model": model, "value_model": value_model},
+        optimizers={"optimizer": optimizer, "value_optimizer": value_optimizer},
+        schedulers={"scheduler": scheduler, "value_scheduler": value_scheduler},
+        generators={"sampler": sampler_rng, "shuffle": shuffle_rng},
+        randoms={"prompts": prompt_stream.rng},
+        every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        resumed_from=ckpt,
+    )
 
-        # -- 3. Log-probs of the pre-update and the reference policy, and the critic's values, in
-        #       micro-batches without gradients.
-        logp_old = _no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
-        logp_ref = (
-            _no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
-            if ref_model is not None
-            else None
-        )
-        values_old = (
-            _no_grad_values(value_model, rollout, cfg, autocast_dtype)
-            if value_model is not None
-            else None
-        )
+    def state() -> dict:
+        return {
+            "prompt_order": prompt_stream.order,
+            "kl_coef": kl_coef,
+            "initial_eval": initial_eval,
+            "verifier_errors": verifier.n_errors,
+            "nan": guard.state(),
+        }
 
-        # -- 4. Advantages. The KL penalty enters the reward here when placed there; a per-token
-        #       advantage (GAE) gets the sequence reward at the last valid token.
-        kl_reward_tok = None
-        shaped = rewards
-        if logp_ref is not None and not kl_in_loss:
-            kl_reward_tok = kl_penalty(logp_old, logp_ref, cfg.kl.estimator)
-            shaped = kl_in_reward(
-                rewards,
-                kl_reward_tok,
-                mask,
-                coef=kl_coef,
-                per_token=cfg.kl.placement == "reward_token",
-            )
-        returns = None
-        if values_old is not None:
-            if shaped.ndim == 1:  # sequence reward at the last token, no per-token penalty
-                shaped = kl_in_reward(
-                    shaped, torch.zeros_like(mask), mask, coef=0.0, per_token=True
+    if ckpt is not None:
+        st = checkpointer.restore(ckpt)
+        prompt_stream.order = st["prompt_order"]
+        kl_coef, initial_eval = st["kl_coef"], st["initial_eval"]
+        verifier.n_errors = st["verifier_errors"]
+        guard.load(st["nan"])
+        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
+        tracker.advance(ckpt.step, {})
+    else:
+        initial_eval = run_eval(0) if heldout else {}
+    steps_done = ckpt.step if ckpt is not None else 0
+    with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
+        for step in range(steps_done + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            # -- 1-2. Rollout and rewards: prompts_per_step prompts, each repeated group_size times
+            #         (group-contiguous), scored by the reward components. Dynamic sampling draws
+            #         further rounds and keeps only groups whose rewards are not all equal.
+            if cfg.rollout.dynamic_sampling.enabled:
+                ds = cfg.rollout.dynamic_sampling
+                batch, sampling_stats = dynamic_sample(
+                    itertools.islice(prompt_stream, ds.max_rounds * cfg.rollout.prompts_per_step),
+                    draw,
+                    n_groups=cfg.rollout.prompts_per_step,
+                    group_size=group_size,
+                    pad_token_id=tokenizer.pad_token_id,
                 )
-            adv, returns = advantage_fn(shaped, values_old, mask, **advantage_kwargs)
-        else:
-            adv = advantage_fn(shaped, **advantage_kwargs)
-        if cfg.loss.whiten_advantages:
-            adv = whiten(adv, mask if adv.ndim == 2 else None)
+            else:
+                batch = draw(list(itertools.islice(prompt_stream, cfg.rollout.prompts_per_step)))
+                sampling_stats = {}
+            rollout, rewards, mask = batch.rollout, batch.rewards, batch.rollout.mask
+            t_rollout = time.perf_counter() - t0
 
-        # -- 5. Update: update_epochs × minibatches optimizer steps over the rollout batch.
-        sums: dict[str, torch.Tensor] = {}
-        update_sums: dict[str, torch.Tensor] = {}
-        loss_total, value_loss_total, grad_norms, first_step = 0.0, 0.0, [], True
-        for _epoch in range(cfg.train.update_epochs):
-            perm = torch.randperm(batch_size, generator=shuffle_rng).to(device)
-            for m in range(cfg.train.minibatches):
-                mb_rows = perm[m * minibatch_size : (m + 1) * minibatch_size]
-                # Denominators of this optimizer step, counted once over all its micro-batches.
-                num_tokens = mask[mb_rows].sum()
-                optimizer.zero_grad(set_to_none=True)
-                if value_optimizer is not None:
-                    value_optimizer.zero_grad(set_to_none=True)
-                for s in range(0, minibatch_size, cfg.train.micro_batch_size):
-                    rows = mb_rows[s : s + cfg.train.micro_batch_size]
-                    micro = rollout.select(rows)
-                    logp, entropy = completion_logps(
-                        model,
-                        micro,
-                        temperature=cfg.rollout.temperature,
-                        with_entropy=first_step,
-                        autocast_dtype=autocast_dtype,
+            # -- 3. Log-probs of the pre-update and the reference policy, and the critic's values, in
+            #       micro-batches without gradients.
+            logp_old = (
+                _no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
+            )
+            logp_ref = (
+                _no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
+                if ref_model is not None
+                else None
+            )
+            values_old = (
+                _no_grad_values(value_model, rollout, cfg, autocast_dtype)
+                if value_model is not None
+                else None
+            )
+
+            # -- 4. Advantages. The KL penalty enters the reward here when placed there; a per-token
+            #       advantage (GAE) gets the sequence reward at the last valid token.
+            kl_reward_tok = None
+            shaped = rewards
+            if logp_ref is not None and not kl_in_loss:
+                kl_reward_tok = kl_penalty(logp_old, logp_ref, cfg.kl.estimator)
+                shaped = kl_in_reward(
+                    rewards,
+                    kl_reward_tok,
+                    mask,
+                    coef=kl_coef,
+                    per_token=cfg.kl.placement == "reward_token",
+                )
+            returns = None
+            if values_old is not None:
+                if shaped.ndim == 1:  # sequence reward at the last token, no per-token penalty
+                    shaped = kl_in_reward(
+                        shaped, torch.zeros_like(mask), mask, coef=0.0, per_token=True
                     )
-                    old = logp.detach() if first_step else logp_old[rows]
-                    loss_tok, stats = surrogate_fn(
-                        logp, old, adv[rows], micro.mask, **cfg.loss.surrogate_args
-                    )
-                    if logp_ref is not None and kl_in_loss:
-                        kl_tok = kl_penalty(logp, logp_ref[rows], cfg.kl.estimator)
-                        loss_tok = loss_tok + kl_coef * kl_tok
-                        stats = {**stats, "kl": kl_tok.detach()}
-                    elif kl_reward_tok is not None:
-                        stats = {**stats, "kl": kl_reward_tok[rows]}
-                    loss = aggregate(
-                        loss_tok,
-                        micro.mask,
-                        cfg.loss.aggregation,
-                        num_tokens=num_tokens,
-                        num_seqs=minibatch_size,
-                        max_len=cfg.rollout.max_new_tokens,
-                    )
-                    loss.backward()
-                    loss_total += float(loss.detach())
-                    if value_model is not None:  # the critic regresses the λ-returns
-                        values = value_model(micro, autocast_dtype)
-                        v_tok, v_stats = clipped_value_loss(
-                            values,
-                            values_old[rows],
-                            returns[rows],
-                            micro.mask,
-                            clip_range=cfg.value.clip_range,
+                adv, returns = advantage_fn(shaped, values_old, mask, **advantage_kwargs)
+            else:
+                adv = advantage_fn(shaped, **advantage_kwargs)
+            if cfg.loss.whiten_advantages:
+                adv = whiten(adv, mask if adv.ndim == 2 else None)
+
+            # -- 5. Update: update_epochs × minibatches optimizer steps over the rollout batch.
+            sums: dict[str, torch.Tensor] = {}
+            update_sums: dict[str, torch.Tensor] = {}
+            loss_total, value_loss_total, grad_norms, first_step = 0.0, 0.0, [], True
+            for _epoch in range(cfg.train.update_epochs):
+                perm = torch.randperm(batch_size, generator=shuffle_rng).to(device)
+                for m in range(cfg.train.minibatches):
+                    mb_rows = perm[m * minibatch_size : (m + 1) * minibatch_size]
+                    # Denominators of this optimizer step, counted once over all its micro-batches.
+                    num_tokens = mask[mb_rows].sum()
+                    optimizer.zero_grad(set_to_none=True)
+                    step_loss = step_value_loss = 0.0  # this optimizer step's, for nan_policy
+                    if value_optimizer is not None:
+                        value_optimizer.zero_grad(set_to_none=True)
+                    for s in range(0, minibatch_size, cfg.train.micro_batch_size):
+                        rows = mb_rows[s : s + cfg.train.micro_batch_size]
+                        micro = rollout.select(rows)
+                        logp, entropy = completion_logps(
+                            model,
+                            micro,
+                            temperature=cfg.rollout.temperature,
+                            with_entropy=first_step,
+                            autocast_dtype=autocast_dtype,
                         )
-                        v_loss = aggregate(v_tok, micro.mask, "token_mean", num_tokens=num_tokens)
-                        v_loss.backward()
-                        value_loss_total += float(v_loss.detach())
-                        _add(update_sums, "value/clip_frac", (v_stats["clipped"]).sum())
-                    _accumulate_update(update_sums, micro.mask, stats)
-                    if first_step:  # diagnostics of the batch under the sampling policy
-                        _accumulate(sums, micro, stats, entropy, logp.detach())
-                grad_norms.append(grad_norm_and_clip(model, cfg.optim.max_grad_norm))
-                optimizer.step()
-                scheduler.step()
-                if value_optimizer is not None:
-                    grad_norm_and_clip(value_model, cfg.value.optim.max_grad_norm)
-                    value_optimizer.step()
-                    value_scheduler.step()
-                first_step = False
-        steps_done = step
-        dt = time.perf_counter() - t0
+                        old = logp.detach() if first_step else logp_old[rows]
+                        loss_tok, stats = surrogate_fn(
+                            logp, old, adv[rows], micro.mask, **cfg.loss.surrogate_args
+                        )
+                        if logp_ref is not None and kl_in_loss:
+                            kl_tok = kl_penalty(logp, logp_ref[rows], cfg.kl.estimator)
+                            loss_tok = loss_tok + kl_coef * kl_tok
+                            stats = {**stats, "kl": kl_tok.detach()}
+                        elif kl_reward_tok is not None:
+                            stats = {**stats, "kl": kl_reward_tok[rows]}
+                        loss = aggregate(
+                            loss_tok,
+                            micro.mask,
+                            cfg.loss.aggregation,
+                            num_tokens=num_tokens,
+                            num_seqs=minibatch_size,
+                            max_len=cfg.rollout.max_new_tokens,
+                        )
+                        loss = faults.corrupt("loss", step, loss)
+                        loss.backward()
+                        step_loss += float(loss.detach())
+                        if value_model is not None:  # the critic regresses the λ-returns
+                            values = value_model(micro, autocast_dtype)
+                            v_tok, v_stats = clipped_value_loss(
+                                values,
+                                values_old[rows],
+                                returns[rows],
+                                micro.mask,
+                                clip_range=cfg.value.clip_range,
+                            )
+                            v_loss = aggregate(
+                                v_tok, micro.mask, "token_mean", num_tokens=num_tokens
+                            )
+                            v_loss.backward()
+                            step_value_loss += float(v_loss.detach())
+                            _add(update_sums, "value/clip_frac", (v_stats["clipped"]).sum())
+                        _accumulate_update(update_sums, micro.mask, stats)
+                        if first_step:  # diagnostics of the batch under the sampling policy
+                            _accumulate(sums, micro, stats, entropy, logp.detach())
+                    faults.hit("step_mid", step)
+                    grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+                    grad_norms.append(grad_norm)
+                    loss_total += step_loss
+                    value_loss_total += step_value_loss
+                    finite = guard.check(
+                        step, {"policy/loss": step_loss, "optim/grad_norm": grad_norm}
+                    )
+                    if finite:
+                        optimizer.step()
+                        scheduler.step()
+                    if value_optimizer is not None:
+                        v_norm = grad_norm_and_clip(value_model, cfg.value.optim.max_grad_norm)
+                        if finite and guard.check(
+                            step, {"value/loss": step_value_loss, "value/grad_norm": v_norm}
+                        ):
+                            value_optimizer.step()
+                            value_scheduler.step()
+                    first_step = False
+            steps_done = step
+            dt = time.perf_counter() - t0
 
-        # -- 6. Log, then let the adaptive controller move kl.coef.
-        metrics = _rollout_metrics(batch, group_size)
-        metrics.update({f"rollout/{k}": v for k, v in sampling_stats.items()})
-        n_tok = sums.pop("tokens")
-        # KL per completion (summed over tokens) on the first optimizer step's minibatch.
-        kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
-        metrics.update({name: (value / n_tok).item() for name, value in sums.items()})
-        metrics.update(_update_metrics(update_sums))
-        if kl_seq is not None:
-            metrics["policy/kl_seq"] = kl_seq
-            metrics["policy/kl_coef"] = kl_coef
-        if value_model is not None:
-            metrics["value/loss"] = value_loss_total / optimizer_steps_per_batch
-            metrics["value/explained_var"] = explained_variance(values_old, returns, mask).item()
-            metrics["value/mean"] = (values_old.sum() / mask.sum()).item()
-        metrics.update(
-            {
-                "policy/loss": loss_total / optimizer_steps_per_batch,
-                "optim/grad_norm": torch.stack(grad_norms).mean().item(),
-                "optim/lr": scheduler.get_last_lr()[0],
-                "perf/step_s": dt,
-                "perf/rollout_s": t_rollout,
-                "perf/tokens_per_s": mask.sum().item() / dt,
-                "verifier/errors": verifier.n_errors,
-            }
-        )
-        if cfg.kl.controller == "adaptive" and kl_seq is not None:
-            kl_coef = adaptive_kl_coef(
-                kl_coef, kl_seq, target=cfg.kl.target, horizon=cfg.kl.horizon, n_steps=batch_size
+            # -- 6. Log, then let the adaptive controller move kl.coef.
+            metrics = _rollout_metrics(batch, group_size)
+            metrics.update({f"rollout/{k}": v for k, v in sampling_stats.items()})
+            n_tok = sums.pop("tokens")
+            # KL per completion (summed over tokens) on the first optimizer step's minibatch.
+            kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
+            metrics.update({name: (value / n_tok).item() for name, value in sums.items()})
+            metrics.update(_update_metrics(update_sums))
+            if kl_seq is not None:
+                metrics["policy/kl_seq"] = kl_seq
+                metrics["policy/kl_coef"] = kl_coef
+            if value_model is not None:
+                metrics["value/loss"] = value_loss_total / optimizer_steps_per_batch
+                metrics["value/explained_var"] = explained_variance(
+                    values_old, returns, mask
+                ).item()
+                metrics["value/mean"] = (values_old.sum() / mask.sum()).item()
+            if cfg.train.nan_policy == "skip":
+                metrics["train/nan_skips"] = guard.skipped
+            metrics.update(
+                {
+                    "policy/loss": loss_total / optimizer_steps_per_batch,
+                    "optim/grad_norm": torch.stack(grad_norms).mean().item(),
+                    "optim/lr": scheduler.get_last_lr()[0],
+                    "perf/step_s": dt,
+                    "perf/rollout_s": t_rollout,
+                    "perf/tokens_per_s": mask.sum().item() / dt,
+                    "verifier/errors": verifier.n_errors,
+                }
             )
-        if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
-            tracker.log(step, metrics)
-        if step % cfg.tracking.samples_every == 0 or step == 1:
-            n = cfg.tracking.samples_per_step
-            samples.write(
-                step,
-                [
-                    {
-                        "prompt": batch.problems[i].question,
-                        "completion": batch.texts[i],
-                        "reward": rewards[i].item(),
-                        "answer": batch.problems[i].answer,
-                    }
-                    for i in range(min(n, len(batch.texts)))
-                ],
-            )
-        if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-            metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
-        tracker.advance(step, metrics)
-        if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-            tracker.print(f"stopping at step {step}: train.max_seconds reached")
-            break
+            if cfg.kl.controller == "adaptive" and kl_seq is not None:
+                kl_coef = adaptive_kl_coef(
+                    kl_coef,
+                    kl_seq,
+                    target=cfg.kl.target,
+                    horizon=cfg.kl.horizon,
+                    n_steps=batch_size,
+                )
+            if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
+                tracker.log(step, metrics)
+            if step % cfg.tracking.samples_every == 0 or step == 1:
+                n = cfg.tracking.samples_per_step
+                samples.write(
+                    step,
+                    [
+                        {
+                            "prompt": batch.problems[i].question,
+                            "completion": batch.texts[i],
+                            "reward": rewards[i].item(),
+                            "answer": batch.problems[i].answer,
+                        }
+                        for i in range(min(n, len(batch.texts)))
+                    ],
+                )
+            if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+                metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
+            tracker.advance(step, metrics)
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close, samples.close))
+            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
+                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+                break
+    checkpointer.finish(steps_done, state())
 
     final_eval = run_eval(steps_done) if heldout else {}
     tracker.close()
@@ -406,13 +473,22 @@ def train(cfg: PGConfig) -> dict:
     return results
 
 
-def _prompt_stream(n: int, rng: random.Random):
-    """Train-prompt indices forever: each pass over the split in a fresh shuffled order."""
-    while True:
-        order = list(range(n))
-        rng.shuffle(order)
-        while order:
-            yield order.pop()
+class PromptStream:
+    """Train-prompt indices forever: each pass over the split in a fresh shuffled order. Its
+    position is `order` (the indices left in this pass) plus the state of `rng`: both go into
+    checkpoints."""
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self.n, self.rng, self.order = n, rng, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if not self.order:
+            self.order = list(range(self.n))
+            self.rng.shuffle(self.order)
+        return self.order.pop()
 
 
 @torch.no_grad()

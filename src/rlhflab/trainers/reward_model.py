@@ -27,7 +27,9 @@ import time
 
 import torch
 
-from rlhflab.config import RMConfig, dump_config
+from rlhflab import faults
+from rlhflab.checkpoint import Checkpointer, StopSignals
+from rlhflab.config import RMConfig
 from rlhflab.data.reward_data import (
     LabelledCompletion,
     StepLabelledCompletion,
@@ -52,14 +54,17 @@ from rlhflab.models.reward import (
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import pack
-from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.runs import write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
+    NonFiniteGuard,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
     make_scheduler,
+    open_run,
     prepare_model,
+    resume_point,
     seed_everything,
     setup_precision,
 )
@@ -70,6 +75,7 @@ def train(cfg: RMConfig) -> dict:
     """Train a reward model as configured; returns final results (also in final_results.json)."""
     t_start = time.perf_counter()
     # -- 0. Set-up: model, data, validation. Nothing is written before this phase ends.
+    ckpt = resume_point(cfg)  # the verified checkpoint to continue from, or None
     seed_everything(cfg.seed)
     device = default_device()
     autocast_dtype = setup_precision(cfg.precision, device)
@@ -112,9 +118,8 @@ def train(cfg: RMConfig) -> dict:
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
-    # -- 1. Run directory.
-    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
-    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    # -- 1. Run directory (a resumed run continues in its own).
+    run_dir = open_run(cfg, ckpt)
     tracker = Tracker(
         run_dir,
         total_steps=cfg.train.steps,
@@ -130,52 +135,83 @@ def train(cfg: RMConfig) -> dict:
         f"{cfg.kind} examples; data: {data_counts})"
     )
 
-    # -- 2. Training steps.
+    # -- 2. Training steps. Checkpoints hold model, optimizer, schedule, RNGs and the data
+    #       position (the data itself is rebuilt exactly by the set-up).
     rng = random.Random(cfg.seed)
     order: list[int] = []
     last_loss = float("nan")
-    steps_done = 0
-    for step in range(1, cfg.train.steps + 1):
-        t0 = time.perf_counter()
-        batch_idx = []
-        while len(batch_idx) < cfg.train.batch_size:
-            if not order:
-                order = list(range(len(train_items)))
-                rng.shuffle(order)
-            batch_idx.append(order.pop())
-        batch = [train_items[i] for i in batch_idx]
-        denom = loss_denominator(cfg, batch)  # counted once for the whole optimizer step
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros(())
-        acc_sum = acc_n = 0.0
-        for s in range(0, len(batch), cfg.train.micro_batch_size):
-            mb = batch[s : s + cfg.train.micro_batch_size]
-            losses, weight, stats = rm_losses(
-                cfg, model, mb, tokenizer.pad_token_id, device, autocast_dtype
-            )
-            loss = losses.sum() / denom
-            loss.backward()
-            step_loss += loss.detach().cpu()
-            acc_sum += float((stats["accuracy"] * weight).sum())
-            acc_n += float(weight.sum())
-        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        steps_done = step
-        last_loss = float(step_loss)
-        metrics = {
-            "train/loss": last_loss,
-            "rm/accuracy": acc_sum / max(acc_n, 1.0),
-            "optim/grad_norm": float(grad_norm),
-            "optim/lr": scheduler.get_last_lr()[0],
-            "perf/step_s": time.perf_counter() - t0,
-        }
-        if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
-            tracker.log(step, metrics)
-        tracker.advance(step, metrics)
-        if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-            tracker.print(f"stopping at step {step}: train.max_seconds reached")
-            break
+    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
+    checkpointer = Checkpointer(
+        run_dir,
+        cfg.model_dump(mode="json"),
+        modules={"model": model},
+        optimizers={"optimizer": optimizer},
+        schedulers={"scheduler": scheduler},
+        randoms={"data": rng},
+        every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        resumed_from=ckpt,
+    )
+
+    def state() -> dict:
+        return {"order": order, "last_loss": last_loss, "nan": guard.state()}
+
+    steps_done = ckpt.step if ckpt is not None else 0
+    if ckpt is not None:
+        st = checkpointer.restore(ckpt)
+        order, last_loss = st["order"], st["last_loss"]
+        guard.load(st["nan"])
+        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
+        tracker.advance(ckpt.step, {})
+    with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
+        for step in range(steps_done + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            batch_idx = []
+            while len(batch_idx) < cfg.train.batch_size:
+                if not order:
+                    order = list(range(len(train_items)))
+                    rng.shuffle(order)
+                batch_idx.append(order.pop())
+            batch = [train_items[i] for i in batch_idx]
+            denom = loss_denominator(cfg, batch)  # counted once for the whole optimizer step
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros(())
+            acc_sum = acc_n = 0.0
+            for s in range(0, len(batch), cfg.train.micro_batch_size):
+                mb = batch[s : s + cfg.train.micro_batch_size]
+                losses, weight, stats = rm_losses(
+                    cfg, model, mb, tokenizer.pad_token_id, device, autocast_dtype
+                )
+                loss = losses.sum() / denom
+                loss = faults.corrupt("loss", step, loss)
+                loss.backward()
+                step_loss += loss.detach().cpu()
+                acc_sum += float((stats["accuracy"] * weight).sum())
+                acc_n += float(weight.sum())
+            faults.hit("step_mid", step)
+            grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+            if guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
+                optimizer.step()
+                scheduler.step()
+            steps_done = step
+            last_loss = float(step_loss)
+            metrics = {
+                "train/loss": last_loss,
+                "rm/accuracy": acc_sum / max(acc_n, 1.0),
+                "optim/grad_norm": float(grad_norm),
+                "optim/lr": scheduler.get_last_lr()[0],
+                "perf/step_s": time.perf_counter() - t0,
+            }
+            if cfg.train.nan_policy == "skip":
+                metrics["train/nan_skips"] = guard.skipped
+            if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
+                tracker.log(step, metrics)
+            tracker.advance(step, metrics)
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,))
+            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
+                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+                break
+    checkpointer.finish(steps_done, state())
 
     # -- 3. Held-out RM metrics (and best-of-N with the sampling policy).
     model.eval()

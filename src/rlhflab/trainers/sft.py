@@ -18,7 +18,9 @@ import time
 
 import torch
 
-from rlhflab.config import SFTConfig, dump_config
+from rlhflab import faults
+from rlhflab.checkpoint import Checkpointer, StopSignals
+from rlhflab.config import SFTConfig
 from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
 from rlhflab.data.tasks import make_splits
 from rlhflab.eval.accuracy import evaluate
@@ -28,14 +30,17 @@ from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, pack
-from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.runs import write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
+    NonFiniteGuard,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
     make_scheduler,
+    open_run,
     prepare_model,
+    resume_point,
     seed_everything,
     setup_precision,
 )
@@ -55,6 +60,7 @@ def train(cfg: SFTConfig) -> dict:
     """Run SFT as configured; returns the final results dict (also in final_results.json)."""
     t_start = time.perf_counter()
     # -- 0. Set-up: everything that can fail on bad input fails here, before any file is written.
+    ckpt = resume_point(cfg)  # the verified checkpoint to continue from, or None
     seed_everything(cfg.seed)
     device = default_device()
     autocast_dtype = setup_precision(cfg.precision, device)
@@ -89,9 +95,8 @@ def train(cfg: SFTConfig) -> dict:
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
-    # -- 1. Run directory.
-    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
-    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    # -- 1. Run directory (a resumed run continues in its own).
+    run_dir = open_run(cfg, ckpt)
     tracker = Tracker(
         run_dir,
         total_steps=cfg.train.steps,
@@ -122,53 +127,85 @@ def train(cfg: SFTConfig) -> dict:
         return res
 
     # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step.
+    #       Checkpoints hold model, optimizer, schedule, RNGs and the data position (`order`).
     rng = random.Random(cfg.seed)
     order: list[int] = []
     last_loss = float("nan")
-    steps_done = 0
-    for step in range(1, cfg.train.steps + 1):
-        t0 = time.perf_counter()
-        batch_idx = []
-        while len(batch_idx) < cfg.train.batch_size:
-            if not order:
-                order = list(range(len(pairs)))
-                rng.shuffle(order)
-            batch_idx.append(order.pop())
-        # Denominator: completion tokens of the whole step, counted once before the micro-batches.
-        num_tokens = sum(len(pairs[i][1]) for i in batch_idx)
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros(())
-        for s in range(0, len(batch_idx), cfg.train.micro_batch_size):
-            idx = batch_idx[s : s + cfg.train.micro_batch_size]
-            mb = pack(
-                [pairs[i][0] for i in idx], [pairs[i][1] for i in idx], tokenizer.pad_token_id
-            )
-            mb = mb.to(device)
-            logp, _ = completion_logps(model, mb, autocast_dtype=autocast_dtype)
-            loss = aggregate(-logp, mb.mask, "token_mean", num_tokens=num_tokens)
-            loss.backward()
-            step_loss += loss.detach().cpu()
-        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        steps_done = step
-        last_loss = float(step_loss)
-        dt = time.perf_counter() - t0
-        metrics = {
-            "train/loss": last_loss,
-            "optim/grad_norm": float(grad_norm),
-            "optim/lr": scheduler.get_last_lr()[0],
-            "perf/step_s": dt,
-            "perf/tokens_per_s": num_tokens / dt,
-        }
-        if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
-            tracker.log(step, metrics)
-        if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-            metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
-        tracker.advance(step, metrics)
-        if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-            tracker.print(f"stopping at step {step}: train.max_seconds reached")
-            break
+    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
+    checkpointer = Checkpointer(
+        run_dir,
+        cfg.model_dump(mode="json"),
+        modules={"model": model},
+        optimizers={"optimizer": optimizer},
+        schedulers={"scheduler": scheduler},
+        randoms={"data": rng},
+        every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        resumed_from=ckpt,
+    )
+
+    def state() -> dict:
+        return {"order": order, "last_loss": last_loss, "nan": guard.state()}
+
+    if ckpt is not None:
+        st = checkpointer.restore(ckpt)
+        order, last_loss = st["order"], st["last_loss"]
+        guard.load(st["nan"])
+        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
+        tracker.advance(ckpt.step, {})
+    steps_done = ckpt.step if ckpt is not None else 0
+    with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
+        for step in range(steps_done + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            batch_idx = []
+            while len(batch_idx) < cfg.train.batch_size:
+                if not order:
+                    order = list(range(len(pairs)))
+                    rng.shuffle(order)
+                batch_idx.append(order.pop())
+            # Denominator: completion tokens of the whole step, counted once before the
+            # micro-batches.
+            num_tokens = sum(len(pairs[i][1]) for i in batch_idx)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros(())
+            for s in range(0, len(batch_idx), cfg.train.micro_batch_size):
+                idx = batch_idx[s : s + cfg.train.micro_batch_size]
+                mb = pack(
+                    [pairs[i][0] for i in idx], [pairs[i][1] for i in idx], tokenizer.pad_token_id
+                )
+                mb = mb.to(device)
+                logp, _ = completion_logps(model, mb, autocast_dtype=autocast_dtype)
+                loss = aggregate(-logp, mb.mask, "token_mean", num_tokens=num_tokens)
+                loss = faults.corrupt("loss", step, loss)
+                loss.backward()
+                step_loss += loss.detach().cpu()
+            faults.hit("step_mid", step)
+            grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+            if guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
+                optimizer.step()
+                scheduler.step()
+            steps_done = step
+            last_loss = float(step_loss)
+            dt = time.perf_counter() - t0
+            metrics = {
+                "train/loss": last_loss,
+                "optim/grad_norm": float(grad_norm),
+                "optim/lr": scheduler.get_last_lr()[0],
+                "perf/step_s": dt,
+                "perf/tokens_per_s": num_tokens / dt,
+            }
+            if cfg.train.nan_policy == "skip":
+                metrics["train/nan_skips"] = guard.skipped
+            if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
+                tracker.log(step, metrics)
+            if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+                metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
+            tracker.advance(step, metrics)
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,))
+            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
+                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+                break
+    checkpointer.finish(steps_done, state())
 
     # -- 3. Held-out evaluation.
     final_eval = run_eval(steps_done) if heldout else {}
