@@ -21,7 +21,8 @@ Loading (`load_checkpoint`) verifies COMMITTED, the manifest's hash, and every f
 sha256 before anything is restored; any mismatch is a `CheckpointError` naming the file.
 
 Retention (`keep_last`) runs only after a commit and never deletes the newest committed checkpoint
-nor the one this run resumed from. A deleted checkpoint loses its COMMITTED marker first, so a
+nor the one this run resumed from. After resuming from an older checkpoint, the first commit also
+removes the checkpoints of later steps (an abandoned timeline). A deleted checkpoint loses its COMMITTED marker first, so a
 half-deleted directory is never taken for a complete one.
 
 Resume exactness: restoring model, optimizer, scheduler, every RNG stream, data position and
@@ -49,7 +50,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from rlhflab import faults
 from rlhflab.errors import CheckpointError, ConfigError, Interrupted
-from rlhflab.runs import write_json_atomic
+from rlhflab.runs import redact, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 COMMITTED = "COMMITTED"
@@ -342,7 +343,7 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
 def check_config_change(ckpt: Checkpoint, config: dict, *, allow: bool) -> list[str]:
     """Keys that matter and changed since the checkpoint; a ConfigError listing them unless
     `allow`."""
-    keys = changed_keys(ckpt.state["config"], config)
+    keys = changed_keys(ckpt.state["config"], json.loads(redact(json.dumps(config))))
     if keys and not allow:
         raise ConfigError(
             f"run.resume: config differs from the checkpoint's in {', '.join(keys)} "
@@ -454,7 +455,7 @@ class Checkpointer:
                 "file_offsets": offsets,
                 "config": self.config,
             }
-            self._write(tmp, STATE, lambda p: p.write_text(json.dumps(full_state)))
+            self._write(tmp, STATE, lambda p: p.write_text(redact(json.dumps(full_state))))
             files = {
                 p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                 for p in sorted(tmp.iterdir())
@@ -500,9 +501,15 @@ class Checkpointer:
             self.save(step, state)
 
     def _retain(self, newest: Path) -> None:
+        committed = committed_checkpoints(self.run_dir)
+        # Checkpoints of later steps than the one just written belong to a timeline abandoned by
+        # resuming from an older checkpoint: metrics.jsonl no longer matches them.
+        stale = [p for p in committed if _step_of(p) > _step_of(newest)]
+        for p in stale:
+            _remove(p)
+        committed = [p for p in committed if p not in stale]
         if not self.keep_last:
             return
-        committed = committed_checkpoints(self.run_dir)
         keep = {p.name for p in committed[-self.keep_last :]} | {newest.name}
         if self.protected:
             keep.add(self.protected)

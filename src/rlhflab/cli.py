@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {exc}; continue with --resume", file=sys.stderr)
         return exc.exit_code
     except RlhfLabError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from rlhflab.runs import redact
+
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -22,6 +22,28 @@ from typing import Any
 from rlhflab.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: Environment variables whose values are secrets (WANDB_API_KEY, HF_TOKEN, OPENAI_API_KEY, ...).
+_SECRET_NAME = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+REDACTED = "***"
+
+
+def secret_values() -> list[str]:
+    """Values of environment variables named like secrets (8+ characters), longest first."""
+    values = {v for k, v in os.environ.items() if _SECRET_NAME.search(k) and v and len(v) >= 8}
+    return sorted(values, key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """`text` with every secret environment value replaced by '***'.
+
+    Everything written into a run directory (config, metrics, samples, results, checkpoint
+    state) goes through this, so a token that reached a config value, a prompt or an error
+    message never lands on disk.
+    """
+    for secret in secret_values():
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
 
 
 def check_run_name(name: str) -> None:
@@ -52,12 +74,13 @@ def create_run_dir(root: str | Path, name: str) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, fsync, then rename over `path`."""
+    """Write `text` (secrets redacted) to a temporary file beside `path`, fsync, then rename
+    over `path`."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(text)
+            f.write(redact(text))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -79,7 +102,7 @@ class SampleWriter:
 
     def write(self, step: int, rows: list[dict]) -> None:
         for row in rows:
-            self.file.write(json.dumps({"step": step, **row}) + "\n")
+            self.file.write(redact(json.dumps({"step": step, **row})) + "\n")
         self.file.flush()
 
     def close(self) -> None:

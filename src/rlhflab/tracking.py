@@ -16,6 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from rlhflab.runs import redact
+
 console = Console(stderr=True)
 
 
@@ -86,7 +88,7 @@ class Tracker:
         """Record the metrics of `step` (values: python or 0-d tensor numbers)."""
         row = {"step": step, "time_s": round(time.perf_counter() - self.start, 4)}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write(redact(json.dumps(row)) + "\n")
         self.file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)

@@ -278,7 +278,12 @@ def tokenize_sft_example(
 
 
 def tokenize_sft(
-    tokenizer: Any, examples: Iterable[SFTExample], *, max_len: int
+    tokenizer: Any,
+    examples: Iterable[SFTExample],
+    *,
+    max_len: int,
+    on_invalid: str = "error",
+    drops: dict[str, int] | None = None,
 ) -> list[dict[str, list[int]]]:
     """Token ids and labels for SFT, one dict per example, unpadded.
 
@@ -286,19 +291,34 @@ def tokenize_sft(
     `labels` (same length) = -100 on every prompt token, else equal to `input_ids`.
     A completion that does not fit is truncated on the right (then it has no eos); the number of
     truncated examples is logged as a warning. Use `tokenize_sft_example` to get the flag per row.
+    A prompt of max_len tokens or more leaves no room for the completion: an error, or with
+    `on_invalid="drop"` the row is dropped and counted in `drops["prompt_too_long"]`.
 
     Raises:
         ConfigError: `max_len` < 2.
-        DataError: a prompt has ≥ max_len tokens; the message names the row index (from 0).
+        DataError: a prompt has ≥ max_len tokens (on_invalid "error"; the message names the row
+            index, from 0); no example left after dropping.
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
         raise ConfigError(f"data.max_len: must be an integer >= 2, got {max_len!r}")
     out: list[dict[str, list[int]]] = []
-    n_truncated = 0
+    n_truncated = n_too_long = 0
     for i, example in enumerate(examples):
-        features, truncated = tokenize_sft_example(tokenizer, example, max_len=max_len, row=i)
+        try:
+            features, truncated = tokenize_sft_example(tokenizer, example, max_len=max_len, row=i)
+        except DataError:
+            if on_invalid != "drop":
+                raise
+            n_too_long += 1
+            continue
         n_truncated += truncated
         out.append(features)
+    if drops is not None and n_too_long:
+        drops["prompt_too_long"] = drops.get("prompt_too_long", 0) + n_too_long
+    if not out:
+        raise DataError(
+            f"data: no example left: all {n_too_long} prompts have >= max_len {max_len} tokens"
+        )
     if n_truncated:
         logger.warning(
             "truncated %d of %d completions to fit max_len %d", n_truncated, len(out), max_len

@@ -85,7 +85,9 @@ def train(cfg: SFTConfig) -> dict:
     else:
         examples, drops = load_sft_jsonl(cfg.data.path, tokenizer, on_invalid=cfg.data.on_invalid)
     max_len = min(cfg.train.max_len, context_length(model))
-    features = tokenize_sft(tokenizer, examples, max_len=max_len)
+    features = tokenize_sft(
+        tokenizer, examples, max_len=max_len, on_invalid=cfg.data.on_invalid, drops=drops
+    )
     pairs = []  # (prompt ids, completion ids)
     for f in features:
         n_prompt = sum(1 for label in f["labels"] if label == -100)
