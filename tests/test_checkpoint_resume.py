@@ -227,3 +227,34 @@ def test_reward_model_killed_mid_run_resumes_exactly(tmp_path, sft_model_dir):
     assert run_cli(tmp_path, raw, fault="step_mid@5=sigkill", check=False).returncode == -9
     run_cli(tmp_path, raw, "--resume")
     assert_same_run(ref, run_dir_of(tmp_path / "runs", "rm"))
+
+
+def test_ppo_with_value_model_killed_twice_resumes_exactly(tmp_path, sft_model_dir):
+    """PPO: the critic, its optimizer and schedule come back too; two kills, one mid-step."""
+
+    def ppo_raw(root):
+        raw = grpo_raw(root, sft_model_dir, name="ppo")
+        raw["rollout"] = {"prompts_per_step": 8, "group_size": 1, "max_new_tokens": 4}
+        raw["loss"] = {
+            "advantage": "gae",
+            "advantage_args": {"gamma": 1.0, "lam": 0.95},
+            "whiten_advantages": True,
+            "surrogate": "ppo_clip",
+            "aggregation": "token_mean",
+        }
+        raw["kl"] = {"coef": 0.05, "estimator": "k1", "placement": "reward_token"}
+        raw["value"] = {"clip_range": 0.2, "optim": {"lr": 1e-3, "warmup_steps": 2}}
+        raw["eval"]["every"] = 3
+        return raw
+
+    ref = run_config(config_from_dict(ppo_raw(tmp_path / "ref")))["run_dir"]
+    raw = ppo_raw(tmp_path / "runs")
+    (tmp_path / "runs").mkdir()
+    assert run_cli(tmp_path, raw, fault="step_end@4=sigkill", check=False).returncode == -9
+    assert (
+        run_cli(tmp_path, raw, "--resume", fault="step_mid@6=sigkill", check=False).returncode == -9
+    )
+    run_cli(tmp_path, raw, "--resume")
+    run = run_dir_of(tmp_path / "runs", "ppo")
+    assert_same_run(ref, run)
+    assert_same_run(ref, run, weights="value_model/value_head.safetensors")
