@@ -10,6 +10,7 @@ from torch import Tensor
 
 __all__ = [
     "entropy_from_logits",
+    "linear_selective_log_softmax",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -238,3 +239,108 @@ def entropy_from_logits(logits: Tensor, *, chunk_size: int = 1024) -> Tensor:
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     return _EntropyFromLogits.apply(flat, chunk_size).reshape(lead)
+
+
+#: Elements (rows × vocab) of one float32 block of the fused head: 8 Mi floats = 32 MiB.
+_FUSED_BLOCK = 1 << 23
+
+
+class _LinearSelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(h·Wᵀ + b)/τ)[index] by row-chunks, never holding the (N, V) logits.
+
+    Forward keeps per-row logsumexp only; backward recomputes each chunk's logits and returns
+    the gradients of the hidden states, the weight and the bias (first order)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, temperature, chunk_size, with_entropy):
+        n = hidden.shape[0]
+        dt = _compute_dtype(hidden)
+        out = torch.empty(n, dtype=dt, device=hidden.device)
+        lse = torch.empty(n, dtype=dt, device=hidden.device)
+        ent = torch.empty(n if with_entropy else 0, dtype=dt, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            sl = slice(start, start + chunk_size)
+            z = _chunk_logits(hidden[sl], weight, bias, temperature, dt)  # (C, V)
+            lse[sl] = torch.logsumexp(z, dim=-1)
+            out[sl] = z.gather(-1, index[sl, None]).squeeze(-1) - lse[sl]
+            if with_entropy:
+                ent[sl] = _entropy_rows(z)
+        ctx.save_for_backward(hidden, weight, bias, index, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_ent):
+        hidden, weight, bias, index, lse = ctx.saved_tensors
+        tau, chunk_size = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=lse.dtype) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=lse.dtype) if need_b and bias is not None else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            z = _chunk_logits(hidden[sl], weight, bias, tau, lse.dtype)  # (C, V)
+            g = grad_out[sl].to(lse.dtype)[:, None]  # (C, 1)
+            gz = torch.exp(z - lse[sl, None]).mul_(-g)  # d/dz_k [z_i − lse(z)] = 1[k=i] − p_k
+            gz.scatter_add_(-1, index[sl, None], g)
+            if tau != 1.0:
+                gz = gz / tau  # z = (h·Wᵀ + b) / τ
+            if need_h:
+                grad_h[sl] = (gz @ weight.to(gz.dtype)).to(grad_h.dtype)
+            if need_w:
+                grad_w += gz.T @ hidden[sl].to(gz.dtype)
+            if grad_b is not None:
+                grad_b += gz.sum(0)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dt) -> Tensor:
+    z = torch.nn.functional.linear(h, weight, bias).to(dt)
+    return z / tau if tau != 1.0 else z
+
+
+def linear_selective_log_softmax(
+    hidden: Tensor,
+    weight: Tensor,
+    index: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of the chosen tokens under an LM head, without materialising the logits.
+
+    Formula: z = (h·Wᵀ + b) / τ; log p(i) = z_i − logsumexp(z), computed on row-chunks so the
+    largest extra block is (chunk_size, V); the backward pass recomputes each chunk's logits
+    (grad_z = g·(onehot(i) − softmax(z)) / τ, then grad_h = grad_z·W, grad_W = grad_zᵀ·h). With
+    `with_entropy`, also the entropy of softmax(z) per row, detached (no gradient).
+    Shapes: hidden (..., H) float; weight (V, H); bias (V,) or None; index (...) long with
+    hidden's leading shape. Returns (logp (...), entropy (...) or None), float32 (float64 for
+    float64 inputs). chunk_size None picks rows so one block holds about 8 Mi floats.
+    Equal to selective_log_softmax(linear(hidden, weight, bias) / τ, index) up to float rounding.
+    Raises: ValueError on shape mismatches, a non-integer index or chunk_size < 1.
+    """
+    if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
+        raise ValueError(
+            f"hidden (..., {hidden.shape[-1]}) does not match weight {tuple(weight.shape)}"
+        )
+    if index.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"index has shape {tuple(index.shape)}, expected hidden's leading shape {tuple(hidden.shape[:-1])}"
+        )
+    if index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"index must be an integer (long) tensor, got dtype {index.dtype}")
+    if chunk_size is None:
+        chunk_size = max(1, _FUSED_BLOCK // weight.shape[0])
+    _check_chunk_size(chunk_size)
+    lead = index.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent = _LinearSelectiveLogSoftmax.apply(
+        flat_h, weight, bias, index.reshape(-1).long(), float(temperature), chunk_size, with_entropy
+    )
+    return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)

@@ -169,7 +169,23 @@ def final_token_scores(
 
 
 def score_rollout(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Tensor:
-    """Scalar reward of each [prompt; completion] of a `Rollout` at its last real token (B,)."""
+    """Scalar reward of each [prompt; completion] of a `Rollout` at its last real token (B,).
+
+    On CPU, rows of uneven length are packed padding-free (`rlhflab.rollout.packing`): the same
+    scores up to float rounding, without computing the padding."""
+    from rlhflab.rollout.packing import can_pack, packed_hidden, packed_layout
+
+    device = rollout.prompt_ids.device
+    if device.type == "cpu" and can_pack(model):
+        layout = packed_layout(rollout)
+        if layout is not None:
+            autocast = torch.autocast(
+                device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+            )
+            hidden = packed_hidden(model, layout, autocast)[layout.last_rows, layout.last_cols]
+            with autocast:
+                out = reward_head(model)(hidden).float()  # (B, C)
+            return out.squeeze(-1) if out.size(-1) == 1 else out
     return final_token_scores(
         model, rollout.input_ids, rollout.attention_mask, autocast_dtype=autocast_dtype
     )

@@ -19,7 +19,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from rlhflab.ops import entropy_from_logits, selective_log_softmax
+from rlhflab.ops import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
+from rlhflab.rollout.kv_cache import preallocated_cache
+from rlhflab.rollout.packing import can_pack, packed_hidden, packed_layout
 
 
 @dataclass
@@ -149,7 +151,9 @@ def sample(
     attn = prompt_mask.clone()
     positions = position_ids_from_mask(attn)
     step_input, step_positions = prompt_ids, positions
-    cache = None
+    # Keys/values written in place into buffers sized for the whole rollout (no per-step torch.cat).
+    capacity = prompt_ids.size(1) + max_new_tokens
+    cache = preallocated_cache(model.config, capacity)
     autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     for t in range(max_new_tokens):
         with autocast:
@@ -162,7 +166,9 @@ def sample(
                 logits_to_keep=1,
             )
         cache = out.past_key_values
-        logits = out.logits[:, -1].float() / temp  # (b, V)
+        logits = out.logits[:, -1].float()  # (b, V)
+        if temp != 1.0:
+            logits = logits / temp
         if greedy:
             token = logits.argmax(-1)
         else:
@@ -210,7 +216,9 @@ def completion_logps(
 
     One forward over [prompt; completion] with the same attention mask and position ids as the
     sampler, keeping logits only for the T completion positions (`logits_to_keep`). Log-probs use
-    the tempered distribution softmax(logits / τ), as the sampler does.
+    the tempered distribution softmax(logits / τ), as the sampler does. On CPU, rows of uneven
+    length are scored padding-free (`rlhflab.rollout.packing`): the same values up to float
+    rounding, without paying for the padding.
 
     Returns:
         logp: (B, T) float32, 0 on padding; entropy: (B, T) float32 detached, or None.
@@ -221,6 +229,48 @@ def completion_logps(
     autocast = torch.autocast(
         input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
     )
+    # On CPU with a plain linear LM head (rlhflab.rollout.packing.can_pack): rows of uneven length
+    # are packed padding-free when that removes enough padding, and in fp32 the head and the
+    # log-softmax are fused in row-chunks (ops.linear_selective_log_softmax), so no (B, T, V)
+    # logits exist. Elsewhere the padded layout with `logits_to_keep` (no host syncs).
+    if input_ids.device.type == "cpu" and can_pack(model):
+        head = model.get_output_embeddings()
+        fused = autocast_dtype is None and isinstance(head, torch.nn.Linear)
+        layout = packed_layout(rollout)
+        if layout is not None:
+            hidden = packed_hidden(model, layout, autocast)[layout.pred_rows, layout.pred_cols]
+            tokens = rollout.completion_ids[layout.out_rows, layout.out_cols]  # (N,)
+        elif fused:
+            with autocast:
+                out = model.base_model(
+                    input_ids=input_ids,
+                    attention_mask=attn,
+                    position_ids=position_ids_from_mask(attn),
+                    use_cache=False,
+                )
+            p = rollout.prompt_ids.size(1)  # position P-1+t predicts o_t
+            hidden = out.last_hidden_state[:, p - 1 : p - 1 + width]  # (B, T, H)
+            tokens = rollout.completion_ids
+        if layout is not None or fused:
+            if fused:
+                lp, ent = linear_selective_log_softmax(
+                    hidden, head.weight, tokens, bias=head.bias, temperature=temperature,
+                    with_entropy=with_entropy,
+                )  # fmt: skip
+            else:
+                with autocast:
+                    logits = head(hidden).float()  # (N, V)
+                if temperature != 1.0:
+                    logits = logits / temperature
+                lp = selective_log_softmax(logits, tokens)
+                ent = entropy_from_logits(logits.detach()) if with_entropy else None
+            if layout is not None:  # back to the (B, T) grid
+                at = (layout.out_rows, layout.out_cols)
+                grid = torch.zeros(rollout.mask.shape, dtype=lp.dtype, device=input_ids.device)
+                lp = grid.index_put(at, lp)
+                ent = grid.index_put(at, ent) if ent is not None else None
+            entropy = ent.detach() * rollout.mask if ent is not None else None
+            return lp * rollout.mask, entropy
     with autocast:
         out = model(
             input_ids=input_ids,
@@ -229,12 +279,18 @@ def completion_logps(
             use_cache=False,
             logits_to_keep=width + 1,
         )
-    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position P-1+t predicts o_t
-    logp = selective_log_softmax(logits, rollout.completion_ids) * rollout.mask
+    # (B, T+1, V): position P-1+t predicts o_t; the last position predicts nothing. It is scored
+    # against a dummy token and dropped afterwards instead of slicing the logits to (B, T, V),
+    # because that slice is not contiguous and the row-chunked ops would copy it whole.
+    logits = out.logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    index = torch.nn.functional.pad(rollout.completion_ids, (0, 1))  # (B, T+1)
+    logp = selective_log_softmax(logits, index)[:, :-1] * rollout.mask
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach()) * rollout.mask
+            entropy = entropy_from_logits(logits.detach())[:, :-1] * rollout.mask
     return logp, entropy
 
 
