@@ -1,0 +1,245 @@
+"""Benchmark 6: held-out accuracy per wall-clock, GRPO from the same SFT checkpoint.
+
+Start: the quickstart's SFT stage (spell_backward, 3-5 letter words, Qwen3-shape "small" model,
+vocab 300, 130 steps), built once with `rlhflab train configs/sft/tiny_scratch.yaml ...`.
+Each run: GRPO with the quickstart's settings (16 prompts x group 8, 10 new tokens, temperature 1,
+binary verifier reward, group z-score advantages, PPO-clip, per-sequence token mean, no KL, LR
+warmup 30 steps then constant, grad clip 1.0, 1 thread) for a fixed wall-clock budget:
+    ours   rlhflab's trainer (`policy_gradient.train`) with `train.max_seconds` = budget, which
+           counts from the trainer's start (set-up included: conservative for rlhflab)
+    TRL    GRPOTrainer (loss_type "grpo", scale_rewards "group", beta 0, same prompts and the same
+           verifier as the reward function), stopped by a callback once the budget has passed
+           since `on_train_begin` (its set-up excluded)
+Learning rates from the same sweep for both; each framework's best LR is picked on validation
+problems (held-out[200:400]) and reported on others (held-out[:200]), greedy, rlhflab's
+evaluator for both models. Every run is its own subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import common
+
+SFT_ARGS = [
+    "configs/sft/tiny_scratch.yaml",
+    "precision.threads=1",
+    "task.config={min_word_len: 3, max_word_len: 5}",
+    "model.build={size: small, arch: qwen3, vocab_size: 300, max_position_embeddings: 128}",
+    "train.steps=130",
+    "eval.n=0",
+    "tracking.console=false",
+    "run.name=bench_sft",
+]
+RUNS = common.CACHE_DIR / "runs"
+N_REPORT, N_VALID = 200, 200
+
+
+def sft_model() -> Path:
+    marker = common.CACHE_DIR / "sft_model.txt"
+    if marker.exists() and Path(marker.read_text().strip()).exists():
+        return Path(marker.read_text().strip())
+    cmd = [str(Path(sys.executable).parent / "rlhflab"), "train", *SFT_ARGS, f"run.root={RUNS}"]
+    subprocess.run(cmd, check=True, cwd=str(common.BENCH_DIR.parent), capture_output=True)
+    runs = sorted(RUNS.glob("bench_sft*"), key=lambda p: p.stat().st_mtime)
+    model = runs[-1] / "model"
+    marker.write_text(str(model))
+    return model
+
+
+def _task():
+    from rlhflab.quickstart import load_preset
+
+    return load_preset()["task"]
+
+
+def _splits():
+    from rlhflab.data.tasks import make_splits
+
+    t = _task()
+    return make_splits(
+        t["name"],
+        config=t["config"],
+        n_train=t["n_train"],
+        n_heldout=t["n_heldout"],
+        seed=t["seed"],
+    )
+
+
+def run_ours(sft: Path, lr: float, budget: float, out: Path) -> dict:
+    from rlhflab.quickstart import build_configs
+    from rlhflab.trainers import policy_gradient
+
+    _, cfg = build_configs(
+        fast=False,
+        root=RUNS,
+        overrides=[
+            "grpo.train.steps=100000",
+            f"grpo.train.max_seconds={budget}",
+            "grpo.eval.n=0",
+            f"grpo.optim.lr={lr}",
+            "grpo.tracking.console=false",
+            "grpo.run.name=bench_grpo_ours",
+        ],
+    )
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(sft)})})
+    t0 = time.perf_counter()
+    res = policy_gradient.train(cfg)
+    return {"model": res["model_dir"], "steps": res["steps"], "wall_s": time.perf_counter() - t0}
+
+
+def run_trl(sft: Path, lr: float, budget: float, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhflab.data.formatting import render_prompt
+    from rlhflab.models.loading import load_tokenizer
+    from rlhflab.quickstart import load_preset
+    from rlhflab.rewards.verifier import Verifier
+
+    common.setup()
+    g = load_preset()["grpo"]
+    t = _task()
+    splits = _splits()
+    tok = load_tokenizer(str(sft))
+    verifier = Verifier(answer_format=t["answer_format"], reward=t["reward"])
+    problems = splits.train
+
+    def reward(completions, idx, **kwargs):
+        return [verifier.score(c, problems[i]) for c, i in zip(completions, idx, strict=True)]
+
+    class Budget(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if time.perf_counter() - self.t0 > budget:
+                control.should_training_stop = True
+
+    ds = Dataset.from_dict(
+        {
+            "prompt": [render_prompt(tok, p.question) for p in problems],
+            "idx": list(range(len(problems))),
+        }
+    )
+    r = g["rollout"]
+    args = GRPOConfig(
+        output_dir=str(out / "trl_out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=100000,
+        learning_rate=lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=g["optim"]["warmup_steps"],
+        weight_decay=0.0,
+        max_grad_norm=g["optim"]["max_grad_norm"],
+        logging_steps=10**9,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        per_device_train_batch_size=r["prompts_per_step"] * r["group_size"],
+        num_generations=r["group_size"],
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=r["max_new_tokens"],
+        temperature=r["temperature"],
+        top_p=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+    )
+    trainer = GRPOTrainer(
+        model=str(sft),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[Budget()],
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    model_dir = out / "trl_model"
+    trainer.model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    return {"model": str(model_dir), "steps": trainer.state.global_step, "wall_s": wall}
+
+
+def evaluate(model_dir: str) -> dict:
+    from rlhflab.eval.accuracy import evaluate as rl_eval
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.rewards.verifier import Verifier
+
+    common.setup()
+    t = _task()
+    held = _splits().heldout
+    tok, model = load_tokenizer(model_dir), load_model(model_dir)
+    v = Verifier(answer_format=t["answer_format"], reward=t["reward"])
+    rep = rl_eval(model, tok, held[:N_REPORT], v, batch_size=200, max_new_tokens=10)
+    val = rl_eval(
+        model, tok, held[N_REPORT : N_REPORT + N_VALID], v, batch_size=200, max_new_tokens=10
+    )
+    return {
+        "report": rep["accuracy"],
+        "report_stderr": rep["accuracy_stderr"],
+        "valid": val["accuracy"],
+    }
+
+
+def _sub(*args) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.learning", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=str(common.BENCH_DIR.parent),
+    )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(*, lrs: list[float], budget: float) -> dict:
+    """The sweep, alternating frameworks per LR; returns every run and the SFT start."""
+    import tempfile
+
+    sft = sft_model()
+    result = {"sft": _sub("eval", sft), "budget_s": budget, "lrs": lrs, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for lr in lrs:
+            for fw in ("ours", "trl"):
+                out = Path(tmp) / f"{fw}_{lr}"
+                out.mkdir()
+                r = _sub("train", fw, sft, lr, budget, out)
+                r.update(_sub("eval", r["model"]))
+                r.update({"framework": fw, "lr": lr})
+                r.pop("model")
+                result["runs"].append(r)
+    for fw in ("ours", "trl"):
+        runs = [r for r in result["runs"] if r["framework"] == fw]
+        result[f"best_{fw}"] = max(runs, key=lambda r: r["valid"])
+    return result
+
+
+if __name__ == "__main__":
+    common.setup()
+    if sys.argv[1] == "eval":
+        print(json.dumps(evaluate(sys.argv[2])))
+    else:
+        fw, sft, lr, budget, out = (
+            sys.argv[2],
+            Path(sys.argv[3]),
+            float(sys.argv[4]),
+            float(sys.argv[5]),
+            Path(sys.argv[6]),
+        )
+        fn = run_ours if fw == "ours" else run_trl
+        print(json.dumps(fn(sft, lr, budget, out)))

@@ -1,0 +1,424 @@
+"""Benchmarks 1-4: GRPO, DPO and reward-model steps against TRL; generation against `generate`."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import torch
+
+from bench import common
+from bench.common import Pair
+from bench.ours import DPOStep, GRPOStep, RMStep, text_reward
+from bench.trl_driver import Alternate, common_args
+
+LR = 1e-5
+
+# Per scale: GRPO (prompts, group, new tokens), DPO/RM pairs and completion words, generation batch.
+SETTINGS = {
+    common.TINY: dict(grpo=(8, 8, 64), pairs=32, comp_words=(6, 14), gen=(64, 64), prompt_len=None),
+    common.SMOL: dict(grpo=(2, 4, 32), pairs=4, comp_words=(6, 14), gen=(8, 32), prompt_len=None),
+}
+
+
+def _trl_reward(completions, **kwargs):
+    return text_reward(completions)
+
+
+def grpo(scale: str, *, beta: float, warmup: int, reps: int) -> Pair:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    n_prompts, group, max_new = SETTINGS[scale]["grpo"]
+    path = common.model_dir(scale)
+    tok, model = common.load(path)
+    plen = common.modal_prompt_length(tok)
+    prompts = common.prompt_texts(tok, 64, seed=1, length=plen)
+    ours = GRPOStep(
+        model, tok, prompts, n_prompts=n_prompts, group=group, max_new=max_new, beta=beta, lr=LR
+    )
+    alt = Alternate(ours.step)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            **common_args(tmp, steps=warmup + reps, lr=LR),
+            per_device_train_batch_size=n_prompts * group,
+            num_generations=group,
+            steps_per_generation=1,
+            num_iterations=1,
+            max_completion_length=max_new,
+            temperature=1.0,
+            top_p=1.0,
+            beta=beta,
+            epsilon=0.2,
+            loss_type="grpo",
+            scale_rewards="group",
+            generation_kwargs={"eos_token_id": None},  # fixed length, as ours (eos never matches)
+            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        )
+        trainer = GRPOTrainer(
+            model=str(path),
+            reward_funcs=_trl_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
+            callbacks=[alt],
+        )
+        trainer.train()
+        trl_lengths = trainer._metrics["train"].get("completions/mean_length", [])
+    name = f"grpo_step_{'ref' if beta > 0 else 'noref'}_{scale}"
+    ph = {k: sum(v[warmup:]) / max(1, len(v[warmup:])) for k, v in ours.phases.items()}
+    return Pair(
+        name,
+        alt.our_times[warmup:],
+        alt.trl_times[warmup:],
+        "s/step",
+        target=0.5,
+        note=(
+            f"{n_prompts} prompts x group {group}, {max_new} new tokens (fixed), prompt {plen} tokens, "
+            f"{'k3 KL beta=' + str(beta) + ' with reference model' if beta > 0 else 'no reference model'}"
+        ),
+        extra={
+            "ours_completion_tokens": ours.tokens[warmup:],
+            "trl_completion_len_mean": trl_lengths[warmup:],
+            "ours_phase_mean_s": ph,
+        },
+    )
+
+
+def _pairs(tok, n: int, scale: str, seed: int = 0):
+    """n preference pairs (strings): rendered prompt, random-word chosen and rejected."""
+    rng = random.Random(seed)
+    lo, hi = SETTINGS[scale]["comp_words"]
+    prompts = common.prompt_texts(tok, n, seed=seed + 5)
+    return [
+        (
+            p,
+            common.random_completion(rng, rng.randint(lo, hi)),
+            common.random_completion(rng, rng.randint(lo, hi)),
+        )
+        for p in prompts
+    ]
+
+
+def _tokenized(tok, pairs):
+    from rlhflab.data.formatting import encode_completion, encode_prompt
+
+    return [
+        (encode_prompt(tok, p), encode_completion(tok, c), encode_completion(tok, r))
+        for p, c, r in pairs
+    ]
+
+
+def dpo(scale: str, *, precompute: bool, warmup: int, reps: int) -> Pair:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    B = SETTINGS[scale]["pairs"]
+    path = common.model_dir(scale)
+    tok, model = common.load(path)
+    pairs = _pairs(tok, B * (warmup + reps), scale)
+    rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in _tokenized(tok, pairs)]
+    ours = DPOStep(
+        model, rows, batch_size=B, micro_batch_size=B, beta=0.1, lr=LR, pad_id=tok.pad_token_id
+    )
+    alt = Alternate(ours.step)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = DPOConfig(
+            **common_args(tmp, steps=warmup + reps, lr=LR),
+            per_device_train_batch_size=B,
+            beta=0.1,
+            loss_type=["sigmoid"],
+            precompute_ref_log_probs=precompute,
+            max_length=None,
+            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        )
+        trainer = DPOTrainer(
+            model=str(path),
+            args=args,
+            train_dataset=Dataset.from_dict(
+                {
+                    "prompt": [p for p, _, _ in pairs],
+                    "chosen": [c for _, c, _ in pairs],
+                    "rejected": [r for _, _, r in pairs],
+                }
+            ),
+            processing_class=tok,
+            callbacks=[alt],
+        )
+        trainer.train()
+    toks = sum(
+        len(p) * 2 + len(c) + len(r)
+        for p, c, r in ((r["prompt"], r["chosen"], r["rejected"]) for r in rows[:B])
+    )
+    kind = "cached" if precompute else "ref"
+    return Pair(
+        f"dpo_step_{kind}_{scale}",
+        alt.our_times[warmup:],
+        alt.trl_times[warmup:],
+        "s/step",
+        target=0.6,
+        note=(
+            f"{B} pairs, sigmoid loss beta 0.1, ~{toks // B} tokens per pair; TRL: "
+            + (
+                "reference log-probs precomputed (precompute_ref_log_probs=True)"
+                if precompute
+                else "reference model forward every step (TRL default)"
+            )
+            + "; rlhflab: reference log-probs cached before training (its only mode)"
+        ),
+    )
+
+
+def reward_model(scale: str, *, warmup: int, reps: int) -> Pair:
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    from rlhflab.data.preference import TokenizedPair
+    from rlhflab.models.reward import reward_model_from_causal_lm, save_reward_model
+
+    B = SETTINGS[scale]["pairs"]
+    path = common.model_dir(scale)
+    tok, lm = common.load(path)
+    rm = reward_model_from_causal_lm(lm, num_labels=1, seed=0, pad_token_id=tok.pad_token_id)
+    del lm
+    pairs = _pairs(tok, B * (warmup + reps), scale, seed=3)
+    items = [TokenizedPair(p, c, r) for p, c, r in _tokenized(tok, pairs)]
+    with tempfile.TemporaryDirectory() as tmp:
+        rm_dir = f"{tmp}/rm"
+        save_reward_model(rm, tok, rm_dir)  # TRL loads exactly these weights (backbone + head)
+        rm.train()
+        ours = RMStep(rm, items, batch_size=B, micro_batch_size=B, lr=LR, pad_id=tok.pad_token_id)
+        alt = Alternate(ours.step)
+        args = RewardConfig(
+            **common_args(f"{tmp}/out", steps=warmup + reps, lr=LR),
+            per_device_train_batch_size=B,
+            center_rewards_coefficient=None,
+            max_length=None,
+            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        )
+        trainer = RewardTrainer(
+            model=rm_dir,
+            args=args,
+            train_dataset=Dataset.from_dict(
+                {
+                    "prompt": [p for p, _, _ in pairs],
+                    "chosen": [c for _, c, _ in pairs],
+                    "rejected": [r for _, _, r in pairs],
+                }
+            ),
+            processing_class=tok,
+            callbacks=[alt],
+        )
+        trainer.train()
+    return Pair(
+        f"rm_step_{scale}",
+        alt.our_times[warmup:],
+        alt.trl_times[warmup:],
+        "s/step",
+        target=0.8,
+        note=f"Bradley-Terry, {B} pairs, chosen and rejected in one forward on both sides",
+    )
+
+
+def generation(scale: str, *, warmup: int, reps: int) -> Pair:
+    from rlhflab.data.formatting import encode_prompt
+    from rlhflab.rollout.sampler import left_pad, sample
+
+    batch, max_new = SETTINGS[scale]["gen"]
+    path = common.model_dir(scale)
+    tok, model = common.load(path)
+    model.eval()
+    plen = common.modal_prompt_length(tok)
+    prompts = [encode_prompt(tok, p) for p in common.prompt_texts(tok, batch, seed=2, length=plen)]
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    gen_a = torch.Generator().manual_seed(0)
+    n_tokens = batch * max_new
+
+    def ours():
+        t0 = __import__("time").perf_counter()
+        ro = sample(
+            model,
+            prompts,
+            max_new_tokens=max_new,
+            eos_token_id=-1,
+            pad_token_id=tok.pad_token_id,
+            temperature=1.0,
+            generator=gen_a,
+        )
+        dt = __import__("time").perf_counter() - t0
+        assert int(ro.mask.sum()) == n_tokens
+        return n_tokens / dt
+
+    @torch.no_grad()
+    def theirs():
+        t0 = __import__("time").perf_counter()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            eos_token_id=None,
+            pad_token_id=tok.pad_token_id,
+        )
+        dt = __import__("time").perf_counter() - t0
+        assert out.size(1) - ids.size(1) == max_new
+        return n_tokens / dt
+
+    a, b = common.alternate(ours, theirs, warmup=warmup, reps=reps)
+    return Pair(
+        f"generation_{scale}",
+        a,
+        b,
+        "completion tokens/s",
+        higher_is_better=True,
+        target=2.0,
+        note=f"batch {batch}, prompt {plen} tokens, {max_new} sampled tokens each (temperature 1, no EOS stop); theirs = model.generate(do_sample=True)",
+    )
+
+
+def generation_eos(*, warmup: int, reps: int, batch: int = 64, max_new: int = 24) -> Pair:
+    """Generation with natural stopping: the quickstart's SFT model answers and emits EOS after a
+    few tokens, at temperature 1 some completions run on. Both sides count real completion tokens
+    (up to and including the first EOS); `generate` keeps decoding finished rows until the last
+    row stops, rlhflab's sampler drops them."""
+    import time
+
+    from bench.learning import _splits, sft_model
+    from rlhflab.data.formatting import encode_prompt, render_prompt
+    from rlhflab.rollout.sampler import left_pad, sample
+
+    tok, model = common.load(sft_model())
+    model.eval()
+    problems = _splits().train[:batch]
+    prompts = [encode_prompt(tok, render_prompt(tok, p.question)) for p in problems]
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    gen = torch.Generator().manual_seed(0)
+    lengths = {"ours": [], "theirs": []}
+
+    def ours():
+        t0 = time.perf_counter()
+        ro = sample(
+            model,
+            prompts,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            temperature=1.0,
+            generator=gen,
+        )
+        dt = time.perf_counter() - t0
+        n = int(ro.mask.sum())
+        lengths["ours"].append(n / batch)
+        return n / dt
+
+    @torch.no_grad()
+    def theirs():
+        t0 = time.perf_counter()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        dt = time.perf_counter() - t0
+        comp = out[:, ids.size(1) :]
+        is_eos = comp == eos
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, comp.size(1))
+        n = int(first.sum())
+        lengths["theirs"].append(n / batch)
+        return n / dt
+
+    a, b = common.alternate(ours, theirs, warmup=warmup, reps=reps)
+    return Pair(
+        "generation_eos_sft",
+        a,
+        b,
+        "completion tokens/s",
+        higher_is_better=True,
+        target=2.0,
+        note=(
+            f"quickstart SFT model (0.5 M params, vocab 300), batch {batch} spell_backward prompts, up to {max_new} "
+            "tokens, stop at EOS, temperature 1; tokens counted up to EOS on both sides; mean completion length "
+            f"ours {sum(lengths['ours']) / len(lengths['ours']):.1f}, generate {sum(lengths['theirs']) / len(lengths['theirs']):.1f}"
+        ),
+    )
+
+
+def grpo_eos(*, warmup: int, reps: int) -> Pair:
+    """The GRPO step in the quickstart's setting: its SFT model, 16 task prompts x group 8, up to
+    10 new tokens with natural EOS, the binary verifier reward, no reference model — the shape of
+    a real RL step, where completions stop early and a group shares its prompt."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bench.learning import _splits, _task, sft_model
+    from rlhflab.data.formatting import render_prompt
+    from rlhflab.rewards.verifier import Verifier
+
+    path = sft_model()
+    tok, model = common.load(path)
+    t = _task()
+    problems = _splits().train[:2000]
+    prompts = [render_prompt(tok, p.question) for p in problems]
+    verifier = Verifier(answer_format=t["answer_format"], reward=t["reward"])
+    n_prompts, group, max_new = 16, 8, 10
+
+    def ours_reward(texts, chosen, g):
+        return [verifier.score(x, problems[chosen[k // g]]) for k, x in enumerate(texts)]
+
+    def trl_reward(completions, idx, **kwargs):
+        return [verifier.score(c, problems[i]) for c, i in zip(completions, idx, strict=True)]
+
+    ours = GRPOStep(
+        model, tok, prompts, n_prompts=n_prompts, group=group, max_new=max_new, beta=0.0, lr=LR,
+        fixed_length=False, reward_fn=ours_reward,
+    )  # fmt: skip
+    alt = Alternate(ours.step)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            **common_args(tmp, steps=warmup + reps, lr=LR),
+            per_device_train_batch_size=n_prompts * group,
+            num_generations=group,
+            steps_per_generation=1,
+            num_iterations=1,
+            max_completion_length=max_new,
+            temperature=1.0,
+            top_p=1.0,
+            beta=0.0,
+            epsilon=0.2,
+            loss_type="grpo",
+            scale_rewards="group",
+            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        )
+        trainer = GRPOTrainer(
+            model=str(path),
+            reward_funcs=trl_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts, "idx": list(range(len(prompts)))}),
+            processing_class=tok,
+            callbacks=[alt],
+        )
+        trainer.train()
+    toks = ours.tokens[warmup:]
+    return Pair(
+        "grpo_step_eos_sft",
+        alt.our_times[warmup:],
+        alt.trl_times[warmup:],
+        "s/step",
+        target=0.5,
+        note=(
+            f"quickstart SFT model (0.5 M params, vocab 300), {n_prompts} spell_backward prompts x group {group}, "
+            f"up to {max_new} new tokens with natural EOS (ours: {sum(toks) / len(toks) / (n_prompts * group):.1f} "
+            "tokens per completion on average), binary verifier reward, no reference model"
+        ),
+    )
