@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from rlhflab.trainers.common import lr_factor
 
@@ -23,3 +24,17 @@ def test_cosine_and_linear_endpoints():
     assert lr_factor(10, schedule="cosine", **kw) == pytest.approx(0.1)
     assert lr_factor(5, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
     assert math.isclose(lr_factor(20, schedule="linear", **kw), 0.1)
+
+
+def test_gradient_checkpointing_flag_enables_it():
+    from rlhflab.config import ModelConfig
+    from rlhflab.trainers.common import prepare_model
+
+    texts = [f"{i} + {i} = {2 * i}" for i in range(200)]
+    build = {"size": "tiny", "vocab_size": 300, "max_position_embeddings": 64}
+    for flag in (False, True):
+        cfg = ModelConfig(build=build, gradient_checkpointing=flag)
+        _, model = prepare_model(
+            cfg, device=torch.device("cpu"), seed=0, tokenizer_texts=lambda: texts
+        )
+        assert model.is_activation_checkpointing is flag

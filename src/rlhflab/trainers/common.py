@@ -84,6 +84,10 @@ def prepare_model(
     else:
         tokenizer, model = _load_pretrained(model_cfg, device)
     model.to(device)
+    if model_cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     model.train()
     return tokenizer, model
 
