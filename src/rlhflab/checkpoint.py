@@ -365,7 +365,8 @@ class Checkpointer:
         config: the resolved config as a dict (saved; compared on resume).
         modules / optimizers / schedulers: named objects whose state is saved and restored.
         generators: named `torch.Generator`s (sampling, shuffling streams).
-        randoms: named `random.Random` instances (data order streams).
+        stateful: named objects with `state() -> dict` (JSON) and `load(dict)`: the data
+            stream's position, the NaN guard's counters.
         every: save every N optimizer steps (0: only at the end and on a stop signal).
         keep_last: committed checkpoints kept (the newest and the resumed-from one always are).
         resumed_from: the checkpoint this run resumed from (protected from retention).
@@ -382,7 +383,7 @@ class Checkpointer:
         optimizers: dict[str, torch.optim.Optimizer],
         schedulers: dict[str, Any],
         generators: dict[str, torch.Generator] | None = None,
-        randoms: dict[str, random.Random] | None = None,
+        stateful: dict[str, Any] | None = None,
         every: int = 0,
         keep_last: int | None = None,
         resumed_from: Checkpoint | None = None,
@@ -394,7 +395,7 @@ class Checkpointer:
         self.optimizers = {k: v for k, v in optimizers.items() if v is not None}
         self.schedulers = {k: v for k, v in schedulers.items() if v is not None}
         self.generators = generators or {}
-        self.randoms = randoms or {}
+        self.stateful = stateful or {}
         self.every = every
         self.keep_last = keep_last
         self.protected = resumed_from.path.name if resumed_from is not None else None
@@ -451,7 +452,7 @@ class Checkpointer:
                 "schedulers": {k: _json_safe(s.state_dict()) for k, s in self.schedulers.items()},
                 "python_rng": python_rng_state(),
                 "numpy_rng": _numpy_rng_state(),
-                "randoms": {k: python_rng_state(r) for k, r in self.randoms.items()},
+                "stateful": {k: obj.state() for k, obj in self.stateful.items()},
                 "file_offsets": offsets,
                 "config": self.config,
             }
@@ -544,8 +545,8 @@ class Checkpointer:
             g.set_state(rng[f"generator.{name}"])
         set_python_rng_state(ckpt.state["python_rng"])
         _set_numpy_rng_state(ckpt.state["numpy_rng"])
-        for name, r in self.randoms.items():
-            set_python_rng_state(ckpt.state["randoms"][name], r)
+        for name, obj in self.stateful.items():
+            obj.load(ckpt.state["stateful"][name])
         for fname, size in ckpt.state["file_offsets"].items():
             f = self.run_dir / fname
             if f.exists() and f.stat().st_size > size:
@@ -555,6 +556,13 @@ class Checkpointer:
             if fname not in ckpt.state["file_offsets"] and (self.run_dir / fname).exists():
                 (self.run_dir / fname).unlink()
         return ckpt.state["trainer"]
+
+    def resume(self, ckpt: Checkpoint, tracker, total_steps: int) -> dict:
+        """`restore`, then say so on the console and move the progress bar to the step."""
+        state = self.restore(ckpt)
+        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {total_steps})")
+        tracker.advance(ckpt.step, {})
+        return state
 
 
 def _remove(path: Path) -> None:

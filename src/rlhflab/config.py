@@ -160,6 +160,19 @@ class EvalConfig(Strict):
     temperature: float = Field(1.0, gt=0)
 
 
+class TrainerConfig(Strict):
+    """Sections every trainer family shares; the family's own sections follow them."""
+
+    trainer: str
+    seed: int = 0
+    model: ModelConfig  # RM: the backbone (a causal LM, usually the SFT policy) or a saved RM
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+
 # ---------------------------------------------------------------------------------------------
 # SFT
 # ---------------------------------------------------------------------------------------------
@@ -189,21 +202,14 @@ class SFTTrainConfig(TrainBase):
     max_seconds: float | None = Field(None, gt=0)  # stop early at this wall-clock budget
 
 
-class SFTConfig(Strict):
+class SFTConfig(TrainerConfig):
     """Config of `trainer: sft` (see trainers/sft.py)."""
 
     trainer: Literal["sft"] = "sft"
-    seed: int = 0
-    model: ModelConfig
-    task: TaskConfig = Field(default_factory=TaskConfig)
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
     train: SFTTrainConfig = Field(default_factory=SFTTrainConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _micro(self) -> SFTConfig:
@@ -358,13 +364,10 @@ class PGTrainConfig(TrainBase):
     max_seconds: float | None = Field(None, gt=0)
 
 
-class PGConfig(Strict):
+class PGConfig(TrainerConfig):
     """Config of `trainer: policy_gradient` (see trainers/policy_gradient.py)."""
 
     trainer: Literal["policy_gradient"] = "policy_gradient"
-    seed: int = 0
-    model: ModelConfig
-    task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -372,11 +375,7 @@ class PGConfig(Strict):
     value: ValueConfig | None = None  # set for advantages that need a critic (gae)
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _consistency(self) -> PGConfig:
@@ -664,23 +663,16 @@ class DPOEvalConfig(EvalConfig):
     pref_every: int = Field(10, ge=0)  # held-out preference accuracy every N steps (0: ends only)
 
 
-class DPOConfig(Strict):
+class DPOConfig(TrainerConfig):
     """Config of `trainer: direct_alignment` (see trainers/direct_alignment.py)."""
 
     trainer: Literal["direct_alignment"] = "direct_alignment"
-    seed: int = 0
-    model: ModelConfig
-    task: TaskConfig = Field(default_factory=TaskConfig)
     data: DPODataConfig = Field(default_factory=DPODataConfig)
     verifiable: VerifiablePairsConfig = Field(default_factory=VerifiablePairsConfig)
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
     train: DPOTrainConfig = Field(default_factory=DPOTrainConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: DPOEvalConfig = Field(default_factory=DPOEvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _consistency(self) -> DPOConfig:
@@ -772,23 +764,16 @@ class RMEvalConfig(Strict):
     batch_size: int = Field(256, ge=1)
 
 
-class RMConfig(Strict):
+class RMConfig(TrainerConfig):
     """Config of `trainer: reward_model` (see trainers/reward_model.py)."""
 
     trainer: Literal["reward_model"] = "reward_model"
     kind: Literal["preference", "orm", "prm"] = "preference"
-    seed: int = 0
-    model: ModelConfig  # the backbone (a causal LM, usually the SFT policy) or a saved RM
-    task: TaskConfig = Field(default_factory=TaskConfig)
     data: RMDataConfig = Field(default_factory=RMDataConfig)
     loss: RMLossConfig = Field(default_factory=RMLossConfig)
     train: RMTrainConfig = Field(default_factory=RMTrainConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     eval: RMEvalConfig = Field(default_factory=RMEvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _consistency(self) -> RMConfig:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlhflab.checkpoint import python_rng_state, set_python_rng_state
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
 from rlhflab.errors import DataError, ModelError, NonFiniteError
 
@@ -240,3 +241,40 @@ def resume_point(cfg):
     if ckpt is not None:
         check_config_change(ckpt, cfg.model_dump(mode="json"), allow=cfg.run.allow_config_change)
     return ckpt
+
+
+class ShuffledStream:
+    """Row indices forever, each pass over `n` rows in a fresh order drawn from `rng`: the data
+    position of every trainer (SFT and RM examples, preference rows, policy-gradient prompts).
+
+    `take(k)` returns the next k indices (a pass may end inside a batch; the next pass continues
+    it). The position is `order` (indices left in this pass, popped from the end) plus the state
+    of `rng`; `state()` / `load()` carry both through checkpoints. `rng` may be shared with other
+    draws of the trainer (direct alignment samples its rounds' prompts from it too).
+    """
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self.n, self.rng, self.order = n, rng, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if not self.order:
+            self.order = list(range(self.n))
+            self.rng.shuffle(self.order)
+        return self.order.pop()
+
+    def take(self, k: int) -> list[int]:
+        return [next(self) for _ in range(k)]
+
+    def restart(self, n: int) -> None:
+        """Start a new pass over `n` rows at the next draw (new data, e.g. a DPO round)."""
+        self.n, self.order = n, []
+
+    def state(self) -> dict:
+        return {"n": self.n, "order": self.order, "rng": python_rng_state(self.rng)}
+
+    def load(self, state: dict) -> None:
+        self.n, self.order = state["n"], state["order"]
+        set_python_rng_state(state["rng"], self.rng)

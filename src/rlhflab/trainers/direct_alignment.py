@@ -64,6 +64,7 @@ from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
+    ShuffledStream,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
@@ -367,7 +368,7 @@ def train(cfg: DPOConfig) -> dict:
     #       on, the round's pairs with their cached reference log-probs (round 1's are rebuilt
     #       exactly by the set-up above).
     steps_per_round = cfg.train.steps // v.rounds
-    order: list[int] = []
+    stream = ShuffledStream(len(rows), rng)  # shares rng with the rounds' prompt draws
     last_loss = float("nan")
     B = cfg.train.batch_size
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
@@ -378,7 +379,7 @@ def train(cfg: DPOConfig) -> dict:
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
         generators={"sampler": generator},
-        randoms={"data": rng},
+        stateful={"data": stream, "nan": guard},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
@@ -387,25 +388,20 @@ def train(cfg: DPOConfig) -> dict:
     def state() -> dict:
         later_round = verifiable and steps_done > steps_per_round
         return {
-            "order": order,
             "rows": rows if later_round else None,
             "data_counts": data_counts,
             "last_loss": last_loss,
             "initial_eval": initial_eval,
             "initial_pref": initial_pref,
-            "nan": guard.state(),
         }
 
     steps_done = ckpt.step if ckpt is not None else 0
     if ckpt is not None:
-        st = checkpointer.restore(ckpt)
-        order, last_loss, data_counts = st["order"], st["last_loss"], st["data_counts"]
+        st = checkpointer.resume(ckpt, tracker, cfg.train.steps)
+        last_loss, data_counts = st["last_loss"], st["data_counts"]
         initial_eval, initial_pref = st["initial_eval"], st["initial_pref"]
         if st["rows"] is not None:
             rows = st["rows"]
-        guard.load(st["nan"])
-        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
-        tracker.advance(ckpt.step, {})
     else:
         initial_eval = run_eval(0) if heldout_tasks else {}
         initial_pref = pref_eval(0)
@@ -425,15 +421,10 @@ def train(cfg: DPOConfig) -> dict:
                             chunk=chunk,
                             autocast_dtype=autocast_dtype,
                         )
-                    order = []
+                    stream.restart(len(rows))
                 tracker.print(f"round {r}: {data_counts[f'round_{r}']}")
             t0 = time.perf_counter()
-            batch_idx = []
-            while len(batch_idx) < B:
-                if not order:
-                    order = list(range(len(rows)))
-                    rng.shuffle(order)
-                batch_idx.append(order.pop())
+            batch_idx = stream.take(B)
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             n_tokens = 0

@@ -59,6 +59,7 @@ from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
+    ShuffledStream,
     check_lengths,
     default_device,
     grad_norm_and_clip,
@@ -132,7 +133,7 @@ def train(cfg: PGConfig) -> dict:
     need_logp_old = optimizer_steps_per_batch > 1 or (ref_model is not None and not kl_in_loss)
     sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
-    prompt_stream = PromptStream(len(prompts), random.Random(cfg.seed))
+    prompt_stream = ShuffledStream(len(prompts), random.Random(cfg.seed))
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
 
     # -- 1. Run directory (a resumed run continues in its own).
@@ -212,7 +213,7 @@ def train(cfg: PGConfig) -> dict:
         optimizers={"optimizer": optimizer, "value_optimizer": value_optimizer},
         schedulers={"scheduler": scheduler, "value_scheduler": value_scheduler},
         generators={"sampler": sampler_rng, "shuffle": shuffle_rng},
-        randoms={"prompts": prompt_stream.rng},
+        stateful={"prompts": prompt_stream, "nan": guard},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
@@ -220,21 +221,15 @@ def train(cfg: PGConfig) -> dict:
 
     def state() -> dict:
         return {
-            "prompt_order": prompt_stream.order,
             "kl_coef": kl_coef,
             "initial_eval": initial_eval,
             "verifier_errors": verifier.n_errors,
-            "nan": guard.state(),
         }
 
     if ckpt is not None:
-        st = checkpointer.restore(ckpt)
-        prompt_stream.order = st["prompt_order"]
+        st = checkpointer.resume(ckpt, tracker, cfg.train.steps)
         kl_coef, initial_eval = st["kl_coef"], st["initial_eval"]
         verifier.n_errors = st["verifier_errors"]
-        guard.load(st["nan"])
-        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
-        tracker.advance(ckpt.step, {})
     else:
         initial_eval = run_eval(0) if heldout else {}
     steps_done = ckpt.step if ckpt is not None else 0
@@ -471,24 +466,6 @@ def train(cfg: PGConfig) -> dict:
     }
     write_json_atomic(run_dir / "final_results.json", results)
     return results
-
-
-class PromptStream:
-    """Train-prompt indices forever: each pass over the split in a fresh shuffled order. Its
-    position is `order` (the indices left in this pass) plus the state of `rng`: both go into
-    checkpoints."""
-
-    def __init__(self, n: int, rng: random.Random) -> None:
-        self.n, self.rng, self.order = n, rng, []
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        if not self.order:
-            self.order = list(range(self.n))
-            self.rng.shuffle(self.order)
-        return self.order.pop()
 
 
 @torch.no_grad()

@@ -58,6 +58,7 @@ from rlhflab.runs import write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
+    ShuffledStream,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
@@ -137,8 +138,7 @@ def train(cfg: RMConfig) -> dict:
 
     # -- 2. Training steps. Checkpoints hold model, optimizer, schedule, RNGs and the data
     #       position (the data itself is rebuilt exactly by the set-up).
-    rng = random.Random(cfg.seed)
-    order: list[int] = []
+    stream = ShuffledStream(len(train_items), random.Random(cfg.seed))
     last_loss = float("nan")
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
     checkpointer = Checkpointer(
@@ -147,32 +147,22 @@ def train(cfg: RMConfig) -> dict:
         modules={"model": model},
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
-        randoms={"data": rng},
+        stateful={"data": stream, "nan": guard},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
     )
 
     def state() -> dict:
-        return {"order": order, "last_loss": last_loss, "nan": guard.state()}
+        return {"last_loss": last_loss}
 
     steps_done = ckpt.step if ckpt is not None else 0
     if ckpt is not None:
-        st = checkpointer.restore(ckpt)
-        order, last_loss = st["order"], st["last_loss"]
-        guard.load(st["nan"])
-        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
-        tracker.advance(ckpt.step, {})
+        last_loss = checkpointer.resume(ckpt, tracker, cfg.train.steps)["last_loss"]
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            batch_idx = []
-            while len(batch_idx) < cfg.train.batch_size:
-                if not order:
-                    order = list(range(len(train_items)))
-                    rng.shuffle(order)
-                batch_idx.append(order.pop())
-            batch = [train_items[i] for i in batch_idx]
+            batch = [train_items[i] for i in stream.take(cfg.train.batch_size)]
             denom = loss_denominator(cfg, batch)  # counted once for the whole optimizer step
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros(())

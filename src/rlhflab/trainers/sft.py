@@ -34,6 +34,7 @@ from rlhflab.runs import write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
+    ShuffledStream,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
@@ -130,8 +131,7 @@ def train(cfg: SFTConfig) -> dict:
 
     # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step.
     #       Checkpoints hold model, optimizer, schedule, RNGs and the data position (`order`).
-    rng = random.Random(cfg.seed)
-    order: list[int] = []
+    stream = ShuffledStream(len(pairs), random.Random(cfg.seed))
     last_loss = float("nan")
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
     checkpointer = Checkpointer(
@@ -140,31 +140,22 @@ def train(cfg: SFTConfig) -> dict:
         modules={"model": model},
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
-        randoms={"data": rng},
+        stateful={"data": stream, "nan": guard},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
     )
 
     def state() -> dict:
-        return {"order": order, "last_loss": last_loss, "nan": guard.state()}
+        return {"last_loss": last_loss}
 
     if ckpt is not None:
-        st = checkpointer.restore(ckpt)
-        order, last_loss = st["order"], st["last_loss"]
-        guard.load(st["nan"])
-        tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {cfg.train.steps})")
-        tracker.advance(ckpt.step, {})
+        last_loss = checkpointer.resume(ckpt, tracker, cfg.train.steps)["last_loss"]
     steps_done = ckpt.step if ckpt is not None else 0
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            batch_idx = []
-            while len(batch_idx) < cfg.train.batch_size:
-                if not order:
-                    order = list(range(len(pairs)))
-                    rng.shuffle(order)
-                batch_idx.append(order.pop())
+            batch_idx = stream.take(cfg.train.batch_size)
             # Denominator: completion tokens of the whole step, counted once before the
             # micro-batches.
             num_tokens = sum(len(pairs[i][1]) for i in batch_idx)
