@@ -185,6 +185,7 @@ def python_rng_state(rng: random.Random | None = None) -> list:
 
 
 def set_python_rng_state(state: list, rng: random.Random | None = None) -> None:
+    """Inverse of `python_rng_state`: restore `rng` (or the global generator) from its JSON."""
     version, internal, gauss = state
     (rng or random).setstate((version, tuple(internal), gauss))
 
@@ -215,6 +216,7 @@ class Checkpoint:
 
     @property
     def run_dir(self) -> Path:
+        """The run directory the checkpoint belongs to (`<run_dir>/checkpoints/step-N`)."""
         return self.path.parent.parent
 
 

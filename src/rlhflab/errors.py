@@ -49,4 +49,5 @@ class Interrupted(Exception):
 
     @property
     def exit_code(self) -> int:
+        """128 + the signal number (130 SIGINT, 143 SIGTERM)."""
         return 128 + self.signum

@@ -84,6 +84,21 @@ class Tracker:
             self.task = self.progress.add_task(description, total=total_steps, info="")
             self.progress.start()
 
+    @classmethod
+    def for_run(cls, run_dir: Path, cfg, headline: tuple[str, ...]) -> Tracker:
+        """The tracker of a trainer run: `cfg.tracking` picks the sinks, `cfg.train.steps` sets
+        the progress bar's length, `cfg.run.name` labels it, the resolved config goes to wandb."""
+        return cls(
+            run_dir,
+            total_steps=cfg.train.steps,
+            headline=headline,
+            console_enabled=cfg.tracking.console,
+            wandb=cfg.tracking.wandb,
+            tensorboard=cfg.tracking.tensorboard,
+            config=cfg.model_dump(mode="json"),
+            description=cfg.run.name,
+        )
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record the metrics of `step` (values: python or 0-d tensor numbers)."""
         row = {"step": step, "time_s": round(time.perf_counter() - self.start, 4)}

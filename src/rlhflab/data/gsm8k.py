@@ -36,6 +36,8 @@ class NumericAnswerScorer:
     """The `dataset` of GSM8K `Problem`s: score_answer is 1.0 iff the numbers are equal."""
 
     def score_answer(self, answer: str | None, entry: dict) -> float:
+        """1.0 when `answer` and `entry["answer"]` parse to the same number, else 0.0 (also
+        when either does not parse); never raises."""
         got, want = parse_number(answer), parse_number(entry.get("answer"))
         return 1.0 if got is not None and want is not None and got == want else 0.0
 

@@ -71,6 +71,7 @@ class Verifier:
         self.reset_counters()
 
     def reset_counters(self) -> None:
+        """Zero the counts of scored completions, verifier errors and answers not found."""
         self.n_scored = 0
         self.n_errors = 0
         self.n_no_answer = 0

@@ -26,6 +26,8 @@ class PreallocatedLayer(DynamicLayer):
         self._v: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' cache-layer API: write the new (b, h, n, d) keys/values in place after
+        the `length` cached ones; returns views of all cached keys and values so far."""
         n = key_states.shape[-2]
         if self._k is None:
             self.dtype, self.device = key_states.dtype, key_states.device
@@ -52,9 +54,11 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
+        """Cached positions so far."""
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows `indices` (the sampler drops finished sequences)."""
         if self._k is None:
             return
         self._k = self._k[indices]
@@ -63,6 +67,7 @@ class PreallocatedLayer(DynamicLayer):
         self.values = self._v[:, :, : self.length]
 
     def reset(self) -> None:
+        """Forget every cached position (buffers are allocated again at the next update)."""
         self._k = self._v = None
         self.length = 0
         super().reset()

@@ -33,6 +33,9 @@ MIN_SAVING = 0.15
 
 @dataclass
 class PackedLayout:
+    """Rows packed without padding (R rows of width W) and where each prediction and each
+    sequence's last token land in them; N is the number of real completion tokens."""
+
     input_ids: Tensor  # (R, W) long
     position_ids: Tensor  # (R, W) long
     attention_mask: Tensor  # (R, 1, W, W) bool, True = may attend

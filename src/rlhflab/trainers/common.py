@@ -212,9 +212,11 @@ class NonFiniteGuard:
         return True
 
     def state(self) -> dict:
+        """The counters as JSON (for checkpoints)."""
         return {"skipped": self.skipped, "in_a_row": self.in_a_row}
 
     def load(self, state: dict) -> None:
+        """Continue from a `state()`."""
         self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
 
 
@@ -266,6 +268,7 @@ class ShuffledStream:
         return self.order.pop()
 
     def take(self, k: int) -> list[int]:
+        """The next k row indices."""
         return [next(self) for _ in range(k)]
 
     def restart(self, n: int) -> None:
@@ -273,8 +276,33 @@ class ShuffledStream:
         self.n, self.order = n, []
 
     def state(self) -> dict:
+        """The position as JSON: rows, indices left in this pass, rng state."""
         return {"n": self.n, "order": self.order, "rng": python_rng_state(self.rng)}
 
     def load(self, state: dict) -> None:
+        """Continue from a `state()`."""
         self.n, self.order = state["n"], state["order"]
         set_python_rng_state(state["rng"], self.rng)
+
+
+def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype):
+    """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`, as
+    `cfg.eval` configures it (see `rlhflab.eval.accuracy.evaluate`); logged as `eval/*` at
+    `step` and returned (keys accuracy, accuracy_stderr, n, ...)."""
+    from rlhflab.eval.accuracy import evaluate
+
+    res = evaluate(
+        model,
+        tokenizer,
+        problems,
+        verifier,
+        batch_size=cfg.eval.batch_size,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        k=cfg.eval.k,
+        temperature=cfg.eval.temperature,
+        seed=cfg.seed,
+        system=cfg.task.system,
+        autocast_dtype=autocast_dtype,
+    )
+    tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
+    return res

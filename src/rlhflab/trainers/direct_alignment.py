@@ -54,7 +54,6 @@ from rlhflab.data.preference import (
 )
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import DataError
-from rlhflab.eval.accuracy import evaluate
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.build import save_pretrained
 from rlhflab.plots import plot_run
@@ -67,6 +66,7 @@ from rlhflab.trainers.common import (
     ShuffledStream,
     default_device,
     grad_norm_and_clip,
+    heldout_eval,
     make_optimizer,
     make_scheduler,
     open_run,
@@ -302,15 +302,8 @@ def train(cfg: DPOConfig) -> dict:
 
     # -- 2. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
-    tracker = Tracker(
-        run_dir,
-        total_steps=cfg.train.steps,
-        headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy"),
-        console_enabled=cfg.tracking.console,
-        wandb=cfg.tracking.wandb,
-        tensorboard=cfg.tracking.tensorboard,
-        config=cfg.model_dump(mode="json"),
-        description=cfg.run.name,
+    tracker = Tracker.for_run(
+        run_dir, cfg, headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy")
     )
     samples = SampleWriter(run_dir)
     tracker.print(
@@ -320,14 +313,9 @@ def train(cfg: DPOConfig) -> dict:
     )
 
     def run_eval(step: int) -> dict:
-        res = evaluate(
-            model, tokenizer, heldout_tasks, verifier,
-            batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
-            k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.seed,
-            system=t.system, autocast_dtype=autocast_dtype,
-        )  # fmt: skip
-        tracker.log(step, {f"eval/{k}": val for k, val in res.items()})
-        return res
+        return heldout_eval(
+            cfg, model, tokenizer, heldout_tasks, verifier, tracker, step, autocast_dtype
+        )
 
     @torch.no_grad()
     def pref_eval(step: int) -> dict:

@@ -41,7 +41,6 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, render_prompt
 from rlhflab.data.tasks import make_splits
-from rlhflab.eval.accuracy import evaluate
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
@@ -63,6 +62,7 @@ from rlhflab.trainers.common import (
     check_lengths,
     default_device,
     grad_norm_and_clip,
+    heldout_eval,
     make_optimizer,
     make_scheduler,
     open_run,
@@ -138,15 +138,8 @@ def train(cfg: PGConfig) -> dict:
 
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
-    tracker = Tracker(
-        run_dir,
-        total_steps=cfg.train.steps,
-        headline=("rollout/reward_mean", "policy/kl", "eval/accuracy"),
-        console_enabled=cfg.tracking.console,
-        wandb=cfg.tracking.wandb,
-        tensorboard=cfg.tracking.tensorboard,
-        config=cfg.model_dump(mode="json"),
-        description=cfg.run.name,
+    tracker = Tracker.for_run(
+        run_dir, cfg, headline=("rollout/reward_mean", "policy/kl", "eval/accuracy")
     )
     samples = SampleWriter(run_dir)
     tracker.print(
@@ -155,21 +148,7 @@ def train(cfg: PGConfig) -> dict:
     )
 
     def run_eval(step: int) -> dict:
-        res = evaluate(
-            model,
-            tokenizer,
-            heldout,
-            verifier,
-            batch_size=cfg.eval.batch_size,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            k=cfg.eval.k,
-            temperature=cfg.eval.temperature,
-            seed=cfg.seed,
-            system=t.system,
-            autocast_dtype=autocast_dtype,
-        )
-        tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
-        return res
+        return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
 
     def draw(chosen: list[int]) -> ScoredBatch:
         """Phases 1-2 for the given prompts: sample group_size completions each, then score."""

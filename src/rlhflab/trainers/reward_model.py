@@ -121,16 +121,7 @@ def train(cfg: RMConfig) -> dict:
 
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
-    tracker = Tracker(
-        run_dir,
-        total_steps=cfg.train.steps,
-        headline=("train/loss", "rm/accuracy"),
-        console_enabled=cfg.tracking.console,
-        wandb=cfg.tracking.wandb,
-        tensorboard=cfg.tracking.tensorboard,
-        config=cfg.model_dump(mode="json"),
-        description=cfg.run.name,
-    )
+    tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "rm/accuracy"))
     tracker.print(
         f"run directory: {run_dir}  ({len(train_items)} train / {len(eval_items)} held-out "
         f"{cfg.kind} examples; data: {data_counts})"

@@ -23,7 +23,6 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
 from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
 from rlhflab.data.tasks import make_splits
-from rlhflab.eval.accuracy import evaluate
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.models.build import save_pretrained
 from rlhflab.models.loading import context_length
@@ -37,6 +36,7 @@ from rlhflab.trainers.common import (
     ShuffledStream,
     default_device,
     grad_norm_and_clip,
+    heldout_eval,
     make_optimizer,
     make_scheduler,
     open_run,
@@ -100,34 +100,11 @@ def train(cfg: SFTConfig) -> dict:
 
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
-    tracker = Tracker(
-        run_dir,
-        total_steps=cfg.train.steps,
-        headline=("train/loss", "eval/accuracy"),
-        console_enabled=cfg.tracking.console,
-        wandb=cfg.tracking.wandb,
-        tensorboard=cfg.tracking.tensorboard,
-        config=cfg.model_dump(mode="json"),
-        description="sft",
-    )
+    tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "eval/accuracy"))
     tracker.print(f"run directory: {run_dir}  ({len(pairs)} examples, dropped: {drops or 0})")
 
     def run_eval(step: int) -> dict:
-        res = evaluate(
-            model,
-            tokenizer,
-            heldout,
-            verifier,
-            batch_size=cfg.eval.batch_size,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            k=cfg.eval.k,
-            temperature=cfg.eval.temperature,
-            seed=cfg.seed,
-            system=cfg.task.system,
-            autocast_dtype=autocast_dtype,
-        )
-        tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
-        return res
+        return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
 
     # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step.
     #       Checkpoints hold model, optimizer, schedule, RNGs and the data position (`order`).
