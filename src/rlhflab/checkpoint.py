@@ -28,6 +28,18 @@ half-deleted directory is never taken for a complete one.
 Resume exactness: restoring model, optimizer, scheduler, every RNG stream, data position and
 counters makes the continuation of a run compute bit for bit what the uninterrupted run computes
 (CPU, fp32, same thread count) — tested by killing runs with SIGKILL at chosen steps.
+
+Under torchrun (N data-parallel ranks) the same files, the same guarantees: every rank takes part
+in a save, rank 0 alone writes. Model and optimizer state are *gathered full state dicts*
+(`rlhflab.distributed.full_model_state` / `full_optimizer_state`), not sharded
+torch.distributed.checkpoint (DCP) files: DCP's metadata file is a pickle, which would break the
+promise that loading a checkpoint cannot execute code, and a full state dict is the same file
+whatever the world size or strategy, so the manifest, the sha256 checks and the final HF model stay
+as they are. The price is that rank 0 holds one full copy of the model and optimizer state in CPU
+memory while it writes (16 bytes per parameter with AdamW in fp32). Each rank's RNG streams are
+saved (`rng.safetensors` keys `rank<r>.` for r >= 1; python / numpy states in state.json); the data
+position and counters are global (the same on every rank). Resuming with another world size is
+refused with both sizes named: the per-rank RNG streams would not map onto the new ranks.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from rlhflab import faults
+from rlhflab import distributed, faults
 from rlhflab.errors import CheckpointError, ConfigError, Interrupted
 from rlhflab.runs import redact, write_json_atomic
 
@@ -70,6 +82,7 @@ HARMLESS_KEYS = (
     "run.root",
     "precision.threads",
     "train.max_seconds",
+    "parallel.timeout_s",
 )
 
 
@@ -141,8 +154,11 @@ def _versions() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
+def _optimizer_state(
+    opt: torch.optim.Optimizer, full: dict | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, JSON) of an optimizer's state dict (`full`: one gathered from shards)."""
+    sd = full if full is not None else opt.state_dict()
     tensors, scalars = {}, {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
@@ -154,8 +170,13 @@ def _optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor
 
 
 def _load_optimizer_state(
-    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
+    opt: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    meta: dict,
+    module: torch.nn.Module | None = None,
 ) -> None:
+    """Inverse of `_optimizer_state`; `module` is the model the optimizer trains (needed when it
+    is sharded: the full state is scattered to this rank's shards)."""
     state: dict[int, dict] = {}
     for key, v in tensors.items():
         idx, k = key.split(".", 1)
@@ -169,6 +190,9 @@ def _load_optimizer_state(
         if isinstance(g.get("betas"), list):
             g["betas"] = tuple(g["betas"])
         groups.append(g)
+    if module is not None and distributed.is_sharded(module):
+        distributed.load_full_optimizer_state(module, opt, {"state": state, "param_groups": groups})
+        return
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -422,25 +446,65 @@ class Checkpointer:
         Tracker files (metrics.jsonl, samples.jsonl) must be flushed before the call: their sizes
         are recorded so that a resumed run continues them from exactly this point.
         """
+        final = self.root / f"{_PREFIX}{step:08d}"
+        # Collectives first (every rank): sharded state gathered to rank 0, RNG states of all ranks.
+        full_models = {k: distributed.full_model_state(m) for k, m in self.modules.items()}
+        full_optims = {
+            k: distributed.full_optimizer_state(self._module_of(k), o)
+            for k, o in self.optimizers.items()
+        }
+        ranks = distributed.all_gather_object(self._rng_state())
+        if not distributed.is_main():
+            distributed.barrier()  # rank 0 commits
+            self.last_saved = step
+            return final
+        try:
+            self._save_main(step, state, final, full_models, full_optims, ranks)
+        finally:
+            distributed.barrier()
+        self.last_saved = step
+        self._retain(final)
+        return final
+
+    def _module_of(self, optimizer_name: str) -> torch.nn.Module | None:
+        """The module an optimizer trains ("optimizer" → "model", "value_optimizer" →
+        "value_model")."""
+        module = self.modules.get(optimizer_name.replace("optimizer", "model"))
+        if module is None and len(self.modules) == 1:
+            module = next(iter(self.modules.values()))
+        return module
+
+    def _rng_state(self) -> dict:
+        """This rank's RNG streams: tensors and JSON."""
+        tensors = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            for i, st in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"torch_cuda_{i}"] = st
+        for name, g in self.generators.items():
+            tensors[f"generator.{name}"] = g.get_state()
+        return {"tensors": tensors, "python": python_rng_state(), "numpy": _numpy_rng_state()}
+
+    def _save_main(self, step, state, final, full_models, full_optims, ranks) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
-        final = self.root / f"{_PREFIX}{step:08d}"
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
         tmp.mkdir()
         try:
             for name, module in self.modules.items():
-                self._write(tmp, f"{name}.safetensors", lambda p, m=module: save_model(m, str(p)))
+                full = full_models[name]
+                if full is None:
+                    write = lambda p, m=module: save_model(m, str(p))  # noqa: E731
+                else:
+                    write = lambda p, t=full: save_file(t, str(p))  # noqa: E731
+                self._write(tmp, f"{name}.safetensors", write)
             opt_meta = {}
             for name, opt in self.optimizers.items():
-                tensors, opt_meta[name] = _optimizer_state(opt)
+                tensors, opt_meta[name] = _optimizer_state(opt, full_optims[name])
                 self._write(tmp, f"{name}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
-            rng = {"torch_cpu": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                for i, s in enumerate(torch.cuda.get_rng_state_all()):
-                    rng[f"torch_cuda_{i}"] = s
-            for name, g in self.generators.items():
-                rng[f"generator.{name}"] = g.get_state()
+            rng = dict(ranks[0]["tensors"])
+            for r, st in enumerate(ranks[1:], start=1):
+                rng.update({f"rank{r}.{k}": v for k, v in st["tensors"].items()})
             self._write(tmp, "rng.safetensors", lambda p: save_file(rng, str(p)))
             offsets = {
                 f.name: f.stat().st_size
@@ -452,8 +516,10 @@ class Checkpointer:
                 "trainer": state,
                 "optimizers": opt_meta,
                 "schedulers": {k: _json_safe(s.state_dict()) for k, s in self.schedulers.items()},
-                "python_rng": python_rng_state(),
-                "numpy_rng": _numpy_rng_state(),
+                "python_rng": ranks[0]["python"],
+                "numpy_rng": ranks[0]["numpy"],
+                "world_size": len(ranks),
+                "rank_rngs": [{"python": r["python"], "numpy": r["numpy"]} for r in ranks[1:]],
                 "stateful": {k: obj.state() for k, obj in self.stateful.items()},
                 "file_offsets": offsets,
                 "config": self.config,
@@ -482,14 +548,14 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.last_saved = step
-        self._retain(final)
-        return final
 
     def end_step(self, step: int, stop: StopSignals, state_fn, on_stop=()) -> None:
         """The end of optimizer step `step`: a periodic checkpoint when due; after a stop signal
         a checkpoint, then `on_stop` callables (close the tracker...) and `Interrupted`."""
         saved = None
+        # A signal may reach the ranks during different steps: they agree on it here, so every
+        # rank checkpoints and stops after the same step.
+        stop.requested = distributed.any_rank(stop.requested) or None
         if self.due(step) or stop.requested:
             saved = self.save(step, state_fn())
         if stop.requested:
@@ -526,18 +592,40 @@ class Checkpointer:
         truncate metrics.jsonl / samples.jsonl to their sizes at that step. Returns the
         trainer's JSON state."""
         path = ckpt.path
+        saved_world = ckpt.state.get("world_size", 1)
+        if saved_world != distributed.world_size():
+            raise CheckpointError(
+                f"checkpoint {path}: written by {saved_world} rank(s), this run has "
+                f"{distributed.world_size()}; resume with --nproc-per-node {saved_world}"
+            )
         try:
             for name, module in self.modules.items():
-                load_model(module, str(path / f"{name}.safetensors"), strict=True)
+                if distributed.is_sharded(module):
+                    full = load_file(str(path / f"{name}.safetensors"))
+                    distributed.load_full_model_state(module, full)
+                else:
+                    load_model(module, str(path / f"{name}.safetensors"), strict=True)
             for name, opt in self.optimizers.items():
                 tensors = load_file(str(path / f"{name}.safetensors"))
-                _load_optimizer_state(opt, tensors, ckpt.state["optimizers"][name])
+                _load_optimizer_state(
+                    opt, tensors, ckpt.state["optimizers"][name], self._module_of(name)
+                )
             for name, sched in self.schedulers.items():
                 sched.load_state_dict(ckpt.state["schedulers"][name])
             rng = load_file(str(path / "rng.safetensors"))
         except (KeyError, RuntimeError, ValueError) as exc:
             msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise CheckpointError(f"checkpoint {path}: does not fit this run: {msg}") from None
+        r = distributed.rank()
+        if r > 0:  # this rank's own streams
+            prefix = f"rank{r}."
+            rng = {k[len(prefix) :]: v for k, v in rng.items() if k.startswith(prefix)}
+            py, npy = (
+                ckpt.state["rank_rngs"][r - 1]["python"],
+                ckpt.state["rank_rngs"][r - 1]["numpy"],
+            )
+        else:
+            py, npy = ckpt.state["python_rng"], ckpt.state["numpy_rng"]
         torch.set_rng_state(rng["torch_cpu"])
         if torch.cuda.is_available():
             states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
@@ -545,10 +633,12 @@ class Checkpointer:
                 torch.cuda.set_rng_state_all(states)
         for name, g in self.generators.items():
             g.set_state(rng[f"generator.{name}"])
-        set_python_rng_state(ckpt.state["python_rng"])
-        _set_numpy_rng_state(ckpt.state["numpy_rng"])
+        set_python_rng_state(py)
+        _set_numpy_rng_state(npy)
         for name, obj in self.stateful.items():
             obj.load(ckpt.state["stateful"][name])
+        if not distributed.is_main():  # rank 0 owns the run directory's files
+            return ckpt.state["trainer"]
         for fname, size in ckpt.state["file_offsets"].items():
             f = self.run_dir / fname
             if f.exists() and f.stat().st_size > size:

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from rlhflab.errors import Interrupted, RlhfLabError
+from rlhflab.errors import ConfigError, Interrupted, RlhfLabError
 
 EXIT_USER_ERROR = 2
 
@@ -29,6 +29,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rlhflab.config import load_config
     from rlhflab.trainers import run_config
 
+    if args.nproc is not None:
+        return _torchrun(args.nproc, args.argv)
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"run.resume={args.resume}")
@@ -36,8 +38,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append("run.allow_config_change=true")
     cfg = load_config(args.config, overrides)
     results = run_config(cfg)
-    print(json.dumps(results, indent=2))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(results, indent=2))
     return 0
+
+
+def _torchrun(nproc: int, argv: list[str]) -> int:
+    """Run `rlhflab <argv without --nproc>` under torchrun with `nproc` processes; its exit code."""
+    import subprocess
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", "-m", "rlhflab", *rest]
+    return subprocess.call(cmd)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -156,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume although config keys that matter (model, data, seed, batch sizes) changed",
     )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data-parallel processes on this machine: re-runs this command under "
+        "`torchrun --standalone --nproc-per-node N` (multi-node: call torchrun yourself)",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("eval", help="held-out accuracy (greedy) and pass@k of a model on a task")
@@ -244,20 +277,41 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse `argv`, run the command; user errors print one line and return 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except Interrupted as exc:
-        print(f"interrupted: {exc}; continue with --resume", file=sys.stderr)
+        _say(f"interrupted: {exc}; continue with --resume")
         return exc.exit_code
     except RlhfLabError as exc:
         from rlhflab.runs import redact
 
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        _say(f"error: {redact(str(exc))}")
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        _say("interrupted")
         return 130
+    finally:
+        if "rlhflab.distributed" in sys.modules:
+            sys.modules["rlhflab.distributed"].teardown()
+
+
+def _say(line: str) -> None:
+    """Print a one-line message on stderr. Under torchrun: before the ranks joined the process
+    group every rank fails the same way (config validation), so only rank 0 prints; after it,
+    each failing rank prints its line prefixed with its rank."""
+    rank = os.environ.get("RANK")
+    if rank is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        print(line, file=sys.stderr)
+        return
+    dist = sys.modules.get("torch.distributed")
+    joined = dist is not None and dist.is_available() and dist.is_initialized()
+    if joined:
+        print(f"rank {rank}: {line}", file=sys.stderr)
+    elif rank == "0":
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

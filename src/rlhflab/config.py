@@ -160,6 +160,21 @@ class EvalConfig(Strict):
     temperature: float = Field(1.0, gt=0)
 
 
+class ParallelConfig(Strict):
+    """Data parallelism under torchrun (see rlhflab/distributed.py and README "Many GPUs").
+
+    With one process every strategy is the plain single-process run.
+    """
+
+    # auto: "ddp" when launched with several processes, else "none". ddp: replicas, gradients
+    # summed once per optimizer step. fsdp2: parameters, gradients and optimizer state sharded
+    # per decoder layer (torch.distributed.fsdp.fully_shard).
+    strategy: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"  # fsdp2: parameter dtype for compute
+    cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on CPU
+    timeout_s: float = Field(600.0, gt=0)  # a collective waiting longer fails the job
+
+
 class TrainerConfig(Strict):
     """Sections every trainer family shares; the family's own sections follow them."""
 
@@ -171,6 +186,7 @@ class TrainerConfig(Strict):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,13 @@ variable `RLHFLAB_FAULT` is set.
     checkpoint_file@2=sigkill SIGKILL while writing a checkpoint, right after its 2nd file
     loss@4=nan                the loss of step 4 becomes NaN (also: inf)
 
+A rule prefixed with `rank<r>:` (e.g. `rank1:step_mid@3=sigkill`) fires only in the
+data-parallel process of that rank (torchrun's RANK); unprefixed rules fire in every process.
+
+`RLHFLAB_GRAD_DUMP=<dir>` (exactness tests of data parallelism): at every optimizer step, the full
+gradients after the sum over ranks and before clipping are written by rank 0 to
+`<dir>/grads-<k>.safetensors` (k counts optimizer steps of the process from 1).
+
 Points and counters are chosen by the trainers (`step_*`, `loss`: the optimizer step number;
 `checkpoint_file`: files written by this process since start). Actions: sigkill, sigterm, sigint,
 nan, inf. The tests use these to kill a run at a chosen step, crash a writer after i files and
@@ -31,7 +38,12 @@ _VALUES = {"nan": float("nan"), "inf": float("inf")}
 @functools.lru_cache(maxsize=8)
 def _parse(spec: str) -> dict[tuple[str, int], str]:
     rules = {}
+    rank = os.environ.get("RANK", "0")
     for part in filter(None, (p.strip() for p in spec.split(","))):
+        if part.startswith("rank"):
+            who, _, part = part.partition(":")
+            if who != f"rank{rank}":
+                continue
         try:
             where, action = part.split("=")
             point, n = where.split("@")
@@ -61,3 +73,24 @@ def corrupt(point: str, n: int, value: torch.Tensor) -> torch.Tensor:
     if action in _VALUES:
         return value + _VALUES[action]
     return value
+
+
+_DUMPS = {"n": 0}
+
+
+def dump_grads(model: torch.nn.Module) -> None:
+    """Write the model's full gradients when `RLHFLAB_GRAD_DUMP` is set (see the module doc)."""
+    where = os.environ.get("RLHFLAB_GRAD_DUMP")
+    if not where:
+        return
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from rlhflab import distributed
+
+    grads = distributed.full_grads(model)
+    _DUMPS["n"] += 1
+    if distributed.is_main():
+        Path(where).mkdir(parents=True, exist_ok=True)
+        save_file(grads, str(Path(where) / f"grads-{_DUMPS['n']}.safetensors"))

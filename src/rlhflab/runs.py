@@ -95,15 +95,22 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 class SampleWriter:
-    """Appends rollout samples (prompt, completion, reward, ...) to `samples.jsonl`."""
+    """Appends rollout samples (prompt, completion, reward, ...) to `samples.jsonl`.
 
-    def __init__(self, run_dir: Path) -> None:
-        self.file = (Path(run_dir) / "samples.jsonl").open("a")
+    `enabled=False` (data-parallel ranks other than 0) writes nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.file = (Path(run_dir) / "samples.jsonl").open("a") if enabled else None
 
     def write(self, step: int, rows: list[dict]) -> None:
+        """Append `rows`, each tagged with `step`."""
+        if self.file is None:
+            return
         for row in rows:
             self.file.write(redact(json.dumps({"step": step, **row})) + "\n")
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        """Close the file."""
+        if self.file is not None:
+            self.file.close()

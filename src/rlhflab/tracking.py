@@ -52,8 +52,15 @@ class Tracker:
         tensorboard: bool = False,
         config: dict | None = None,
         description: str = "train",
+        enabled: bool = True,
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self.progress = None
+        self._wandb = self._tb = None
+        if not enabled:  # a data-parallel rank other than 0: rank 0 writes and prints
+            self.file = None
+            return
         self.file = self.path.open("a")
         self.start = time.perf_counter()
         self.headline = headline
@@ -87,7 +94,10 @@ class Tracker:
     @classmethod
     def for_run(cls, run_dir: Path, cfg, headline: tuple[str, ...]) -> Tracker:
         """The tracker of a trainer run: `cfg.tracking` picks the sinks, `cfg.train.steps` sets
-        the progress bar's length, `cfg.run.name` labels it, the resolved config goes to wandb."""
+        the progress bar's length, `cfg.run.name` labels it, the resolved config goes to wandb.
+        Under torchrun only rank 0's tracker writes or prints anything."""
+        from rlhflab import distributed
+
         return cls(
             run_dir,
             total_steps=cfg.train.steps,
@@ -97,10 +107,13 @@ class Tracker:
             tensorboard=cfg.tracking.tensorboard,
             config=cfg.model_dump(mode="json"),
             description=cfg.run.name,
+            enabled=distributed.is_main(),
         )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record the metrics of `step` (values: python or 0-d tensor numbers)."""
+        if not self.enabled:
+            return
         row = {"step": step, "time_s": round(time.perf_counter() - self.start, 4)}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
         self.file.write(redact(json.dumps(row)) + "\n")
@@ -128,9 +141,11 @@ class Tracker:
             self.progress.console.print(message)
 
     def close(self) -> None:
+        """Stop the progress bar and close every sink."""
         if self.progress is not None:
             self.progress.stop()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:

@@ -52,6 +52,7 @@ def evaluate(
     system: str | None = None,
     autocast_dtype: torch.dtype | None = None,
     return_completions: bool = False,
+    return_scores: bool = False,
 ) -> dict:
     """Greedy accuracy (and pass@k when k > 0) of `model` on `problems`.
 
@@ -62,7 +63,8 @@ def evaluate(
 
     Returns:
         {"accuracy", "accuracy_stderr", "n"} plus {"pass@1", "pass@k", "k"} when k > 0, and
-        "completions" (greedy texts) when return_completions.
+        "completions" (greedy texts) when return_completions; the per-problem lists "scores",
+        "pass@1_scores", "pass@k_scores" when return_scores (to combine shards of a problem set).
     """
     was_training = model.training
     model.eval()
@@ -118,5 +120,9 @@ def evaluate(
         result["k"] = k
     if return_completions:
         result["completions"] = texts
+    if return_scores:
+        result["scores"] = scores
+        if k > 0:
+            result["pass@1_scores"], result["pass@k_scores"] = p1, pk
     model.train(was_training)
     return result

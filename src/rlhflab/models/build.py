@@ -129,13 +129,18 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def save_pretrained(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike[str]
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str | os.PathLike[str],
+    state_dict: dict | None = None,
 ) -> None:
     """Write `model` (safetensors, config, generation config) and `tokenizer` to directory `path`.
 
     The directory is created if needed and loads back with `rlhflab.models.load_model` /
-    `load_tokenizer` or plain `AutoModelForCausalLM.from_pretrained`.
+    `load_tokenizer` or plain `AutoModelForCausalLM.from_pretrained`. `state_dict` replaces the
+    model's own (a full state gathered from sharded parameters).
     """
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)  # safetensors is the default (and only format in v5)
+    # safetensors is the default (and only format in v5)
+    model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)

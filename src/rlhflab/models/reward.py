@@ -202,12 +202,15 @@ def completion_token_logits(model: PreTrainedModel, rollout, *, autocast_dtype=N
     return logits[:, rollout.prompt_ids.size(1) :]
 
 
-def save_reward_model(model: PreTrainedModel, tokenizer, path: str | os.PathLike[str]) -> None:
+def save_reward_model(
+    model: PreTrainedModel, tokenizer, path: str | os.PathLike[str], state_dict: dict | None = None
+) -> None:
     """`save_pretrained` the model (its config names the *ForSequenceClassification class) and
-    tokenizer; `AutoModelForSequenceClassification.from_pretrained(path)` reads it back."""
+    tokenizer; `AutoModelForSequenceClassification.from_pretrained(path)` reads it back.
+    `state_dict` replaces the model's own (a full state gathered from sharded parameters)."""
     os.makedirs(path, exist_ok=True)
     if tokenizer is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
+    model.save_pretrained(path, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

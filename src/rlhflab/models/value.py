@@ -52,15 +52,19 @@ class ValueModel(nn.Module):
         model.head.load_state_dict(load_file(str(head_file)))
         return model.to(device)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Backbone in HF format (config + safetensors) and the head in `value_head.safetensors`."""
+    def save(self, path: str | os.PathLike[str], state_dict: dict | None = None) -> None:
+        """Backbone in HF format (config + safetensors) and the head in `value_head.safetensors`.
+
+        `state_dict` (keys `backbone.*`, `head.*`) replaces the module's own: a full state
+        gathered from sharded parameters."""
         from safetensors.torch import save_file
 
         os.makedirs(path, exist_ok=True)
-        self.backbone.save_pretrained(path)
-        save_file(
-            {k: v.contiguous() for k, v in self.head.state_dict().items()}, Path(path) / HEAD_FILE
-        )
+        sd = state_dict if state_dict is not None else self.state_dict()
+        part = {k: {n[len(k) + 1 :]: v for n, v in sd.items() if n.startswith(k + ".")}
+                for k in ("backbone", "head")}  # fmt: skip
+        self.backbone.save_pretrained(path, state_dict=part["backbone"])
+        save_file({k: v.contiguous() for k, v in part["head"].items()}, Path(path) / HEAD_FILE)
 
     def forward(self, rollout: Rollout, autocast_dtype: torch.dtype | None = None) -> Tensor:
         """Values (B, T) float32 of the states before each completion token, 0 on padding.

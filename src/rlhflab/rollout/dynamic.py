@@ -66,6 +66,30 @@ class ScoredBatch:
         )
 
     @staticmethod
+    def gather(local: ScoredBatch | None, pad_token_id: int, device) -> ScoredBatch:
+        """The global batch from every data-parallel rank's scored share (None: a rank with no
+        rows), concatenated in rank order with `concat`'s padding; `local` itself with one
+        process. Every rank must call it."""
+        from rlhflab import distributed
+
+        if distributed.world_size() == 1:
+            return local
+        parts = distributed.all_gather_object(local.to("cpu") if local is not None else None)
+        batch = ScoredBatch.concat([b for b in parts if b is not None], pad_token_id)
+        return batch.to(device)
+
+    def to(self, device) -> ScoredBatch:
+        """The same batch with every tensor on `device`."""
+        return ScoredBatch(
+            self.rollout.to(device),
+            self.rewards.to(device),
+            {k: v.to(device) for k, v in self.components.items()},
+            self.texts,
+            self.problems,
+            dict(self.info),
+        )
+
+    @staticmethod
     def concat(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
         if len(batches) == 1:
             return batches[0]

@@ -10,6 +10,13 @@ The sampling distribution is π_θ(· | context) at temperature τ: softmax(logi
 log-probs `logp` are taken under that tempered distribution *before* top-k / top-p truncation,
 which is the convention of TRL and verl; with top_k = 0 and top_p = 1 they are the exact
 log-probs of the tokens drawn.
+
+Draws use the Gumbel-max trick, argmax_v(logits_v / τ + g_v) with g = −log(−log u), u ~ U[0, 1),
+which samples exactly softmax(logits / τ) (restricted to the top-k / top-p set). The uniforms of
+decoding step t form one (n_rows, V) block drawn for the whole *global* batch, and row i uses row
+`rows[i]` of it. So a completion's tokens depend only on its prompt, its global row and the
+seed — not on its batch neighbours, on which rows already stopped, or on how the global batch is
+split over data-parallel ranks (each rank samples its own rows and gets what one process would).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from rlhflab import distributed
 from rlhflab.ops import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
 from rlhflab.rollout.kv_cache import preallocated_cache
 from rlhflab.rollout.packing import can_pack, packed_hidden, packed_layout
@@ -103,6 +111,12 @@ def _filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def draw_seed(generator: torch.Generator | None, device: torch.device) -> int:
+    """The one draw `sample` takes from its generator per call (the seed of that call's noise).
+    A data-parallel rank with nothing to sample in a call takes it too, to stay in step."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -117,6 +131,8 @@ def sample(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     autocast_dtype: torch.dtype | None = None,
+    rows: list[int] | None = None,
+    n_rows: int | None = None,
 ) -> Rollout:
     """Sample one completion per prompt, all prompts in one batch.
 
@@ -128,8 +144,12 @@ def sample(
         eos_token_id / pad_token_id: stop token and the id written after a sequence stops.
         temperature, top_p, top_k: the sampling distribution (ignored when greedy).
         greedy: argmax decoding (evaluation); `logp` then holds log-probs at temperature 1.
-        generator: torch.Generator for reproducible draws (on the model's device).
+        generator: torch.Generator for reproducible draws (on the model's device). One seed is
+            drawn from it per call, whatever the batch, so callers on every data-parallel rank
+            keep their generators in step.
         autocast_dtype: run forwards under torch.autocast with this dtype (e.g. bfloat16).
+        rows: the global row index of each prompt (default 0..B-1); n_rows: the global batch
+            size (default B). Row i is sampled with the noise of global row rows[i].
 
     Returns:
         Rollout with completion tensors of width T' <= max_new_tokens (the longest completion).
@@ -137,6 +157,15 @@ def sample(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("sample: every prompt needs at least one token")
     device = next(model.parameters()).device
+    rows_t = torch.tensor(rows if rows is not None else range(len(prompts)), device=device)
+    n_rows = n_rows if n_rows is not None else len(prompts)
+    if rows_t.numel() != len(prompts) or (rows_t.numel() and int(rows_t.max()) >= n_rows):
+        raise ValueError(
+            f"sample: rows must give each of the {len(prompts)} prompts a row < {n_rows}"
+        )
+    noise_rng = None
+    if not greedy:
+        noise_rng = torch.Generator(device=device).manual_seed(draw_seed(generator, device))
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     batch = prompt_ids.size(0)
@@ -172,8 +201,9 @@ def sample(
         if greedy:
             token = logits.argmax(-1)
         else:
-            probs = _filter_logits(logits, top_k, top_p).softmax(-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            u = torch.rand((n_rows, logits.size(-1)), generator=noise_rng, device=device)
+            gumbel = -torch.log(-torch.log(u[rows_t[active]]))  # (b, V)
+            token = (_filter_logits(logits, top_k, top_p) + gumbel).argmax(-1)
         logp = selective_log_softmax(logits, token)
 
         out_ids[active, t] = token
@@ -233,7 +263,9 @@ def completion_logps(
     # are packed padding-free when that removes enough padding, and in fp32 the head and the
     # log-softmax are fused in row-chunks (ops.linear_selective_log_softmax), so no (B, T, V)
     # logits exist. Elsewhere the padded layout with `logits_to_keep` (no host syncs).
-    if input_ids.device.type == "cpu" and can_pack(model):
+    # An FSDP2-sharded model is only called through its own forward (its hooks gather the
+    # parameters), so it always takes the padded layout.
+    if input_ids.device.type == "cpu" and can_pack(model) and not distributed.is_sharded(model):
         head = model.get_output_embeddings()
         fused = autocast_dtype is None and isinstance(head, torch.nn.Linear)
         layout = packed_layout(rollout)

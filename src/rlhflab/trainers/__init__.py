@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 def run_config(cfg) -> dict:
-    """Run the trainer named by `cfg.trainer`; returns its final results."""
+    """Run the trainer named by `cfg.trainer`; returns its final results.
+
+    Under torchrun every rank calls this with the same config: the process group is joined here
+    (`parallel.strategy`), before the trainer; the CLI leaves it when the command ends.
+    """
+    from rlhflab import distributed
     from rlhflab.trainers import direct_alignment, policy_gradient, reward_model, sft
 
     trainers = {
@@ -13,4 +18,8 @@ def run_config(cfg) -> dict:
         "direct_alignment": direct_alignment.train,
         "reward_model": reward_model.train,
     }
+    strategy = cfg.parallel.strategy
+    if strategy == "auto":
+        strategy = "ddp" if distributed.launched() else "none"
+    distributed.setup(strategy, timeout_s=cfg.parallel.timeout_s)
     return trainers[cfg.trainer](cfg)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlhflab import distributed
 from rlhflab.checkpoint import python_rng_state, set_python_rng_state
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
 from rlhflab.errors import DataError, ModelError, NonFiniteError
@@ -43,8 +44,8 @@ def setup_precision(precision: PrecisionConfig, device: torch.device) -> torch.d
 
 
 def default_device() -> torch.device:
-    """CUDA when available, else CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """This rank's device: cuda:LOCAL_RANK under torchrun on GPUs, CUDA when available, else CPU."""
+    return distributed.device()
 
 
 def prepare_model(
@@ -169,11 +170,14 @@ def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_s
 
 
 def grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
-    """Global L2 norm of the gradients (before clipping); clips when max_norm is set."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm is None:
-        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    """After the last micro-batch of an optimizer step: sum the gradients over data-parallel
+    ranks (`distributed.sync_grads`; nothing with one process), then return the global L2 norm
+    of the gradients (before clipping), clipping them when max_norm is set."""
+    from rlhflab import faults
+
+    distributed.sync_grads(model)
+    faults.dump_grads(model)
+    return distributed.grad_norm(model, max_norm)
 
 
 class NonFiniteGuard:
@@ -228,9 +232,23 @@ def open_run(cfg, ckpt) -> Path:
 
     if ckpt is not None:
         return ckpt.run_dir
-    run_dir = create_run_dir(cfg.run.root, cfg.run.name)
-    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
-    return run_dir
+    run_dir = None
+    if distributed.is_main():  # rank 0 owns the run directory; the others learn its path
+        run_dir = create_run_dir(cfg.run.root, cfg.run.name)
+        write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    return Path(distributed.broadcast_object(str(run_dir)))
+
+
+def save_final_model(model, tokenizer, path: Path) -> None:
+    """The trained model (and tokenizer) as one Hugging Face directory, written by rank 0.
+
+    Every rank calls it: under FSDP2 the full state dict is gathered first (a collective)."""
+    from rlhflab.models.build import save_pretrained
+
+    state = distributed.full_model_state(model)
+    if distributed.is_main():
+        save_pretrained(model, tokenizer, path, state_dict=state)
+    distributed.barrier()
 
 
 def resume_point(cfg):
@@ -289,20 +307,33 @@ def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, 
     """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`, as
     `cfg.eval` configures it (see `rlhflab.eval.accuracy.evaluate`); logged as `eval/*` at
     `step` and returned (keys accuracy, accuracy_stderr, n, ...)."""
-    from rlhflab.eval.accuracy import evaluate
+    from rlhflab.eval.accuracy import evaluate, mean_and_stderr
 
-    res = evaluate(
-        model,
-        tokenizer,
-        problems,
-        verifier,
-        batch_size=cfg.eval.batch_size,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        k=cfg.eval.k,
-        temperature=cfg.eval.temperature,
-        seed=cfg.seed,
-        system=cfg.task.system,
-        autocast_dtype=autocast_dtype,
-    )
+    # Each rank evaluates a contiguous share of the problems with the full model; the per-problem
+    # scores are gathered in order, so the numbers are those of one process on all of them.
+    w, r = distributed.world_size(), distributed.rank()
+    per = -(-len(problems) // w)
+    with distributed.gathered(model):
+        res = evaluate(
+            model,
+            tokenizer,
+            problems[r * per : (r + 1) * per],
+            verifier,
+            batch_size=cfg.eval.batch_size,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            k=cfg.eval.k,
+            temperature=cfg.eval.temperature,
+            seed=cfg.seed + r,
+            system=cfg.task.system,
+            autocast_dtype=autocast_dtype,
+            return_scores=w > 1,
+        )
+    if w > 1:
+        for name in ("accuracy", "pass@1", "pass@k"):
+            key = "scores" if name == "accuracy" else f"{name}_scores"
+            if key in res:
+                scores = [s for part in distributed.all_gather_object(res.pop(key)) for s in part]
+                res[name], res[f"{name}_stderr"] = mean_and_stderr(scores)
+        res["n"] = len(problems)
     tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
     return res

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from rlhflab import faults
+from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import DPOConfig
 from rlhflab.data.formatting import encode_prompt, format_completion, render_prompt
@@ -53,9 +53,8 @@ from rlhflab.data.preference import (
     tokenize_pairs,
 )
 from rlhflab.data.tasks import make_splits
-from rlhflab.errors import DataError
+from rlhflab.errors import ConfigError, DataError
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
-from rlhflab.models.build import save_pretrained
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
@@ -72,6 +71,7 @@ from rlhflab.trainers.common import (
     open_run,
     prepare_model,
     resume_point,
+    save_final_model,
     seed_everything,
     setup_precision,
 )
@@ -152,15 +152,22 @@ def cache_reference(model, rows, pad_id, *, unpaired, chunk, autocast_dtype) -> 
             ("rejected", "ref_rejected"),
         )
     )
+    # Each data-parallel rank scores a contiguous share of the rows; the values are gathered so
+    # that every rank holds the whole cache (its rows change from step to step).
+    w, rank = distributed.world_size(), distributed.rank()
+    per = -(-len(rows) // w)
+    mine = rows[rank * per : (rank + 1) * per]
     for src, dst in keys:
-        values = reference_logps(
-            model,
-            [r["prompt"] for r in rows],
-            [r[src] for r in rows],
-            pad_id,
-            chunk=chunk,
-            autocast_dtype=autocast_dtype,
-        )
+        with distributed.gathered(model):
+            values = reference_logps(
+                model,
+                [r["prompt"] for r in mine],
+                [r[src] for r in mine],
+                pad_id,
+                chunk=chunk,
+                autocast_dtype=autocast_dtype,
+            )
+        values = [v for part in distributed.all_gather_object(values) for v in part]
         for r, v in zip(rows, values, strict=True):
             r[dst] = v
 
@@ -176,18 +183,21 @@ def verifiable_pairs(
     flat = [p for p in ids for _ in range(K)]
     was_training = model.training
     model.eval()
-    for s in range(0, len(flat), chunk):
-        ro = sample(
-            model,
-            flat[s : s + chunk],
-            max_new_tokens=vcfg.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            temperature=vcfg.temperature,
-            generator=generator,
-            autocast_dtype=autocast_dtype,
-        )
-        texts.extend(decode_completions(tokenizer, ro))
+    # Every data-parallel rank samples every prompt with the same draws (the generators are in
+    # step), so all ranks build the same pairs; under FSDP2 the parameters are gathered once.
+    with distributed.gathered(model):
+        for s in range(0, len(flat), chunk):
+            ro = sample(
+                model,
+                flat[s : s + chunk],
+                max_new_tokens=vcfg.max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                temperature=vcfg.temperature,
+                generator=generator,
+                autocast_dtype=autocast_dtype,
+            )
+            texts.extend(decode_completions(tokenizer, ro))
     model.train(was_training)
     scores = verifier.score_batch(texts, [p for p in problems for _ in range(K)])
     samples = [texts[i * K : (i + 1) * K] for i in range(len(problems))]
@@ -285,6 +295,12 @@ def train(cfg: DPOConfig) -> dict:
     rows, trunc = build_rows(train_pairs)
     held_tok, _ = tokenize_pairs(tokenizer, heldout_pairs, **tok_kw)
     held_rows = paired_rows(held_tok)
+    if cfg.train.batch_size % distributed.world_size():
+        raise ConfigError(
+            f"train.batch_size: {cfg.train.batch_size} rows do not split over "
+            f"{distributed.world_size()} ranks"
+        )
+    model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
@@ -305,7 +321,7 @@ def train(cfg: DPOConfig) -> dict:
     tracker = Tracker.for_run(
         run_dir, cfg, headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy")
     )
-    samples = SampleWriter(run_dir)
+    samples = SampleWriter(run_dir, enabled=distributed.is_main())
     tracker.print(
         f"run directory: {run_dir}  ({len(rows)} training rows, {len(held_rows)} held-out pairs, "
         f"dropped: {sum(drops.values()) if drops else 0}, truncated: {trunc}, "
@@ -323,23 +339,8 @@ def train(cfg: DPOConfig) -> dict:
             return {}
         was_training = model.training
         model.eval()
-        margins = []
-        for s in range(0, len(held_rows), cfg.train.micro_batch_size):
-            b = held_rows[s : s + cfg.train.micro_batch_size]
-            n = len(b)
-            lp, ln = sequence_logps(
-                model, [r["prompt"] for r in b] * 2,
-                [r["chosen"] for r in b] + [r["rejected"] for r in b], pad,
-                autocast_dtype=autocast_dtype,
-            )  # fmt: skip
-            lp = lp.float().cpu()
-            if use_ref:
-                rc = torch.tensor([r["ref_chosen"] for r in b])
-                rr = torch.tensor([r["ref_rejected"] for r in b])
-                margins.append((lp[:n] - rc) - (lp[n:] - rr))
-            else:
-                ln = ln.cpu()
-                margins.append(lp[:n] / ln[:n] - lp[n:] / ln[n:])
+        with distributed.gathered(model):  # every rank scores every held-out pair
+            margins = _held_margins(model, held_rows, cfg, pad, use_ref, autocast_dtype)
         model.train(was_training)
         m = torch.cat(margins)
         # Ties (|margin| within float32 noise, e.g. every pair while π_θ = π_ref) count one half.
@@ -412,12 +413,13 @@ def train(cfg: DPOConfig) -> dict:
                     stream.restart(len(rows))
                 tracker.print(f"round {r}: {data_counts[f'round_{r}']}")
             t0 = time.perf_counter()
-            batch_idx = stream.take(B)
+            batch_idx = stream.take(B)  # the global batch; this rank trains on its share
+            local_idx = distributed.shard(batch_idx)
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             n_tokens = 0
-            for s in range(0, B, cfg.train.micro_batch_size):
-                mb = [rows[i] for i in batch_idx[s : s + cfg.train.micro_batch_size]]
+            for s in range(0, len(local_idx), cfg.train.micro_batch_size):
+                mb = [rows[i] for i in local_idx[s : s + cfg.train.micro_batch_size]]
                 n = len(mb)
                 if unpaired:
                     comps = [r["completion"] for r in mb] + [r["kl_completion"] for r in mb]
@@ -463,13 +465,17 @@ def train(cfg: DPOConfig) -> dict:
                     }
                     stats["logps/chosen"] = pc.detach()
                     stats["logps/rejected"] = pr.detach()
-                loss = losses.sum() / B  # the step's mean over pairs, whatever the micro-batching
+                # the global step's mean over pairs (B counts every rank's pairs), whatever the
+                # micro-batching and the number of ranks
+                loss = losses.sum() / B
                 loss = faults.corrupt("loss", step, loss)
                 loss.backward()
                 sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
                 for k, val in stats.items():
                     sums[k] = sums.get(k, 0.0) + val.float().sum().item() / B
             faults.hit("step_mid", step)
+            sums = distributed.sum_dict({**sums, "n_tokens": n_tokens})  # global sums
+            n_tokens = sums.pop("n_tokens")
             grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
             if guard.check(step, {"train/loss": sums["train/loss"], "optim/grad_norm": grad_norm}):
                 optimizer.step()
@@ -522,8 +528,7 @@ def train(cfg: DPOConfig) -> dict:
     tracker.close()
     samples.close()
     if cfg.run.save_model:
-        save_pretrained(model, tokenizer, run_dir / "model")
-    plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        save_final_model(model, tokenizer, run_dir / "model")
     results = {
         "trainer": "direct_alignment",
         "loss": cfg.loss.name,
@@ -545,9 +550,36 @@ def train(cfg: DPOConfig) -> dict:
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
+        "world_size": distributed.world_size(),
     }
-    write_json_atomic(run_dir / "final_results.json", results)
+    if distributed.is_main():
+        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        write_json_atomic(run_dir / "final_results.json", results)
     return results
+
+
+@torch.no_grad()
+def _held_margins(model, held_rows, cfg, pad, use_ref, autocast_dtype) -> list[torch.Tensor]:
+    """Implicit-reward margins of the held-out pairs: (log π − log π_ref)(y_w) − (same)(y_l), or
+    the length-normalised log-prob margin for reference-free losses; one tensor per micro-batch."""
+    margins = []
+    for s in range(0, len(held_rows), cfg.train.micro_batch_size):
+        b = held_rows[s : s + cfg.train.micro_batch_size]
+        n = len(b)
+        lp, ln = sequence_logps(
+            model, [r["prompt"] for r in b] * 2,
+            [r["chosen"] for r in b] + [r["rejected"] for r in b], pad,
+            autocast_dtype=autocast_dtype,
+        )  # fmt: skip
+        lp = lp.float().cpu()
+        if use_ref:
+            rc = torch.tensor([r["ref_chosen"] for r in b])
+            rr = torch.tensor([r["ref_rejected"] for r in b])
+            margins.append((lp[:n] - rc) - (lp[n:] - rr))
+        else:
+            ln = ln.cpu()
+            margins.append(lp[:n] / ln[:n] - lp[n:] / ln[n:])
+    return margins
 
 
 def _tokenize_unpaired(tokenizer, examples, tok_kw) -> tuple[list[dict], dict]:
@@ -574,10 +606,12 @@ def _write_samples(writer, step, model, tokenizer, problems, verifier, cfg, auto
         encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=cfg.task.system))
         for p in problems
     ]
-    ro = sample(
-        model, prompts, max_new_tokens=cfg.eval.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, greedy=True, autocast_dtype=autocast_dtype,
-    )  # fmt: skip
+    with distributed.gathered(model):
+        ro = sample(
+            model, prompts, max_new_tokens=cfg.eval.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, greedy=True,
+            autocast_dtype=autocast_dtype,
+        )  # fmt: skip
     model.train(was_training)
     texts = decode_completions(tokenizer, ro)
     writer.write(

@@ -36,24 +36,24 @@ import time
 
 import torch
 
-from rlhflab import faults
+from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, render_prompt
 from rlhflab.data.tasks import make_splits
+from rlhflab.errors import ConfigError
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
 from rlhflab.losses.policy import POLICY_LOSSES
 from rlhflab.losses.value import clipped_value_loss, explained_variance
-from rlhflab.models.build import save_pretrained
 from rlhflab.models.loading import context_length
 from rlhflab.models.value import ValueModel
 from rlhflab.plots import plot_run
 from rlhflab.rewards.shaping import score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
-from rlhflab.rollout.sampler import completion_logps, decode_completions, sample
+from rlhflab.rollout.sampler import completion_logps, decode_completions, draw_seed, sample
 from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
@@ -68,6 +68,7 @@ from rlhflab.trainers.common import (
     open_run,
     prepare_model,
     resume_point,
+    save_final_model,
     seed_everything,
     setup_precision,
 )
@@ -102,6 +103,11 @@ def train(cfg: PGConfig) -> dict:
     )
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
     heldout = splits.heldout[: cfg.eval.n]
+    if cfg.rollout.prompts_per_step % distributed.world_size():
+        raise ConfigError(
+            f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} prompts do not split over "
+            f"{distributed.world_size()} ranks (whole groups go to one rank)"
+        )
     ref_model = None
     if cfg.kl.coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -115,6 +121,11 @@ def train(cfg: PGConfig) -> dict:
             else ValueModel.from_policy(model)
         )
         value_model.train()
+    # Data parallelism (one process: nothing changes): the policy, the frozen reference and the
+    # critic are placed and sharded alike.
+    model = distributed.wrap(model, cfg.parallel)
+    ref_model = distributed.wrap(ref_model, cfg.parallel, trainable=False) if ref_model else None
+    value_model = distributed.wrap(value_model, cfg.parallel) if value_model else None
     advantage_fn = ADVANTAGES[cfg.loss.advantage]
     advantage_kwargs = dict(cfg.loss.advantage_args)
     if "group_size" in inspect.signature(advantage_fn).parameters:
@@ -141,7 +152,7 @@ def train(cfg: PGConfig) -> dict:
     tracker = Tracker.for_run(
         run_dir, cfg, headline=("rollout/reward_mean", "policy/kl", "eval/accuracy")
     )
-    samples = SampleWriter(run_dir)
+    samples = SampleWriter(run_dir, enabled=distributed.is_main())
     tracker.print(
         f"run directory: {run_dir}  (train prompts {len(prompts)}, held-out {len(heldout)}, "
         f"held-out dropped as seen in training: {splits.n_heldout_overlap_dropped})"
@@ -151,21 +162,20 @@ def train(cfg: PGConfig) -> dict:
         return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
 
     def draw(chosen: list[int]) -> ScoredBatch:
-        """Phases 1-2 for the given prompts: sample group_size completions each, then score."""
-        problems = [splits.train[i] for i in chosen for _ in range(group_size)]
+        """Phases 1-2 for the given prompts (the global list): sample group_size completions each,
+        then score. Each data-parallel rank samples and scores a contiguous share of the groups
+        (global rows `rows`: the draws do not depend on the split); the scored shares are then
+        gathered, so every rank returns the same global batch."""
+        per = -(-len(chosen) // distributed.world_size())
+        g0 = distributed.rank() * per
+        mine = chosen[g0 : g0 + per]
+        if not mine:  # more ranks than prompts in a dynamic-sampling round's remainder
+            draw_seed(sampler_rng, device)  # the draw `sample` would take: stay in step
+            return ScoredBatch.gather(None, tokenizer.pad_token_id, device)
+        problems = [splits.train[i] for i in mine for _ in range(group_size)]
         model.eval()
-        rollout = sample(
-            model,
-            [prompts[i] for i in chosen for _ in range(group_size)],
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            generator=sampler_rng,
-            autocast_dtype=autocast_dtype,
-        )
+        with distributed.gathered(model):
+            rollout = _sample(mine, g0 * group_size, len(chosen) * group_size)
         model.train()
         texts = decode_completions(tokenizer, rollout)
         rewards, components = score_components(
@@ -181,7 +191,24 @@ def train(cfg: PGConfig) -> dict:
             },
         )
         components = {k: v.to(device) for k, v in components.items()}
-        return ScoredBatch(rollout, rewards.to(device), components, texts, problems)
+        local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
+        return ScoredBatch.gather(local, tokenizer.pad_token_id, device)
+
+    def _sample(mine: list[int], row0: int, n_rows: int):
+        return sample(
+            model,
+            [prompts[i] for i in mine for _ in range(group_size)],
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            generator=sampler_rng,
+            autocast_dtype=autocast_dtype,
+            rows=list(range(row0, row0 + len(mine) * group_size)),
+            n_rows=n_rows,
+        )
 
     # Checkpoints hold both models, optimizers and schedules, every RNG stream, the prompt
     # stream's position, the KL controller's coefficient and the counters.
@@ -230,24 +257,31 @@ def train(cfg: PGConfig) -> dict:
             else:
                 batch = draw(list(itertools.islice(prompt_stream, cfg.rollout.prompts_per_step)))
                 sampling_stats = {}
-            rollout, rewards, mask = batch.rollout, batch.rewards, batch.rollout.mask
+            # `batch` is the global batch (every rank holds it); this rank trains on its share:
+            # whole groups, the contiguous rows [r0, r1).
+            r0, r1 = distributed.shard_bounds(batch_size)
+            local = batch.select_groups(torch.arange(r0, r1, group_size) // group_size, group_size)
+            rollout, rewards, mask = local.rollout, local.rewards, local.rollout.mask
             t_rollout = time.perf_counter() - t0
 
             # -- 3. Log-probs of the pre-update and the reference policy, and the critic's values, in
             #       micro-batches without gradients.
-            logp_old = (
-                _no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
-            )
-            logp_ref = (
-                _no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
-                if ref_model is not None
-                else None
-            )
-            values_old = (
-                _no_grad_values(value_model, rollout, cfg, autocast_dtype)
-                if value_model is not None
-                else None
-            )
+            with distributed.gathered(model):
+                logp_old = (
+                    _no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
+                )
+            with distributed.gathered(ref_model):
+                logp_ref = (
+                    _no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
+                    if ref_model is not None
+                    else None
+                )
+            with distributed.gathered(value_model):
+                values_old = (
+                    _no_grad_values(value_model, rollout, cfg, autocast_dtype)
+                    if value_model is not None
+                    else None
+                )
 
             # -- 4. Advantages. The KL penalty enters the reward here when placed there; a per-token
             #       advantage (GAE) gets the sequence reward at the last valid token.
@@ -271,8 +305,10 @@ def train(cfg: PGConfig) -> dict:
                 adv, returns = advantage_fn(shaped, values_old, mask, **advantage_kwargs)
             else:
                 adv = advantage_fn(shaped, **advantage_kwargs)
-            if cfg.loss.whiten_advantages:
-                adv = whiten(adv, mask if adv.ndim == 2 else None)
+            if cfg.loss.whiten_advantages:  # statistics of the global batch
+                adv_all = distributed.gather_cat(adv)
+                mask_all = distributed.gather_cat(mask) if adv.ndim == 2 else None
+                adv = whiten(adv_all, mask_all)[r0:r1]
 
             # -- 5. Update: update_epochs × minibatches optimizer steps over the rollout batch.
             sums: dict[str, torch.Tensor] = {}
@@ -281,15 +317,21 @@ def train(cfg: PGConfig) -> dict:
             for _epoch in range(cfg.train.update_epochs):
                 perm = torch.randperm(batch_size, generator=shuffle_rng).to(device)
                 for m in range(cfg.train.minibatches):
-                    mb_rows = perm[m * minibatch_size : (m + 1) * minibatch_size]
-                    # Denominators of this optimizer step, counted once over all its micro-batches.
-                    num_tokens = mask[mb_rows].sum()
+                    mb_rows = perm[m * minibatch_size : (m + 1) * minibatch_size]  # global rows
+                    # Denominators of this optimizer step, counted once over all its micro-batches
+                    # and all ranks (every rank holds the global batch's mask).
+                    num_tokens = batch.rollout.mask[mb_rows].sum()
+                    mine = mb_rows[(mb_rows >= r0) & (mb_rows < r1)] - r0  # this rank's, in order
                     optimizer.zero_grad(set_to_none=True)
                     step_loss = step_value_loss = 0.0  # this optimizer step's, for nan_policy
                     if value_optimizer is not None:
                         value_optimizer.zero_grad(set_to_none=True)
-                    for s in range(0, minibatch_size, cfg.train.micro_batch_size):
-                        rows = mb_rows[s : s + cfg.train.micro_batch_size]
+                    # `weight` is 0 only for the padding passes that give every rank the same
+                    # number of forward/backward passes (distributed.micro_batches).
+                    for row_list, weight in distributed.micro_batches(
+                        mine.tolist(), cfg.train.micro_batch_size, pad_row=0
+                    ):
+                        rows = torch.tensor(row_list, dtype=torch.long, device=device)
                         micro = rollout.select(rows)
                         logp, entropy = completion_logps(
                             model,
@@ -316,7 +358,7 @@ def train(cfg: PGConfig) -> dict:
                             num_seqs=minibatch_size,
                             max_len=cfg.rollout.max_new_tokens,
                         )
-                        loss = faults.corrupt("loss", step, loss)
+                        loss = faults.corrupt("loss", step, loss) * weight
                         loss.backward()
                         step_loss += float(loss.detach())
                         if value_model is not None:  # the critic regresses the λ-returns
@@ -328,16 +370,19 @@ def train(cfg: PGConfig) -> dict:
                                 micro.mask,
                                 clip_range=cfg.value.clip_range,
                             )
-                            v_loss = aggregate(
+                            v_loss = weight * aggregate(
                                 v_tok, micro.mask, "token_mean", num_tokens=num_tokens
                             )
                             v_loss.backward()
                             step_value_loss += float(v_loss.detach())
-                            _add(update_sums, "value/clip_frac", (v_stats["clipped"]).sum())
-                        _accumulate_update(update_sums, micro.mask, stats)
-                        if first_step:  # diagnostics of the batch under the sampling policy
-                            _accumulate(sums, micro, stats, entropy, logp.detach())
+                            _add(update_sums, "value/clip_frac", weight * v_stats["clipped"].sum())
+                        if weight:
+                            _accumulate_update(update_sums, micro.mask, stats)
+                            if first_step:  # diagnostics of the batch under the sampling policy
+                                _accumulate(sums, micro, stats, entropy, logp.detach())
                     faults.hit("step_mid", step)
+                    global_loss = distributed.sum_dict({"p": step_loss, "v": step_value_loss})
+                    step_loss, step_value_loss = global_loss["p"], global_loss["v"]
                     grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
                     grad_norms.append(grad_norm)
                     loss_total += step_loss
@@ -360,8 +405,9 @@ def train(cfg: PGConfig) -> dict:
             dt = time.perf_counter() - t0
 
             # -- 6. Log, then let the adaptive controller move kl.coef.
-            metrics = _rollout_metrics(batch, group_size)
+            metrics = _rollout_metrics(batch, group_size)  # the global batch
             metrics.update({f"rollout/{k}": v for k, v in sampling_stats.items()})
+            sums, update_sums = _reduce_sums(sums), _reduce_sums(update_sums)  # over ranks
             n_tok = sums.pop("tokens")
             # KL per completion (summed over tokens) on the first optimizer step's minibatch.
             kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
@@ -371,11 +417,11 @@ def train(cfg: PGConfig) -> dict:
                 metrics["policy/kl_seq"] = kl_seq
                 metrics["policy/kl_coef"] = kl_coef
             if value_model is not None:
+                v_all, ret_all = distributed.gather_cat(values_old), distributed.gather_cat(returns)
+                mask_all = batch.rollout.mask
                 metrics["value/loss"] = value_loss_total / optimizer_steps_per_batch
-                metrics["value/explained_var"] = explained_variance(
-                    values_old, returns, mask
-                ).item()
-                metrics["value/mean"] = (values_old.sum() / mask.sum()).item()
+                metrics["value/explained_var"] = explained_variance(v_all, ret_all, mask_all).item()
+                metrics["value/mean"] = (v_all.sum() / mask_all.sum()).item()
             if cfg.train.nan_policy == "skip":
                 metrics["train/nan_skips"] = guard.skipped
             metrics.update(
@@ -385,7 +431,7 @@ def train(cfg: PGConfig) -> dict:
                     "optim/lr": scheduler.get_last_lr()[0],
                     "perf/step_s": dt,
                     "perf/rollout_s": t_rollout,
-                    "perf/tokens_per_s": mask.sum().item() / dt,
+                    "perf/tokens_per_s": batch.rollout.mask.sum().item() / dt,
                     "verifier/errors": verifier.n_errors,
                 }
             )
@@ -407,7 +453,7 @@ def train(cfg: PGConfig) -> dict:
                         {
                             "prompt": batch.problems[i].question,
                             "completion": batch.texts[i],
-                            "reward": rewards[i].item(),
+                            "reward": batch.rewards[i].item(),
                             "answer": batch.problems[i].answer,
                         }
                         for i in range(min(n, len(batch.texts)))
@@ -426,10 +472,11 @@ def train(cfg: PGConfig) -> dict:
     tracker.close()
     samples.close()
     if cfg.run.save_model:
-        save_pretrained(model, tokenizer, run_dir / "model")
+        save_final_model(model, tokenizer, run_dir / "model")
         if value_model is not None:
-            value_model.save(run_dir / "value_model")
-    plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+            value_state = distributed.full_model_state(value_model)
+            if distributed.is_main():
+                value_model.save(run_dir / "value_model", state_dict=value_state)
     results = {
         "trainer": "policy_gradient",
         "steps": steps_done,
@@ -442,8 +489,12 @@ def train(cfg: PGConfig) -> dict:
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
+        "world_size": distributed.world_size(),
     }
-    write_json_atomic(run_dir / "final_results.json", results)
+    if distributed.is_main():
+        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        write_json_atomic(run_dir / "final_results.json", results)
+    distributed.barrier()
     return results
 
 
@@ -501,16 +552,34 @@ def _accumulate_update(sums: dict, mask, stats: dict) -> None:
     _add(sums, "update/ratio_mean", (stats["ratio"] * mask).sum())
     _add(sums, "update/clip_frac_low", (stats["clipped_low"] * mask).sum())
     _add(sums, "update/clip_frac_high", (stats["clipped_high"] * mask).sum())
-    if m.any():
-        hi, lo = stats["ratio"][m].max(), stats["ratio"][m].min()
-        sums["ratio_max"] = torch.maximum(sums.get("ratio_max", hi), hi)
-        sums["ratio_min"] = torch.minimum(sums.get("ratio_min", lo), lo)
+    hi = stats["ratio"].masked_fill(~m, float("-inf")).max()  # -inf / inf: no valid token
+    lo = stats["ratio"].masked_fill(~m, float("inf")).min()
+    sums["ratio_max"] = torch.maximum(sums.get("ratio_max", hi), hi)
+    sums["ratio_min"] = torch.minimum(sums.get("ratio_min", lo), lo)
+
+
+def _reduce_sums(sums: dict) -> dict:
+    """Per-rank masked sums → global ones: summed over ranks, except the ratio extremes (max /
+    min). A key some rank lacks (it had no rows in that minibatch) counts as 0 / ∓inf there."""
+    keys = sorted({k for part in distributed.all_gather_object(sorted(sums)) for k in part})
+    default = {"ratio_max": float("-inf"), "ratio_min": float("inf")}
+    out = {}
+    for k in keys:
+        v = sums.get(k, default.get(k, 0.0))
+        v = v.detach().float().clone() if torch.is_tensor(v) else torch.tensor(float(v))
+        if k == "ratio_max":
+            out[k] = distributed.all_reduce_max(v)
+        elif k == "ratio_min":
+            out[k] = distributed.all_reduce_min(v)
+        else:
+            out[k] = distributed.all_reduce_sum(v)
+    return out
 
 
 def _update_metrics(sums: dict) -> dict:
     n_tok = sums.pop("tokens")
     out = {k: (v / n_tok).item() for k, v in sums.items() if not k.startswith("ratio_")}
-    if "ratio_max" in sums:
+    if "ratio_max" in sums and torch.isfinite(sums["ratio_max"]):
         out["update/ratio_max"] = sums["ratio_max"].item()
         out["update/ratio_min"] = sums["ratio_min"].item()
     return out

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from rlhflab import faults
+from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import RMConfig
 from rlhflab.data.reward_data import (
@@ -36,7 +36,7 @@ from rlhflab.data.reward_data import (
     truncate_items,
 )
 from rlhflab.data.tasks import make_splits
-from rlhflab.errors import DataError
+from rlhflab.errors import ConfigError, DataError
 from rlhflab.losses.reward_model import (
     IGNORE_INDEX,
     bradley_terry,
@@ -116,6 +116,12 @@ def train(cfg: RMConfig) -> dict:
     )
     del lm
     model.train()
+    if cfg.train.batch_size % distributed.world_size():
+        raise ConfigError(
+            f"train.batch_size: {cfg.train.batch_size} examples do not split over "
+            f"{distributed.world_size()} ranks"
+        )
+    model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
@@ -153,13 +159,15 @@ def train(cfg: RMConfig) -> dict:
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            batch = [train_items[i] for i in stream.take(cfg.train.batch_size)]
-            denom = loss_denominator(cfg, batch)  # counted once for the whole optimizer step
+            batch = [train_items[i] for i in stream.take(cfg.train.batch_size)]  # global batch
+            # counted once for the whole optimizer step, over the global batch (every rank)
+            denom = loss_denominator(cfg, batch)
+            local = distributed.shard(batch)  # this rank's contiguous share
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros(())
             acc_sum = acc_n = 0.0
-            for s in range(0, len(batch), cfg.train.micro_batch_size):
-                mb = batch[s : s + cfg.train.micro_batch_size]
+            for s in range(0, len(local), cfg.train.micro_batch_size):
+                mb = local[s : s + cfg.train.micro_batch_size]
                 losses, weight, stats = rm_losses(
                     cfg, model, mb, tokenizer.pad_token_id, device, autocast_dtype
                 )
@@ -170,6 +178,9 @@ def train(cfg: RMConfig) -> dict:
                 acc_sum += float((stats["accuracy"] * weight).sum())
                 acc_n += float(weight.sum())
             faults.hit("step_mid", step)
+            step_loss = distributed.all_reduce_sum(step_loss)
+            acc = distributed.sum_dict({"sum": acc_sum, "n": acc_n})
+            acc_sum, acc_n = acc["sum"], acc["n"]
             grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
             if guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
                 optimizer.step()
@@ -196,11 +207,12 @@ def train(cfg: RMConfig) -> dict:
 
     # -- 3. Held-out RM metrics (and best-of-N with the sampling policy).
     model.eval()
-    final_eval = (
-        evaluate_rm(cfg, model, eval_items, tokenizer.pad_token_id, device, autocast_dtype)
-        if eval_items
-        else {}
-    )
+    with distributed.gathered(model):  # every rank scores every held-out example
+        final_eval = (
+            evaluate_rm(cfg, model, eval_items, tokenizer.pad_token_id, device, autocast_dtype)
+            if eval_items
+            else {}
+        )
     if final_eval:
         tracker.log(steps_done, {f"eval/{k}": v for k, v in final_eval.items()})
     bon = {}
@@ -217,25 +229,27 @@ def train(cfg: RMConfig) -> dict:
             autocast_dtype=autocast_dtype,
         )
         policy = _policy(cfg, device)
-        bon = best_of_n_eval(
-            policy,
-            tokenizer,
-            splits.heldout[: cfg.eval.n_problems],
-            Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward),
-            {cfg.kind: scorer},
-            ns=cfg.eval.best_of_n,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            temperature=cfg.eval.temperature,
-            batch_size=cfg.eval.batch_size,
-            seed=cfg.seed + 7,
-            system=cfg.task.system,
-        )
+        with distributed.gathered(model):  # every rank runs it (the same draws)
+            bon = best_of_n_eval(
+                policy,
+                tokenizer,
+                splits.heldout[: cfg.eval.n_problems],
+                Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward),
+                {cfg.kind: scorer},
+                ns=cfg.eval.best_of_n,
+                max_new_tokens=cfg.eval.max_new_tokens,
+                temperature=cfg.eval.temperature,
+                batch_size=cfg.eval.batch_size,
+                seed=cfg.seed + 7,
+                system=cfg.task.system,
+            )
 
     # -- 4. Save model, plots, results.
     tracker.close()
     if cfg.run.save_model:
-        save_reward_model(model, tokenizer, run_dir / "model")
-    plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        state = distributed.full_model_state(model)
+        if distributed.is_main():
+            save_reward_model(model, tokenizer, run_dir / "model", state_dict=state)
     results = {
         "trainer": "reward_model",
         "kind": cfg.kind,
@@ -249,8 +263,12 @@ def train(cfg: RMConfig) -> dict:
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
+        "world_size": distributed.world_size(),
     }
-    write_json_atomic(run_dir / "final_results.json", results)
+    if distributed.is_main():
+        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        write_json_atomic(run_dir / "final_results.json", results)
+    distributed.barrier()
     return results
 
 

@@ -18,13 +18,12 @@ import time
 
 import torch
 
-from rlhflab import faults
+from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
 from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
 from rlhflab.data.tasks import make_splits
 from rlhflab.losses.aggregate import aggregate
-from rlhflab.models.build import save_pretrained
 from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
@@ -42,6 +41,7 @@ from rlhflab.trainers.common import (
     open_run,
     prepare_model,
     resume_point,
+    save_final_model,
     seed_everything,
     setup_precision,
 )
@@ -95,6 +95,8 @@ def train(cfg: SFTConfig) -> dict:
         pairs.append((f["input_ids"][:n_prompt], f["input_ids"][n_prompt:]))
     verifier = Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward)
     heldout = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
+    _check_batch_split(cfg)
+    model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
@@ -106,7 +108,8 @@ def train(cfg: SFTConfig) -> dict:
     def run_eval(step: int) -> dict:
         return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
 
-    # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step.
+    # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step,
+    #       drawn in one global order; each data-parallel rank trains on its contiguous share.
     #       Checkpoints hold model, optimizer, schedule, RNGs and the data position (`order`).
     stream = ShuffledStream(len(pairs), random.Random(cfg.seed))
     last_loss = float("nan")
@@ -132,14 +135,15 @@ def train(cfg: SFTConfig) -> dict:
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            batch_idx = stream.take(cfg.train.batch_size)
-            # Denominator: completion tokens of the whole step, counted once before the
-            # micro-batches.
+            batch_idx = stream.take(cfg.train.batch_size)  # the global batch
+            # Denominator: completion tokens of the whole global step (all ranks, all
+            # micro-batches), counted once before the micro-batches.
             num_tokens = sum(len(pairs[i][1]) for i in batch_idx)
+            local_idx = distributed.shard(batch_idx)
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros(())
-            for s in range(0, len(batch_idx), cfg.train.micro_batch_size):
-                idx = batch_idx[s : s + cfg.train.micro_batch_size]
+            for s in range(0, len(local_idx), cfg.train.micro_batch_size):
+                idx = local_idx[s : s + cfg.train.micro_batch_size]
                 mb = pack(
                     [pairs[i][0] for i in idx], [pairs[i][1] for i in idx], tokenizer.pad_token_id
                 )
@@ -150,6 +154,7 @@ def train(cfg: SFTConfig) -> dict:
                 loss.backward()
                 step_loss += loss.detach().cpu()
             faults.hit("step_mid", step)
+            step_loss = distributed.all_reduce_sum(step_loss)  # the global batch's loss
             grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
             if guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
                 optimizer.step()
@@ -183,8 +188,7 @@ def train(cfg: SFTConfig) -> dict:
     # -- 4. Save model, plots, results.
     tracker.close()
     if cfg.run.save_model:
-        save_pretrained(model, tokenizer, run_dir / "model")
-    plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        save_final_model(model, tokenizer, run_dir / "model")
     results = {
         "trainer": "sft",
         "steps": steps_done,
@@ -198,6 +202,20 @@ def train(cfg: SFTConfig) -> dict:
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
+        "world_size": distributed.world_size(),
     }
-    write_json_atomic(run_dir / "final_results.json", results)
+    if distributed.is_main():
+        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        write_json_atomic(run_dir / "final_results.json", results)
     return results
+
+
+def _check_batch_split(cfg: SFTConfig) -> None:
+    """train.batch_size must split evenly over the data-parallel ranks."""
+    from rlhflab.errors import ConfigError
+
+    w = distributed.world_size()
+    if cfg.train.batch_size % w:
+        raise ConfigError(
+            f"train.batch_size: {cfg.train.batch_size} rows do not split over {w} ranks"
+        )

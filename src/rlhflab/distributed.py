@@ -1,0 +1,508 @@
+"""Data parallelism on torch.distributed: the only module that imports it.
+
+Launch with torchrun (`torchrun --nproc-per-node N -m rlhflab train CONFIG ...`); torchrun sets
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and `setup()` reads them. Without
+them (a plain `rlhflab train`) the world has one process and every helper here is the identity:
+a single-process run takes the same code path and gives the same numbers.
+
+What the trainers call (nothing else in the package touches torch.distributed):
+
+    setup(parallel) / teardown()       process group (NCCL on CUDA, gloo on CPU), collective timeout
+    world_size() rank() is_main()      who we are
+    device()                           cuda:LOCAL_RANK on GPUs, else cpu
+    shard(rows)                        this rank's contiguous share of a global batch
+    all_reduce_sum / _max / _min(t)    in place on a tensor, returned
+    gather_cat(t)                      every rank's rows, concatenated in rank order
+    all_gather_object / broadcast_object
+    any_rank(flag)                     True when any rank says True (stop signals, errors)
+    wrap(model, parallel)              none | ddp | fsdp2 (see below)
+    sync_grads(model)                  after the last micro-batch of an optimizer step
+    gathered(model)                    full parameters on every rank while sampling
+    full_model_state / load_full_model_state
+    full_optimizer_state / load_full_optimizer_state
+
+Gradients are summed across ranks, never averaged. Every trainer divides its loss by the
+denominator of the *global* batch (tokens or sequences counted on each rank, summed once per
+optimizer step with `all_reduce_sum`), so the summed gradient of N ranks × k micro-batches is the
+gradient of the whole batch in one process (the torchtitan `global_valid_tokens` design).
+
+Strategies (`parallel.strategy`):
+- "none": the model as it is (one process; with several processes an error, since nothing
+  would synchronise the replicas).
+- "ddp": parameters replicated on every rank; after the last micro-batch of an optimizer step the
+  gradients are summed with one all-reduce per flat bucket (`sync_grads`). This is what
+  DistributedDataParallel does with `no_sync()` accumulation, without overlapping the
+  communication with the backward pass. We do not wrap the model in DistributedDataParallel
+  because the sampler (KV-cache decoding) and the padding-free scorer call the model's
+  submodules directly, and DDP only synchronises gradients of passes that go through its own
+  forward; the explicit all-reduce is correct whatever the forward path, and a rank may run any
+  number of micro-batches.
+- "fsdp2": `torch.distributed.fsdp.fully_shard` on every decoder layer, then on the root
+  (ZeRO-3: parameters, gradients and optimizer state sharded), with a `MixedPrecisionPolicy`
+  (parameters in bf16 or fp32 for compute, gradients reduced in fp32) and optional CPU offload.
+  The reduce-scatter sums (gradient divide factor 1). Forward and backward passes are
+  collectives: every rank must run the same number of them, which the trainers ensure by giving
+  every rank the same number of micro-batches (`micro_batches`). Sampling unshards the model first
+  (`gathered`), so ranks whose completions stop at different lengths never wait on each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhflab.errors import ConfigError
+
+_STATE: dict[str, Any] = {"strategy": "none", "device": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group
+# ---------------------------------------------------------------------------------------------
+
+
+def launched() -> bool:
+    """True when torchrun (or another launcher) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def setup(strategy: str = "none", timeout_s: float = 600.0) -> None:
+    """Join the process group torchrun describes (idempotent); with one process, nothing.
+
+    Args:
+        strategy: `parallel.strategy` ("none" | "ddp" | "fsdp2"), kept for `wrap`.
+        timeout_s: collective timeout: a rank that died makes the others fail after at most this
+            long instead of hanging (gloo and NCCL both honour it).
+    Raises:
+        ConfigError: several processes with strategy "none".
+    """
+    _STATE["strategy"] = strategy
+    if not launched():
+        _STATE["device"] = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return
+    if strategy == "none":
+        raise ConfigError(
+            f"parallel.strategy: 'none' with WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            "(set parallel.strategy=ddp or fsdp2 under torchrun)"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        _STATE["device"] = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        _STATE["device"] = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def teardown() -> None:
+    """Leave the process group (no-op with one process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    """Number of processes (1 without torchrun)."""
+    return dist.get_world_size() if _on() else 1
+
+
+def rank() -> int:
+    """This process's rank, 0..world_size-1."""
+    return dist.get_rank() if _on() else 0
+
+
+def is_main() -> bool:
+    """Rank 0: the only rank that writes the run directory and prints."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """cuda:LOCAL_RANK under torchrun on GPUs, cuda with one process on a GPU machine, else cpu."""
+    if _STATE["device"] is None:
+        _STATE["device"] = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return _STATE["device"]
+
+
+def barrier() -> None:
+    """Wait for every rank."""
+    if _on():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_bounds(n: int) -> tuple[int, int]:
+    """[start, end) of this rank's contiguous share of n global rows.
+
+    Raises: ValueError when n is not divisible by the world size (every rank takes the same
+    number of rows, so every rank runs the same number of micro-batches).
+    """
+    w, r = world_size(), rank()
+    if n % w:
+        raise ValueError(f"a global batch of {n} rows does not split over {w} ranks")
+    per = n // w
+    return r * per, (r + 1) * per
+
+
+def shard(rows: Sequence) -> list:
+    """This rank's contiguous share of a global batch (a list of rows in global order)."""
+    start, end = shard_bounds(len(rows))
+    return list(rows[start:end])
+
+
+def micro_batches(rows: Sequence, size: int, pad_row=None) -> list[tuple[list, float]]:
+    """Micro-batches of this rank's `rows`, as (rows, weight) pairs, padded so that every rank
+    runs the same number of forward/backward passes (FSDP2's passes are collectives).
+
+    A padding entry is `[pad_row]` (default: the first of `rows`) with weight 0.0: the trainer
+    multiplies that pass's loss by 0, so it adds nothing to the gradient, and skips its
+    statistics. With one process there is no padding. `rows` may be empty on a rank (then give
+    `pad_row`, any valid row).
+    """
+    mbs = [(list(rows[s : s + size]), 1.0) for s in range(0, len(rows), size)]
+    n = len(mbs)
+    if _on():
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n = int(t.item())
+    pad = [pad_row] if pad_row is not None else list(rows[:1])
+    while len(mbs) < n:
+        mbs.append((pad, 0.0))
+    return mbs
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives (identity with one process)
+# ---------------------------------------------------------------------------------------------
+
+
+def _reduce(t: torch.Tensor, op) -> torch.Tensor:
+    if _on():
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over ranks, in place; returned. A Python number is turned into a float64
+    tensor first (so denominators stay exact)."""
+    if not torch.is_tensor(t):
+        t = torch.tensor(t, dtype=torch.float64)
+    return _reduce(t, dist.ReduceOp.SUM if _on() else None)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise max of `t` over ranks, in place; returned."""
+    return _reduce(t, dist.ReduceOp.MAX if _on() else None)
+
+
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise min of `t` over ranks, in place; returned."""
+    return _reduce(t, dist.ReduceOp.MIN if _on() else None)
+
+
+def sum_dict(values: dict[str, float]) -> dict[str, float]:
+    """{key: Σ over ranks} of a dict of Python numbers with the same keys on every rank (one
+    all-reduce in float64); the dict itself with one process."""
+    if not _on():
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {**values, **dict(zip(keys, t.tolist(), strict=True))}
+
+
+def any_rank(flag: bool | int | None) -> int:
+    """The largest value of `flag` (False/None = 0) over ranks: e.g. a stop signal number seen
+    by any rank, so that every rank stops after the same step."""
+    t = torch.tensor([int(flag or 0)], dtype=torch.long)
+    return int(all_reduce_max(t).item())
+
+
+def gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's tensor concatenated along dim 0 in rank order (shapes may differ in dim 0).
+
+    Shards are contiguous in global order, so this rebuilds the global batch's per-row values
+    (rewards, lengths, ...) exactly as one process would hold them."""
+    if not _on():
+        return t
+    parts = all_gather_object(t.detach().cpu())
+    return torch.cat(parts).to(t.device)
+
+
+def all_gather_object(obj: Any) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable Python objects)."""
+    if not _on():
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not _on():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+def _fsdp():
+    from torch.distributed import fsdp
+
+    return fsdp
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    """True for a model wrapped by FSDP2 (its parameters are DTensor shards)."""
+    return model is not None and _on() and isinstance(model, _fsdp().FSDPModule)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a causal LM (decoder layers), found as the longest
+    nn.ModuleList in the model; [] when there is none."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def wrap(model: torch.nn.Module, parallel, *, trainable: bool = True) -> torch.nn.Module:
+    """Prepare a model (already on `device()`) for data parallelism; returns the same object.
+
+    Args:
+        model: policy, reference, critic or reward model.
+        parallel: the `parallel` config section (strategy, mixed_precision, cpu_offload).
+        trainable: False for frozen models (reference): sharded the same way, no gradients.
+    With one process, or strategy "none"/"ddp", the model is returned unchanged (ddp replicas
+    start equal because every rank builds or loads them from the same seed/file; `sync_grads`
+    keeps them equal). Under "fsdp2" each decoder layer and then the root are `fully_shard`ed.
+    """
+    if not _on():
+        return model
+    if _STATE["strategy"] != "fsdp2":  # ddp: every replica starts from rank 0's weights
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                dist.broadcast(t, src=0)
+        return model
+    fsdp = _fsdp()
+    mp = None
+    if parallel.mixed_precision == "bf16":
+        mp = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs: dict[str, Any] = {}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    if parallel.cpu_offload:
+        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
+    for block in _blocks(model):
+        fsdp.fully_shard(block, **kwargs)
+    fsdp.fully_shard(model, **kwargs)
+    for m in model.modules():  # sum over ranks (denominators are global); gloo has only SUM
+        if isinstance(m, fsdp.FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def sync_grads(model: torch.nn.Module) -> None:
+    """Sum gradients over ranks after the last micro-batch of an optimizer step ("ddp").
+
+    FSDP2 reduce-scatters (sums) during each backward, and one process has nothing to do; in
+    both cases this is a no-op. Parameters without a gradient on any rank get a zero gradient
+    first, so every rank all-reduces the same buckets.
+    """
+    if not _on() or is_sharded(model):
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    # flat buckets of ~25 MB, like DDP's default bucket size
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        bucket.append(p.grad)
+        size += p.grad.numel() * p.grad.element_size()
+        if size >= 25 * 2**20:
+            _all_reduce_bucket(bucket)
+            bucket, size = [], 0
+    if bucket:
+        _all_reduce_bucket(bucket)
+
+
+def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module | None) -> Iterator[None]:
+    """Full parameters on every rank for the duration (sampling, no-grad scoring, evaluation):
+    under FSDP2 the model is unsharded once and its forwards do no communication, so ranks may
+    run different numbers of them. Otherwise nothing happens."""
+    if model is None or not is_sharded(model):
+        yield
+        return
+    fsdp = _fsdp()
+    mods = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+    for m in mods:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of the gradients before clipping (over all shards), clipping to `max_norm`
+    when it is set. After `sync_grads` every replica holds the summed gradient, so the local
+    norm is the global one; FSDP2's DTensor gradients are reduced by `clip_grad_norm_`."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if is_sharded(model):
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if max_norm is None:
+        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{parameter name: full gradient on CPU} (a collective under FSDP2); tied parameters once."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = g.detach().cpu().clone().contiguous()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Full state for checkpoints (gathered; see rlhflab.checkpoint for why not DCP)
+# ---------------------------------------------------------------------------------------------
+
+
+def _sd_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unsharded state dict on CPU, on rank 0 (None on other ranks) for an FSDP2 model.
+
+    A collective under FSDP2 (every rank must call it). Tied parameters appear under one name
+    only: the name `safetensors.torch.save_model` keeps (the first in sorted order). For other
+    models this returns None: the checkpoint module saves them with `save_model` directly.
+    """
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model, options=_sd_options())
+    if not is_main():
+        return None
+    for group in _tied_groups(model):
+        for name in sorted(group)[1:]:
+            sd.pop(name, None)
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def load_full_model_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict, as written from `full_model_state`, into an FSDP2
+    model on every rank; tied names are filled from the saved one. Raises RuntimeError / KeyError
+    when names or shapes do not fit."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    sd = dict(sd)
+    for group in _tied_groups(model):
+        kept = sorted(group)[0]
+        for name in group:
+            sd.setdefault(name, sd[kept])
+    set_model_state_dict(model, sd, options=_sd_options_load())
+
+
+def _sd_options_load():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, strict=True)
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    seen: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        seen.setdefault(id(p), []).append(name)
+    return [names for names in seen.values() if len(names) > 1]
+
+
+def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
+    """An FSDP2 model's optimizer state unsharded, in `Optimizer.state_dict()` form (state keyed
+    by parameter index, as one process has it) on rank 0; None on other ranks and for
+    unsharded models (whose `opt.state_dict()` is already complete). A collective."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt, options=_sd_options())
+    if not is_main():
+        return None
+    index: dict[str, int] = {}
+    groups = []
+    for g in osd["param_groups"]:
+        ids = []
+        for fqn in g["params"]:
+            index[fqn] = len(index)
+            ids.append(index[fqn])
+        groups.append({**g, "params": ids})
+    state = {index[fqn]: st for fqn, st in osd["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:
+    """Inverse of `full_optimizer_state` on every rank of an FSDP2 model."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # The FQN of each parameter index, in the optimizer's own order.
+    template = get_optimizer_state_dict(model, opt, options=StateDictOptions())
+    fqns = [fqn for g in template["param_groups"] for fqn in g["params"]]
+    state = {fqns[int(i)]: st for i, st in sd["state"].items()}
+    groups, start = [], 0
+    for g in sd["param_groups"]:
+        n = len(g["params"])
+        groups.append({**g, "params": fqns[start : start + n]})
+        start += n
+    set_optimizer_state_dict(
+        model,
+        opt,
+        {"state": state, "param_groups": groups},
+        options=StateDictOptions(full_state_dict=True),
+    )
