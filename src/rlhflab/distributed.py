@@ -274,8 +274,11 @@ def _fsdp():
 
 
 def is_sharded(model: torch.nn.Module | None) -> bool:
-    """True for a model wrapped by FSDP2 (its parameters are DTensor shards)."""
-    return model is not None and _on() and isinstance(model, _fsdp().FSDPModule)
+    """True for a model (or a part of it) wrapped by FSDP2: its parameters are DTensor shards."""
+    if model is None or not _on():
+        return False
+    fsdp = _fsdp()
+    return any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -285,13 +288,21 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def wrap(model: torch.nn.Module, parallel, *, trainable: bool = True) -> torch.nn.Module:
+def wrap(
+    model: torch.nn.Module,
+    parallel,
+    *,
+    trainable: bool = True,
+    roots: list[torch.nn.Module] | None = None,
+) -> torch.nn.Module:
     """Prepare a model (already on `device()`) for data parallelism; returns the same object.
 
     Args:
         model: policy, reference, critic or reward model.
         parallel: the `parallel` config section (strategy, mixed_precision, cpu_offload).
         trainable: False for frozen models (reference): sharded the same way, no gradients.
+        roots: under fsdp2, the parts sharded as separate FSDP roots instead of `model` itself
+            (the reward model: backbone and score head, which the scorer calls one by one).
     With one process, or strategy "none"/"ddp", the model is returned unchanged (ddp replicas
     start equal because every rank builds or loads them from the same seed/file; `sync_grads`
     keeps them equal). Under "fsdp2" each decoder layer and then the root are `fully_shard`ed.
@@ -314,7 +325,8 @@ def wrap(model: torch.nn.Module, parallel, *, trainable: bool = True) -> torch.n
         kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
     for block in _blocks(model):
         fsdp.fully_shard(block, **kwargs)
-    fsdp.fully_shard(model, **kwargs)
+    for root in roots or [model]:
+        fsdp.fully_shard(root, **kwargs)
     for m in model.modules():  # sum over ranks (denominators are global); gloo has only SUM
         if isinstance(m, fsdp.FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -413,12 +425,15 @@ def _sd_options():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def full_model_state(
+    model: torch.nn.Module, *, keep_tied: bool = False
+) -> dict[str, torch.Tensor] | None:
     """The unsharded state dict on CPU, on rank 0 (None on other ranks) for an FSDP2 model.
 
     A collective under FSDP2 (every rank must call it). Tied parameters appear under one name
-    only: the name `safetensors.torch.save_model` keeps (the first in sorted order). For other
-    models this returns None: the checkpoint module saves them with `save_model` directly.
+    only: the first in sorted order, or with `keep_tied` the name `save_pretrained` keeps (the
+    input embedding's, not the LM head's). For other models this returns None: they are saved
+    from the module directly.
     """
     if not is_sharded(model):
         return None
@@ -428,7 +443,12 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     if not is_main():
         return None
     for group in _tied_groups(model):
-        for name in sorted(group)[1:]:
+        if keep_tied:  # what save_pretrained writes for a tied model: the input embedding's name
+            drop = [n for n in group if n in _output_embedding_names(model)]
+            drop = drop if len(drop) < len(group) else []
+        else:
+            drop = sorted(group)[1:]
+        for name in drop:
             sd.pop(name, None)
     return {k: v.contiguous() for k, v in sd.items()}
 
@@ -451,6 +471,15 @@ def _sd_options_load():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, strict=True)
+
+
+def _output_embedding_names(model: torch.nn.Module) -> set[str]:
+    """Parameter names of a Hugging Face model's output embedding (LM head), if it has one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        return set()
+    return {f"{n}.weight" for n, m in model.named_modules() if m is head}
 
 
 def _tied_groups(model: torch.nn.Module) -> list[list[str]]:

@@ -173,10 +173,11 @@ def score_rollout(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Te
 
     On CPU, rows of uneven length are packed padding-free (`rlhflab.rollout.packing`): the same
     scores up to float rounding, without computing the padding."""
+    from rlhflab import distributed
     from rlhflab.rollout.packing import can_pack, packed_hidden, packed_layout
 
     device = rollout.prompt_ids.device
-    if device.type == "cpu" and can_pack(model):
+    if device.type == "cpu" and can_pack(model) and not distributed.is_sharded(model):
         layout = packed_layout(rollout)
         if layout is not None:
             autocast = torch.autocast(

@@ -245,7 +245,7 @@ def save_final_model(model, tokenizer, path: Path) -> None:
     Every rank calls it: under FSDP2 the full state dict is gathered first (a collective)."""
     from rlhflab.models.build import save_pretrained
 
-    state = distributed.full_model_state(model)
+    state = distributed.full_model_state(model, keep_tied=True)
     if distributed.is_main():
         save_pretrained(model, tokenizer, path, state_dict=state)
     distributed.barrier()

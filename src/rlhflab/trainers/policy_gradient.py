@@ -474,7 +474,7 @@ def train(cfg: PGConfig) -> dict:
     if cfg.run.save_model:
         save_final_model(model, tokenizer, run_dir / "model")
         if value_model is not None:
-            value_state = distributed.full_model_state(value_model)
+            value_state = distributed.full_model_state(value_model, keep_tied=True)
             if distributed.is_main():
                 value_model.save(run_dir / "value_model", state_dict=value_state)
     results = {

@@ -47,6 +47,7 @@ from rlhflab.losses.reward_model import (
 from rlhflab.models.loading import context_length
 from rlhflab.models.reward import (
     completion_token_logits,
+    reward_head,
     reward_model_from_causal_lm,
     save_reward_model,
     score_rollout,
@@ -121,7 +122,9 @@ def train(cfg: RMConfig) -> dict:
             f"train.batch_size: {cfg.train.batch_size} examples do not split over "
             f"{distributed.world_size()} ranks"
         )
-    model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
+    # one process: unchanged; under FSDP2 the backbone and the score head are sharded as two
+    # roots, because the scorer calls them one after the other (rlhflab.models.reward)
+    model = distributed.wrap(model, cfg.parallel, roots=[model.base_model, reward_head(model)])
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
@@ -247,7 +250,7 @@ def train(cfg: RMConfig) -> dict:
     # -- 4. Save model, plots, results.
     tracker.close()
     if cfg.run.save_model:
-        state = distributed.full_model_state(model)
+        state = distributed.full_model_state(model, keep_tied=True)
         if distributed.is_main():
             save_reward_model(model, tokenizer, run_dir / "model", state_dict=state)
     results = {

