@@ -299,16 +299,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say(line: str) -> None:
-    """Print a one-line message on stderr. Under torchrun: before the ranks joined the process
-    group every rank fails the same way (config validation), so only rank 0 prints; after it,
-    each failing rank prints its line prefixed with its rank."""
+    """Print a one-line message on stderr. Under torchrun: before the first collective every rank
+    fails the same way (validation of the same config and data), so only rank 0 prints; after
+    it, each failing rank prints its line prefixed with its rank."""
     rank = os.environ.get("RANK")
     if rank is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         print(line, file=sys.stderr)
         return
-    dist = sys.modules.get("torch.distributed")
-    joined = dist is not None and dist.is_available() and dist.is_initialized()
-    if joined:
+    ours = sys.modules.get("rlhflab.distributed")
+    if ours is not None and ours.collectives_started():
         print(f"rank {rank}: {line}", file=sys.stderr)
     elif rank == "0":
         print(line, file=sys.stderr)

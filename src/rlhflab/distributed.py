@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from rlhflab.errors import ConfigError
 
-_STATE: dict[str, Any] = {"strategy": "none", "device": None}
+_STATE: dict[str, Any] = {"strategy": "none", "device": None, "talked": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +113,20 @@ def _on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _talk() -> bool:
+    """True when there are several processes; records that a collective is about to happen."""
+    if _on():
+        _STATE["talked"] = True
+        return True
+    return False
+
+
+def collectives_started() -> bool:
+    """True once this process took part in a collective. Before that, every rank has run the same
+    validation on the same config, so a failure there is the same on every rank (printed once)."""
+    return _STATE["talked"]
+
+
 def world_size() -> int:
     """Number of processes (1 without torchrun)."""
     return dist.get_world_size() if _on() else 1
@@ -137,7 +151,7 @@ def device() -> torch.device:
 
 def barrier() -> None:
     """Wait for every rank."""
-    if _on():
+    if _talk():
         dist.barrier()
 
 
@@ -176,7 +190,7 @@ def micro_batches(rows: Sequence, size: int, pad_row=None) -> list[tuple[list, f
     """
     mbs = [(list(rows[s : s + size]), 1.0) for s in range(0, len(rows), size)]
     n = len(mbs)
-    if _on():
+    if _talk():
         t = torch.tensor([n], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         n = int(t.item())
@@ -192,7 +206,7 @@ def micro_batches(rows: Sequence, size: int, pad_row=None) -> list[tuple[list, f
 
 
 def _reduce(t: torch.Tensor, op) -> torch.Tensor:
-    if _on():
+    if _talk():
         dist.all_reduce(t, op=op)
     return t
 
@@ -218,7 +232,7 @@ def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
 def sum_dict(values: dict[str, float]) -> dict[str, float]:
     """{key: Σ over ranks} of a dict of Python numbers with the same keys on every rank (one
     all-reduce in float64); the dict itself with one process."""
-    if not _on():
+    if not _talk():
         return values
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
@@ -238,7 +252,7 @@ def gather_cat(t: torch.Tensor) -> torch.Tensor:
 
     Shards are contiguous in global order, so this rebuilds the global batch's per-row values
     (rewards, lengths, ...) exactly as one process would hold them."""
-    if not _on():
+    if not _talk():
         return t
     parts = all_gather_object(t.detach().cpu())
     return torch.cat(parts).to(t.device)
@@ -246,7 +260,7 @@ def gather_cat(t: torch.Tensor) -> torch.Tensor:
 
 def all_gather_object(obj: Any) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every rank (picklable Python objects)."""
-    if not _on():
+    if not _talk():
         return [obj]
     out: list = [None] * world_size()
     dist.all_gather_object(out, obj)
@@ -255,7 +269,7 @@ def all_gather_object(obj: Any) -> list:
 
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's `obj` on every rank."""
-    if not _on():
+    if not _talk():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -307,7 +321,7 @@ def wrap(
     start equal because every rank builds or loads them from the same seed/file; `sync_grads`
     keeps them equal). Under "fsdp2" each decoder layer and then the root are `fully_shard`ed.
     """
-    if not _on():
+    if not _talk():
         return model
     if _STATE["strategy"] != "fsdp2":  # ddp: every replica starts from rank 0's weights
         with torch.no_grad():
@@ -341,7 +355,7 @@ def sync_grads(model: torch.nn.Module) -> None:
     both cases this is a no-op. Parameters without a gradient on any rank get a zero gradient
     first, so every rank all-reduces the same buckets.
     """
-    if not _on() or is_sharded(model):
+    if not _talk() or is_sharded(model):
         return
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -272,8 +273,11 @@ def test_two_ranks_equal_one_process(family, strategy, base_model, pairs_file, t
     one = _train(tmp_path, family, raw, 1, "none")
     two = _train(tmp_path, family, raw, 2, strategy)
     _assert_same_run(one, two)
+
     # Rank 0 alone wrote the run directory: the same files as one process, each step once.
-    files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())  # noqa: E731
+    def files(d):
+        return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+
     assert files(two) == files(one)
     steps = [r["step"] for r in _metrics(two) if any(k.startswith("optim/") for k in r)]
     assert steps == sorted(set(steps)) == list(range(1, raw["train"]["steps"] + 1))
@@ -288,3 +292,48 @@ def test_grpo_every_aggregation_two_ranks(aggregation, base_model, tmp_path):
     raw = _grpo(base_model, aggregation)
     raw["loss"]["whiten_advantages"] = True
     _assert_same_run(_train(tmp_path, "g", raw, 1, "none"), _train(tmp_path, "g", raw, 2, "ddp"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_sigkill_one_rank_then_resume_is_exact(strategy, base_model, tmp_path):
+    """Rank 1 is killed mid-step 3: the job exits non-zero (no hang); --resume finishes the run
+    bitwise equal to an uninterrupted 2-rank run (weights, metrics except timings)."""
+    raw = _grpo(base_model)
+    raw["train"]["steps"] = 4
+    raw["checkpoint"] = {"every": 2, "keep_last": 2}
+    cfg = _write_cfg(tmp_path / "grpo.yaml", raw)
+    args = ["train", str(cfg), f"parallel.strategy={strategy}"]
+    full = _rlhflab(2, [*args, f"run.root={tmp_path / 'full'}"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _rlhflab(
+        2, [*args, f"run.root={tmp_path / 'killed'}"], RLHFLAB_FAULT="rank1:step_mid@3=sigkill"
+    )
+    assert killed.returncode != 0
+    # torchrun names the failed rank and its signal
+    assert re.search(r"rank\s*:\s*1 .*\n.*exitcode\s*:\s*-9", killed.stderr), killed.stderr[-2000:]
+    run = _run_dir(tmp_path / "killed")
+    assert not (run / "final_results.json").exists()
+    resumed = _rlhflab(2, [*args, f"run.root={tmp_path / 'killed'}", "--resume", str(run)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref = _run_dir(tmp_path / "full")
+    w1, w2 = load_file(ref / "model/model.safetensors"), load_file(run / "model/model.safetensors")
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in rows]
+
+    assert strip(_metrics(run)) == strip(_metrics(ref))
+
+
+def test_bad_config_is_one_line_printed_once(base_model, tmp_path):
+    raw = _grpo(base_model)
+    raw["rollout"]["prompts_per_step"] = 3  # does not split over 2 ranks
+    cfg = _write_cfg(tmp_path / "bad.yaml", raw)
+    res = _rlhflab(2, ["train", str(cfg), f"run.root={tmp_path / 'runs'}"], timeout=180)
+    assert res.returncode != 0
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        "error: rollout.prompts_per_step: 3 prompts do not split over 2 ranks (whole groups "
+        "go to one rank)"
+    ]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
