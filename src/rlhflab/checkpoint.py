@@ -49,8 +49,8 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from rlhflab import faults
-from rlhflab.errors import CheckpointError, ConfigError, Interrupted
-from rlhflab.runs import redact, write_json_atomic
+from rlhflab.errors import CheckpointError, ConfigError, DiskFullError, Interrupted
+from rlhflab.runs import is_run_of, redact_json, redact_obj, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 COMMITTED = "COMMITTED"
@@ -319,7 +319,7 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
         candidates = []
         if root_p.is_dir():
             for run in root_p.iterdir():
-                if run.is_dir() and run.name.startswith(f"{name}-"):
+                if run.is_dir() and is_run_of(run.name, name):
                     _inside(run, root_p, "run.resume")
                     for ck in committed_checkpoints(run):
                         candidates.append((ck.stat().st_mtime, _step_of(ck), ck))
@@ -345,7 +345,7 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
 def check_config_change(ckpt: Checkpoint, config: dict, *, allow: bool) -> list[str]:
     """Keys that matter and changed since the checkpoint; a ConfigError listing them unless
     `allow`."""
-    keys = changed_keys(ckpt.state["config"], json.loads(redact(json.dumps(config))))
+    keys = changed_keys(ckpt.state["config"], redact_obj(config))
     if keys and not allow:
         raise ConfigError(
             f"run.resume: config differs from the checkpoint's in {', '.join(keys)} "
@@ -411,10 +411,14 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------------
     def _write(self, tmp: Path, name: str, write) -> None:
         path = tmp / name
-        write(path)
-        _fsync(path)
-        self.files_written += 1
-        faults.hit("checkpoint_file", self.files_written)
+        try:
+            write(path)
+            _fsync(path)
+            self.files_written += 1
+            faults.hit("checkpoint_file", self.files_written)
+        except OSError as exc:
+            raise_if_disk_full(exc, path, self)
+            raise
 
     def save(self, step: int, state: dict) -> Path:
         """Write a committed checkpoint of `step` with the trainer's JSON `state`; returns its path.
@@ -458,7 +462,7 @@ class Checkpointer:
                 "file_offsets": offsets,
                 "config": self.config,
             }
-            self._write(tmp, STATE, lambda p: p.write_text(redact(json.dumps(full_state))))
+            self._write(tmp, STATE, lambda p: p.write_text(redact_json(full_state)))
             files = {
                 p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                 for p in sorted(tmp.iterdir())
@@ -549,6 +553,7 @@ class Checkpointer:
         _set_numpy_rng_state(ckpt.state["numpy_rng"])
         for name, obj in self.stateful.items():
             obj.load(ckpt.state["stateful"][name])
+        drop_later_checkpoints(self.run_dir, ckpt.step)  # before the logs are cut back
         for fname, size in ckpt.state["file_offsets"].items():
             f = self.run_dir / fname
             if f.exists() and f.stat().st_size > size:
@@ -562,9 +567,55 @@ class Checkpointer:
     def resume(self, ckpt: Checkpoint, tracker, total_steps: int) -> dict:
         """`restore`, then say so on the console and move the progress bar to the step."""
         state = self.restore(ckpt)
+        from rlhflab.rundir import record_config_change
+
+        record_config_change(self.run_dir, ckpt, self.config)
         tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {total_steps})")
         tracker.advance(ckpt.step, {})
         return state
+
+
+def drop_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
+    """Delete the committed checkpoints of `run_dir` with a step after `step`: resuming from an
+    older checkpoint abandons their timeline, and the logs no longer match them. Done on resume,
+    before any new step, so a later plain `--resume` follows the resumed timeline. Returns the
+    deleted paths."""
+    later = [p for p in committed_checkpoints(run_dir) if _step_of(p) > step]
+    for p in later:
+        _remove(p)
+    return later
+
+
+def checkpoint_bytes(checkpointer: Checkpointer) -> int:
+    """Bytes a checkpoint of `checkpointer` needs: the size of the newest committed checkpoint
+    of the run, or (none yet) the bytes of its modules' and optimizers' tensors."""
+    committed = committed_checkpoints(checkpointer.run_dir)
+    if committed:
+        return sum(f.stat().st_size for f in committed[-1].iterdir() if f.is_file())
+    n = 0
+    for m in checkpointer.modules.values():
+        n += sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    for opt in checkpointer.optimizers.values():
+        for st in opt.state.values():
+            n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return n
+
+
+def raise_if_disk_full(exc: OSError, path: Path, checkpointer: Checkpointer) -> None:
+    """Turn a disk-full error (ENOSPC, EDQUOT) during a checkpoint write into a one-line
+    `DiskFullError` naming the file, the free space and the space a checkpoint needs; other
+    errors pass through (the caller re-raises them)."""
+    import errno
+
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return
+    free = shutil.disk_usage(path.parent).free
+    need = checkpoint_bytes(checkpointer)
+    raise DiskFullError(
+        f"disk full writing checkpoint file {path}: {free} bytes free, a checkpoint needs about "
+        f"{need} bytes; free space and resume with --resume (the last committed checkpoint is "
+        "intact)"
+    ) from None
 
 
 def _remove(path: Path) -> None:

@@ -16,6 +16,7 @@ SIGTERM / SIGINT writes a committed checkpoint and exits with 128 + the signal n
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -23,6 +24,13 @@ import sys
 from rlhflab.errors import Interrupted, RlhfLabError
 
 EXIT_USER_ERROR = 2
+
+
+def _dumps(results: dict) -> str:
+    """Results as JSON for stdout, secrets redacted in string values."""
+    from rlhflab.runs import redact_obj
+
+    return json.dumps(redact_obj(results), indent=2, default=str)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -36,7 +44,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append("run.allow_config_change=true")
     cfg = load_config(args.config, overrides)
     results = run_config(cfg)
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 
@@ -57,7 +65,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         reward=args.reward,
         batch_size=args.batch_size,
     )
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 
@@ -65,7 +73,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     from rlhflab.quickstart import run_quickstart
 
     results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 
@@ -75,7 +83,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     overrides = [a for a in args.args if "=" in a]
     presets = [a for a in args.args if "=" not in a]
     results = run_compare(presets, seeds=args.seeds, overrides=overrides, root=args.root)
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 
@@ -104,7 +112,7 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
         min_score=args.min_score,
         threads=args.threads,
     )
-    print(json.dumps(results, indent=2, default=str))
+    print(_dumps(results))
     return 0
 
 
@@ -127,7 +135,7 @@ def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
     )
-    print(json.dumps(results, indent=2, default=str))
+    print(_dumps(results))
     return 0
 
 
@@ -254,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         from rlhflab.runs import redact
 
         print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as exc:  # disk full, permissions, a path that vanished: one line, redacted
+        from rlhflab.runs import redact
+
+        what = "disk full: " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        print(f"error: {what}{redact(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

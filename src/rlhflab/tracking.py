@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rlhflab.runs import redact
+from rlhflab.runs import redact_json, redact_obj
 
 console = Console(stderr=True)
 
@@ -95,7 +95,7 @@ class Tracker:
             console_enabled=cfg.tracking.console,
             wandb=cfg.tracking.wandb,
             tensorboard=cfg.tracking.tensorboard,
-            config=cfg.model_dump(mode="json"),
+            config=redact_obj(cfg.model_dump(mode="json")),
             description=cfg.run.name,
         )
 
@@ -103,7 +103,7 @@ class Tracker:
         """Record the metrics of `step` (values: python or 0-d tensor numbers)."""
         row = {"step": step, "time_s": round(time.perf_counter() - self.start, 4)}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
-        self.file.write(redact(json.dumps(row)) + "\n")
+        self.file.write(redact_json(row) + "\n")
         self.file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)

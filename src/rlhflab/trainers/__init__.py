@@ -13,4 +13,9 @@ def run_config(cfg) -> dict:
         "direct_alignment": direct_alignment.train,
         "reward_model": reward_model.train,
     }
-    return trainers[cfg.trainer](cfg)
+    from rlhflab.rundir import release_locks
+
+    try:
+        return trainers[cfg.trainer](cfg)
+    finally:
+        release_locks()  # the run directory's lock (also dropped by the OS at process exit)

@@ -221,15 +221,20 @@ class NonFiniteGuard:
 
 
 def open_run(cfg, ckpt) -> Path:
-    """The run directory: a new one (config.yaml written) or, when resuming, the checkpoint's run
-    (checked by `resume_point`)."""
-    from rlhflab.config import dump_config
-    from rlhflab.runs import create_run_dir, write_text_atomic
+    """The run directory, locked for this process (`rlhflab.rundir`): a new one (config.yaml
+    written) or, when resuming, the checkpoint's run (checked by `resume_point`; here: no
+    symlinks in it, not in use by another process, its logs intact up to the checkpoint)."""
+    from rlhflab.rundir import check_logs, check_no_symlinks, lock_run_dir
+    from rlhflab.runs import create_run_dir, write_yaml_atomic
 
     if ckpt is not None:
+        check_no_symlinks(ckpt.run_dir)
+        lock_run_dir(ckpt.run_dir)
+        check_logs(ckpt.run_dir, ckpt)
         return ckpt.run_dir
     run_dir = create_run_dir(cfg.run.root, cfg.run.name)
-    write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    lock_run_dir(run_dir)
+    write_yaml_atomic(run_dir / "config.yaml", cfg.model_dump(mode="json"))
     return run_dir
 
 
@@ -255,8 +260,18 @@ class ShuffledStream:
     draws of the trainer (direct alignment samples its rounds' prompts from it too).
     """
 
-    def __init__(self, n: int, rng: random.Random) -> None:
+    def __init__(
+        self,
+        n: int,
+        rng: random.Random,
+        *,
+        fingerprint: dict | None = None,
+        allow_change: bool = False,
+    ) -> None:
         self.n, self.rng, self.order = n, rng, []
+        # `rlhflab.fingerprint.data_fingerprint` of the rows: checked by `load` (data changed
+        # since the checkpoint: an error, or with `allow_change` a new pass over the new rows).
+        self.fingerprint, self.allow_change = fingerprint, allow_change
 
     def __iter__(self):
         return self
@@ -271,18 +286,39 @@ class ShuffledStream:
         """The next k row indices."""
         return [next(self) for _ in range(k)]
 
-    def restart(self, n: int) -> None:
+    def restart(self, n: int, fingerprint: dict | None = None) -> None:
         """Start a new pass over `n` rows at the next draw (new data, e.g. a DPO round)."""
-        self.n, self.order = n, []
+        self.n, self.order, self.fingerprint = n, [], fingerprint
 
     def state(self) -> dict:
-        """The position as JSON: rows, indices left in this pass, rng state."""
-        return {"n": self.n, "order": self.order, "rng": python_rng_state(self.rng)}
+        """The position as JSON: rows, indices left in this pass, rng state, data fingerprint."""
+        return {
+            "n": self.n,
+            "order": self.order,
+            "rng": python_rng_state(self.rng),
+            "fingerprint": self.fingerprint,
+        }
 
     def load(self, state: dict) -> None:
-        """Continue from a `state()`."""
-        self.n, self.order = state["n"], state["order"]
+        """Continue from a `state()`.
+
+        Raises:
+            DataError: the rows differ from the checkpoint's (count or content) and
+                `allow_change` is off. With it, the stream starts a new pass over the new rows.
+        """
+        saved = state.get("fingerprint")
         set_python_rng_state(state["rng"], self.rng)
+        if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
+            if not self.allow_change:
+                raise DataError(
+                    f"training data changed since the checkpoint: {saved['rows']} rows "
+                    f"(sha256 {saved['sha256'][:12]}) then, {self.fingerprint['rows']} rows "
+                    f"(sha256 {self.fingerprint['sha256'][:12]}) now; restore the data or pass "
+                    "--allow-config-change to continue on the new data"
+                )
+            self.order = []  # a new pass over the new rows
+            return
+        self.n, self.order = state["n"], state["order"]
 
 
 def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype):

@@ -54,6 +54,7 @@ from rlhflab.data.preference import (
 )
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import DataError
+from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.build import save_pretrained
 from rlhflab.plots import plot_run
@@ -356,7 +357,10 @@ def train(cfg: DPOConfig) -> dict:
     #       on, the round's pairs with their cached reference log-probs (round 1's are rebuilt
     #       exactly by the set-up above).
     steps_per_round = cfg.train.steps // v.rounds
-    stream = ShuffledStream(len(rows), rng)  # shares rng with the rounds' prompt draws
+    stream = ShuffledStream(  # shares rng with the rounds' prompt draws
+        len(rows), rng, fingerprint=data_fingerprint([(r["prompt"], r["chosen"], r["rejected"]) for r in rows]),
+        allow_change=cfg.run.allow_config_change,
+    )  # fmt: skip
     last_loss = float("nan")
     B = cfg.train.batch_size
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)

@@ -41,6 +41,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, render_prompt
 from rlhflab.data.tasks import make_splits
+from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
@@ -133,7 +134,10 @@ def train(cfg: PGConfig) -> dict:
     need_logp_old = optimizer_steps_per_batch > 1 or (ref_model is not None and not kl_in_loss)
     sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
-    prompt_stream = ShuffledStream(len(prompts), random.Random(cfg.seed))
+    prompt_stream = ShuffledStream(
+        len(prompts), random.Random(cfg.seed), fingerprint=data_fingerprint(prompts),
+        allow_change=cfg.run.allow_config_change,
+    )  # fmt: skip
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
 
     # -- 1. Run directory (a resumed run continues in its own).
