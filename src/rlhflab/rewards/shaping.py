@@ -29,11 +29,11 @@ from rlhflab.rewards.reward_model import reward_model_component
 __all__ = [
     "REWARD_COMPONENTS",
     "SUPPLIED_ARGS",
+    "check_finite_reward",
     "correctness",
     "format_reward",
     "length_penalty",
     "overlong_penalty",
-    "check_finite_reward",
     "score_components",
     "soft_overlong_penalty",
 ]

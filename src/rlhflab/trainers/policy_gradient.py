@@ -51,6 +51,7 @@ from rlhflab.models.build import save_pretrained
 from rlhflab.models.loading import context_length
 from rlhflab.models.value import ValueModel
 from rlhflab.plots import plot_run
+from rlhflab.rewards.reward_model import load_running_norm_state, running_norm_state
 from rlhflab.rewards.shaping import score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
@@ -207,13 +208,16 @@ def train(cfg: PGConfig) -> dict:
             "kl_coef": kl_coef,
             "initial_eval": initial_eval,
             "verifier_errors": verifier.n_errors,
+            "reward_norm": running_norm_state(),
         }
 
     if ckpt is not None:
         st = checkpointer.resume(ckpt, tracker, cfg.train.steps)
         kl_coef, initial_eval = st["kl_coef"], st["initial_eval"]
         verifier.n_errors = st["verifier_errors"]
+        load_running_norm_state(st.get("reward_norm", {}))
     else:
+        load_running_norm_state({})
         initial_eval = run_eval(0) if heldout else {}
     steps_done = ckpt.step if ckpt is not None else 0
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
