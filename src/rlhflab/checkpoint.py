@@ -40,12 +40,14 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from rlhflab import faults
@@ -284,8 +286,50 @@ def load_checkpoint(path: Path) -> Checkpoint:
     extra = {p.name for p in path.iterdir()} - set(listed) - {MANIFEST, COMMITTED}
     if extra:
         raise CheckpointError(f"checkpoint {path}: unexpected file(s) {sorted(extra)}")
-    state = json.loads((path / STATE).read_text())
+    state = check_state_schema(path, json.loads((path / STATE).read_text()))
     return Checkpoint(path=path, step=int(state["step"]), state=state, manifest=manifest)
+
+
+class _StateSchema(BaseModel):
+    """What every state.json holds (a trainer's own keys live under `trainer`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: StrictInt = Field(ge=0)
+    trainer: dict[str, Any]
+    optimizers: dict[str, dict[str, Any]]
+    schedulers: dict[str, dict[str, Any]]
+    python_rng: list[Any] = Field(min_length=3, max_length=3)
+    numpy_rng: list[Any] = Field(min_length=5, max_length=5)
+    stateful: dict[str, dict[str, Any]]
+    file_offsets: dict[str, StrictInt]
+    config: dict[str, Any]
+
+
+def check_state_schema(path: Path, state: Any) -> dict:
+    """`state` (a checkpoint's state.json) if it has the keys and types every checkpoint has.
+
+    Raises:
+        CheckpointError: naming the checkpoint, the key at fault and what is wrong.
+    """
+    try:
+        _StateSchema.model_validate(state)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "top level"
+        raise CheckpointError(f"checkpoint {path}: {STATE} {where}: {first['msg']}") from None
+    return state
+
+
+def version_note(ckpt: Checkpoint) -> str | None:
+    """A one-line warning when the checkpoint was written by another rlhflab or torch version
+    than this process runs (None when they match)."""
+    saved, now = ckpt.manifest.get("versions", {}), _versions()
+    differ = [k for k in ("rlhflab", "torch") if saved.get(k) != now[k]]
+    if not differ:
+        return None
+    pairs = ", ".join(f"{k} {saved.get(k)} (now {now[k]})" for k in differ)
+    return f"warning: checkpoint {ckpt.path.name} was written by {pairs}; resume may not be exact"
 
 
 def _inside(path: Path, root: Path, field: str) -> Path:
@@ -345,6 +389,12 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
 def check_config_change(ckpt: Checkpoint, config: dict, *, allow: bool) -> list[str]:
     """Keys that matter and changed since the checkpoint; a ConfigError listing them unless
     `allow`."""
+    saved_trainer, trainer = ckpt.state["config"].get("trainer"), config.get("trainer")
+    if saved_trainer != trainer:  # not even --allow-config-change: the state does not fit
+        raise ConfigError(
+            f"run.resume: {ckpt.path} is a checkpoint of a '{saved_trainer}' run; this config "
+            f"is a '{trainer}' run (a checkpoint resumes only the trainer that wrote it)"
+        )
     keys = changed_keys(ckpt.state["config"], redact_obj(config))
     if keys and not allow:
         raise ConfigError(
@@ -570,6 +620,10 @@ class Checkpointer:
         from rlhflab.rundir import record_config_change
 
         record_config_change(self.run_dir, ckpt, self.config)
+        note = version_note(ckpt)
+        if note:
+            warnings.warn(note, stacklevel=2)
+            tracker.print(note)
         tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {total_steps})")
         tracker.advance(ckpt.step, {})
         return state

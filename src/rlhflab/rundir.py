@@ -34,13 +34,18 @@ def lock_run_dir(run_dir: Path) -> None:
     already holds it). Held until `release_locks` or the end of the process.
 
     Raises:
-        ConfigError: another live process holds the lock (names its PID and the lock file).
+        ConfigError: another live process holds the lock (names its PID and the lock file), or
+            the lock file cannot be written (read-only run root).
     """
     key = str(Path(run_dir).resolve())
     if key in _held:
         return
     path = Path(run_dir) / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:  # a read-only run root, permissions, a link in the way
+        raise ConfigError(f"run directory {run_dir}: cannot write its lock {path}: "
+                          f"{exc.strerror or exc}") from None  # fmt: skip
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

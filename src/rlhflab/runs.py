@@ -102,15 +102,21 @@ def create_run_dir(root: str | Path, name: str) -> Path:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"run.root: {root} exists and is not a directory")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        path = root / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for i in range(1000):
+            path = root / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    except OSError as exc:  # read-only file system, permissions, a file in the way
+        raise ConfigError(f"run.root: cannot create a run directory under {root}: "
+                          f"{exc.strerror or exc}") from None  # fmt: skip
     raise ConfigError(f"run.root: cannot create a new run directory under {root}")
 
 

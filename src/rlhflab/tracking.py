@@ -29,6 +29,29 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+#: Optional sinks: config flag -> (module to import, pip extra that installs it).
+EXTRAS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
+
+
+def check_tracking_extras(tracking) -> None:
+    """Before the run directory exists: every enabled optional sink (`tracking.wandb`,
+    `tracking.tensorboard`) has its package installed.
+
+    Raises:
+        ConfigError: naming the flag and the extra to install.
+    """
+    import importlib.util
+
+    from rlhflab.errors import ConfigError
+
+    for flag, (module, extra) in EXTRAS.items():
+        if getattr(tracking, flag) and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"tracking.{flag}: the {module} package is not installed "
+                f"(pip install 'rlhflab[{extra}]', or set tracking.{flag}=false)"
+            )
+
+
 class Tracker:
     """Writes metrics to `<run_dir>/metrics.jsonl` and to the enabled sinks.
 

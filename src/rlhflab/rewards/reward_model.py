@@ -154,6 +154,29 @@ class RewardModelScorer:
         return (raw - self._mean) / (std + 1e-8)
 
 
+def check_reward_model_paths(components) -> None:
+    """Before the run directory exists: every "reward_model" reward component's `path` holds a
+    loadable model config (reads config.json only; the model is loaded at the first rollout).
+
+    Raises:
+        ConfigError: naming the component's path and why it cannot be loaded.
+    """
+    from transformers import AutoConfig
+
+    for comp in components:
+        if comp.name != "reward_model":
+            continue
+        path = comp.args.get("path")
+        try:
+            AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"reward.components[reward_model].args.path: cannot load a reward model from "
+                f"{path!r}: {first}"
+            ) from None
+
+
 _SCORERS: dict[tuple, RewardModelScorer] = {}
 _PENDING: dict[str, dict] = {}  # running statistics restored before their scorer is loaded
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from rlhflab.checkpoint import python_rng_state, set_python_rng_state
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
-from rlhflab.errors import DataError, ModelError, NonFiniteError
+from rlhflab.errors import ConfigError, DataError, ModelError, NonFiniteError
 
 
 def seed_everything(seed: int) -> None:
@@ -121,6 +122,30 @@ def check_lengths(lengths: list[int], limit: int, *, what: str, field: str) -> N
     for i, n in enumerate(lengths):
         if n > limit:
             raise DataError(f"{field}: {what} of row {i} has {n} tokens > limit {limit}")
+
+
+def check_generation_budget(context: int, max_new_tokens: int, *, field: str) -> None:
+    """Raise ConfigError when `max_new_tokens` leaves no room for a prompt in the model's
+    context (names the field and both numbers)."""
+    if max_new_tokens >= context:
+        raise ConfigError(
+            f"{field} ({max_new_tokens}) must be smaller than the model's context length "
+            f"({context}): no room is left for the prompt"
+        )
+
+
+def check_context_fit(rows: list[dict], context: int, *, what: str) -> None:
+    """Raise DataError naming the first row whose prompt plus longest completion (`chosen`,
+    `rejected` or `completion` token ids) exceeds the model's context length."""
+    for i, row in enumerate(rows):
+        n = len(row["prompt"]) + max(
+            len(row[k]) for k in ("chosen", "rejected", "completion") if k in row
+        )
+        if n > context:
+            raise DataError(
+                f"{what}: row {i} has {n} tokens > the model's context length {context}; "
+                "set data.max_prompt_len / data.max_completion_len to truncate"
+            )
 
 
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
@@ -240,10 +265,12 @@ def open_run(cfg, ckpt) -> Path:
 
 def resume_point(cfg):
     """The verified checkpoint `run.resume` asks for (None: fresh run), after checking that no
-    config key that matters changed. Called first in set-up, before anything is written, so a bad
-    resume request fails early."""
+    config key that matters changed and that the enabled tracking sinks are installed. Called
+    first in set-up, before anything is written, so a bad request fails early."""
     from rlhflab.checkpoint import check_config_change, find_resume_checkpoint
+    from rlhflab.tracking import check_tracking_extras
 
+    check_tracking_extras(cfg.tracking)
     ckpt = find_resume_checkpoint(cfg.run.resume, cfg.run.root, cfg.run.name)
     if ckpt is not None:
         check_config_change(ckpt, cfg.model_dump(mode="json"), allow=cfg.run.allow_config_change)
@@ -327,6 +354,13 @@ def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, 
     `step` and returned (keys accuracy, accuracy_stderr, n, ...)."""
     from rlhflab.eval.accuracy import evaluate
 
+    if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
+        warnings.warn(
+            f"eval.n is {cfg.eval.n} but only {len(problems)} held-out problems exist "
+            f"(task.n_heldout {cfg.task.n_heldout}, minus questions seen in training): "
+            f"evaluating on {len(problems)}",
+            stacklevel=2,
+        )
     res = evaluate(
         model,
         tokenizer,

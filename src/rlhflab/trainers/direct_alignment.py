@@ -57,6 +57,7 @@ from rlhflab.errors import DataError
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.build import save_pretrained
+from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
@@ -65,6 +66,7 @@ from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
+    check_context_fit,
     default_device,
     grad_norm_and_clip,
     heldout_eval,
@@ -267,7 +269,10 @@ def train(cfg: DPOConfig) -> dict:
             max_rows=cfg.data.max_rows,
         )
         rng.shuffle(examples)
-        n_held = min(cfg.data.heldout_pairs, len(examples) - 1)
+        n_held = cfg.data.heldout_pairs
+        if cfg.data.format != "unpaired" and n_held >= len(examples):
+            raise DataError(f"data.heldout_pairs ({n_held}) must be smaller than the "
+                            f"{len(examples)} pairs of {cfg.data.path}")  # fmt: skip
         heldout_pairs = [] if cfg.data.format == "unpaired" else examples[:n_held]
         train_pairs = examples if cfg.data.format == "unpaired" else examples[n_held:]
     if not train_pairs:
@@ -286,6 +291,8 @@ def train(cfg: DPOConfig) -> dict:
     rows, trunc = build_rows(train_pairs)
     held_tok, _ = tokenize_pairs(tokenizer, heldout_pairs, **tok_kw)
     held_rows = paired_rows(held_tok)
+    check_context_fit(rows, context_length(model), what="data (training rows)")
+    check_context_fit(held_rows, context_length(model), what="data (held-out pairs)")
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 

@@ -51,7 +51,11 @@ from rlhflab.models.build import save_pretrained
 from rlhflab.models.loading import context_length
 from rlhflab.models.value import ValueModel
 from rlhflab.plots import plot_run
-from rlhflab.rewards.reward_model import load_running_norm_state, running_norm_state
+from rlhflab.rewards.reward_model import (
+    check_reward_model_paths,
+    load_running_norm_state,
+    running_norm_state,
+)
 from rlhflab.rewards.shaping import score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
@@ -61,6 +65,7 @@ from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
+    check_generation_budget,
     check_lengths,
     default_device,
     grad_norm_and_clip,
@@ -98,11 +103,14 @@ def train(cfg: PGConfig) -> dict:
         encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=t.system))
         for p in splits.train
     ]
+    check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
+                            field="rollout.max_new_tokens")  # fmt: skip
     limit = context_length(model) - cfg.rollout.max_new_tokens
     check_lengths(
         [len(p) for p in prompts], limit, what="prompt", field=f"task '{t.name}' train split"
     )
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
+    check_reward_model_paths(cfg.reward.components)
     heldout = splits.heldout[: cfg.eval.n]
     ref_model = None
     if cfg.kl.coef > 0:
