@@ -312,3 +312,11 @@ def test_results_and_tracebacks_on_the_console_are_redacted(tmp_path, monkeypatc
     assert main(["train", sft]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "unexpected failure near ***" in err and SECRET not in err
+
+    def missing(cfg):
+        raise FileNotFoundError(2, "No such file or directory", f"/data/{SECRET}/x.jsonl")
+
+    monkeypatch.setattr(rlhflab.trainers, "run_config", missing)
+    assert main(["train", sft]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: [Errno 2] No such file or directory: '/data/***/x.jsonl'"]

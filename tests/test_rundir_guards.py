@@ -281,3 +281,56 @@ def test_disk_full_during_checkpoint_is_one_line_and_resume_works(tmp_path, base
     monkeypatch.delenv("RLHFLAB_FAULT")
     run_config(config_from_dict(sft(tmp_path / "runs", resume="latest")))
     assert_same_run(base, run)
+
+
+def _mount_tmpfs(mnt: Path, size: str) -> None:
+    mnt.mkdir()
+    if (
+        shutil.which("mount") is None
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs (room for one checkpoint of the tiny SFT model, not two); skipped where
+    mounting is not allowed."""
+    _mount_tmpfs(tmp_path / "mnt", "2m")
+    try:
+        yield tmp_path / "mnt"
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "mnt")], check=False)
+
+
+def test_read_only_run_root_is_one_line_fresh_and_resume(tmp_path, base):
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "8m")
+    try:
+        run = _copy(base, mnt)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(ConfigError, match=r"run\.root: cannot create a run directory under .*"
+                           "Read-only file system"):  # fmt: skip
+            run_config(config_from_dict(sft(mnt / "new")))
+        with pytest.raises(ConfigError, match=r"cannot write its lock .*: Read-only file system"):
+            run_config(config_from_dict(sft(mnt, resume=run)))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_disk_full_on_a_real_tmpfs_then_resume_after_freeing_space(tmp_path, base, small_tmpfs):
+    raw = sft(small_tmpfs / "runs")
+    raw["run"]["save_model"] = False
+    proc = run_cli(tmp_path, raw, check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(err) == 1 and err[0].startswith("error: disk full writing checkpoint file "), err
+    run = run_dir_of(small_tmpfs / "runs", "sft")
+    assert [p.name for p in committed_checkpoints(run)] == ["step-00000002"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    subprocess.run(["mount", "-o", "remount,size=20m", str(small_tmpfs)], check=True)  # freed
+    run_cli(tmp_path, raw, "--resume")
+    assert metrics(run) == metrics(base)

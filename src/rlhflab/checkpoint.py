@@ -466,7 +466,7 @@ class Checkpointer:
             _fsync(path)
             self.files_written += 1
             faults.hit("checkpoint_file", self.files_written)
-        except OSError as exc:
+        except Exception as exc:  # safetensors reports a full disk as its own error type
             raise_if_disk_full(exc, path, self)
             raise
 
@@ -655,15 +655,28 @@ def checkpoint_bytes(checkpointer: Checkpointer) -> int:
     return n
 
 
-def raise_if_disk_full(exc: OSError, path: Path, checkpointer: Checkpointer) -> None:
-    """Turn a disk-full error (ENOSPC, EDQUOT) during a checkpoint write into a one-line
-    `DiskFullError` naming the file, the free space and the space a checkpoint needs; other
-    errors pass through (the caller re-raises them)."""
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` reports a full disk or quota: an OSError with ENOSPC / EDQUOT, or another
+    library's error carrying the OS message (safetensors: "... (os error 28)")."""
     import errno
 
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return any(
+        m in text
+        for m in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), f"os error {errno.ENOSPC}")
+    )
+
+
+def raise_if_disk_full(exc: BaseException, path: Path, checkpointer: Checkpointer) -> None:
+    """Turn a disk-full error (`is_disk_full`) during a checkpoint write into a one-line
+    `DiskFullError` naming the file, the free space and the space a checkpoint needs; other
+    errors pass through (the caller re-raises them)."""
+    if not is_disk_full(exc):
         return
-    free = shutil.disk_usage(path.parent).free
+    partial = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
+    free = shutil.disk_usage(path.parent).free + partial  # once the partial write is removed
     need = checkpoint_bytes(checkpointer)
     raise DiskFullError(
         f"disk full writing checkpoint file {path}: {free} bytes free, a checkpoint needs about "

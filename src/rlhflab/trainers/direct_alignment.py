@@ -365,7 +365,9 @@ def train(cfg: DPOConfig) -> dict:
     #       exactly by the set-up above).
     steps_per_round = cfg.train.steps // v.rounds
     stream = ShuffledStream(  # shares rng with the rounds' prompt draws
-        len(rows), rng, fingerprint=data_fingerprint([(r["prompt"], r["chosen"], r["rejected"]) for r in rows]),
+        len(rows), rng,
+        fingerprint=data_fingerprint([{k: v for k, v in r.items() if not k.startswith("ref")}
+                                      for r in rows]),
         allow_change=cfg.run.allow_config_change,
     )  # fmt: skip
     last_loss = float("nan")
