@@ -161,7 +161,8 @@ def test_resume_on_changed_data_is_refused_or_explicitly_allowed(tmp_path):
         run_config(config_from_dict(raw))
     assert _snapshot(run) == before
     raw["run"]["allow_config_change"] = True
-    res = run_config(config_from_dict(raw))
+    with pytest.warns(UserWarning, match=r"12 rows .* then, 5 rows .* now; continuing with a new"):
+        res = run_config(config_from_dict(raw))
     assert res["steps"] == 4 and res["examples"] == 5
 
 

@@ -336,13 +336,17 @@ class ShuffledStream:
         saved = state.get("fingerprint")
         set_python_rng_state(state["rng"], self.rng)
         if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
+            change = (
+                f"training data changed since the checkpoint: {saved['rows']} rows "
+                f"(sha256 {saved['sha256'][:12]}) then, {self.fingerprint['rows']} rows "
+                f"(sha256 {self.fingerprint['sha256'][:12]}) now"
+            )
             if not self.allow_change:
                 raise DataError(
-                    f"training data changed since the checkpoint: {saved['rows']} rows "
-                    f"(sha256 {saved['sha256'][:12]}) then, {self.fingerprint['rows']} rows "
-                    f"(sha256 {self.fingerprint['sha256'][:12]}) now; restore the data or pass "
-                    "--allow-config-change to continue on the new data"
+                    f"{change}; restore the data or pass --allow-config-change to continue on "
+                    "the new data"
                 )
+            warnings.warn(f"{change}; continuing with a new pass over the new data", stacklevel=2)
             self.order = []  # a new pass over the new rows
             return
         self.n, self.order = state["n"], state["order"]
