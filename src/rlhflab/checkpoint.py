@@ -52,17 +52,19 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from rlhflab import distributed, faults
-from rlhflab.errors import CheckpointError, ConfigError, Interrupted
-from rlhflab.runs import redact, write_json_atomic
+from rlhflab.errors import CheckpointError, ConfigError, DiskFullError, Interrupted
+from rlhflab.runs import is_run_of, redact_json, redact_obj, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 COMMITTED = "COMMITTED"
@@ -308,8 +310,50 @@ def load_checkpoint(path: Path) -> Checkpoint:
     extra = {p.name for p in path.iterdir()} - set(listed) - {MANIFEST, COMMITTED}
     if extra:
         raise CheckpointError(f"checkpoint {path}: unexpected file(s) {sorted(extra)}")
-    state = json.loads((path / STATE).read_text())
+    state = check_state_schema(path, json.loads((path / STATE).read_text()))
     return Checkpoint(path=path, step=int(state["step"]), state=state, manifest=manifest)
+
+
+class _StateSchema(BaseModel):
+    """What every state.json holds (a trainer's own keys live under `trainer`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: StrictInt = Field(ge=0)
+    trainer: dict[str, Any]
+    optimizers: dict[str, dict[str, Any]]
+    schedulers: dict[str, dict[str, Any]]
+    python_rng: list[Any] = Field(min_length=3, max_length=3)
+    numpy_rng: list[Any] = Field(min_length=5, max_length=5)
+    stateful: dict[str, dict[str, Any]]
+    file_offsets: dict[str, StrictInt]
+    config: dict[str, Any]
+
+
+def check_state_schema(path: Path, state: Any) -> dict:
+    """`state` (a checkpoint's state.json) if it has the keys and types every checkpoint has.
+
+    Raises:
+        CheckpointError: naming the checkpoint, the key at fault and what is wrong.
+    """
+    try:
+        _StateSchema.model_validate(state)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "top level"
+        raise CheckpointError(f"checkpoint {path}: {STATE} {where}: {first['msg']}") from None
+    return state
+
+
+def version_note(ckpt: Checkpoint) -> str | None:
+    """A one-line warning when the checkpoint was written by another rlhflab or torch version
+    than this process runs (None when they match)."""
+    saved, now = ckpt.manifest.get("versions", {}), _versions()
+    differ = [k for k in ("rlhflab", "torch") if saved.get(k) != now[k]]
+    if not differ:
+        return None
+    pairs = ", ".join(f"{k} {saved.get(k)} (now {now[k]})" for k in differ)
+    return f"warning: checkpoint {ckpt.path.name} was written by {pairs}; resume may not be exact"
 
 
 def _inside(path: Path, root: Path, field: str) -> Path:
@@ -343,7 +387,7 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
         candidates = []
         if root_p.is_dir():
             for run in root_p.iterdir():
-                if run.is_dir() and run.name.startswith(f"{name}-"):
+                if run.is_dir() and is_run_of(run.name, name):
                     _inside(run, root_p, "run.resume")
                     for ck in committed_checkpoints(run):
                         candidates.append((ck.stat().st_mtime, _step_of(ck), ck))
@@ -369,7 +413,13 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
 def check_config_change(ckpt: Checkpoint, config: dict, *, allow: bool) -> list[str]:
     """Keys that matter and changed since the checkpoint; a ConfigError listing them unless
     `allow`."""
-    keys = changed_keys(ckpt.state["config"], json.loads(redact(json.dumps(config))))
+    saved_trainer, trainer = ckpt.state["config"].get("trainer"), config.get("trainer")
+    if saved_trainer != trainer:  # not even --allow-config-change: the state does not fit
+        raise ConfigError(
+            f"run.resume: {ckpt.path} is a checkpoint of a '{saved_trainer}' run; this config "
+            f"is a '{trainer}' run (a checkpoint resumes only the trainer that wrote it)"
+        )
+    keys = changed_keys(ckpt.state["config"], redact_obj(config))
     if keys and not allow:
         raise ConfigError(
             f"run.resume: config differs from the checkpoint's in {', '.join(keys)} "
@@ -435,10 +485,14 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------------
     def _write(self, tmp: Path, name: str, write) -> None:
         path = tmp / name
-        write(path)
-        _fsync(path)
-        self.files_written += 1
-        faults.hit("checkpoint_file", self.files_written)
+        try:
+            write(path)
+            _fsync(path)
+            self.files_written += 1
+            faults.hit("checkpoint_file", self.files_written)
+        except Exception as exc:  # safetensors reports a full disk as its own error type
+            raise_if_disk_full(exc, path, self)
+            raise
 
     def save(self, step: int, state: dict) -> Path:
         """Write a committed checkpoint of `step` with the trainer's JSON `state`; returns its path.
@@ -524,7 +578,7 @@ class Checkpointer:
                 "file_offsets": offsets,
                 "config": self.config,
             }
-            self._write(tmp, STATE, lambda p: p.write_text(redact(json.dumps(full_state))))
+            self._write(tmp, STATE, lambda p: p.write_text(redact_json(full_state)))
             files = {
                 p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                 for p in sorted(tmp.iterdir())
@@ -639,6 +693,7 @@ class Checkpointer:
             obj.load(ckpt.state["stateful"][name])
         if not distributed.is_main():  # rank 0 owns the run directory's files
             return ckpt.state["trainer"]
+        drop_later_checkpoints(self.run_dir, ckpt.step)  # before the logs are cut back
         for fname, size in ckpt.state["file_offsets"].items():
             f = self.run_dir / fname
             if f.exists() and f.stat().st_size > size:
@@ -652,9 +707,73 @@ class Checkpointer:
     def resume(self, ckpt: Checkpoint, tracker, total_steps: int) -> dict:
         """`restore`, then say so on the console and move the progress bar to the step."""
         state = self.restore(ckpt)
+        from rlhflab.rundir import record_config_change
+
+        if distributed.is_main():
+            record_config_change(self.run_dir, ckpt, self.config)
+        note = version_note(ckpt)
+        if note:
+            warnings.warn(note, stacklevel=2)
+            tracker.print(note)
         tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {total_steps})")
         tracker.advance(ckpt.step, {})
         return state
+
+
+def drop_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
+    """Delete the committed checkpoints of `run_dir` with a step after `step`: resuming from an
+    older checkpoint abandons their timeline, and the logs no longer match them. Done on resume,
+    before any new step, so a later plain `--resume` follows the resumed timeline. Returns the
+    deleted paths."""
+    later = [p for p in committed_checkpoints(run_dir) if _step_of(p) > step]
+    for p in later:
+        _remove(p)
+    return later
+
+
+def checkpoint_bytes(checkpointer: Checkpointer) -> int:
+    """Bytes a checkpoint of `checkpointer` needs: the size of the newest committed checkpoint
+    of the run, or (none yet) the bytes of its modules' and optimizers' tensors."""
+    committed = committed_checkpoints(checkpointer.run_dir)
+    if committed:
+        return sum(f.stat().st_size for f in committed[-1].iterdir() if f.is_file())
+    n = 0
+    for m in checkpointer.modules.values():
+        n += sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    for opt in checkpointer.optimizers.values():
+        for st in opt.state.values():
+            n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return n
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` reports a full disk or quota: an OSError with ENOSPC / EDQUOT, or another
+    library's error carrying the OS message (safetensors: "... (os error 28)")."""
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return any(
+        m in text
+        for m in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), f"os error {errno.ENOSPC}")
+    )
+
+
+def raise_if_disk_full(exc: BaseException, path: Path, checkpointer: Checkpointer) -> None:
+    """Turn a disk-full error (`is_disk_full`) during a checkpoint write into a one-line
+    `DiskFullError` naming the file, the free space and the space a checkpoint needs; other
+    errors pass through (the caller re-raises them)."""
+    if not is_disk_full(exc):
+        return
+    partial = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
+    free = shutil.disk_usage(path.parent).free + partial  # once the partial write is removed
+    need = checkpoint_bytes(checkpointer)
+    raise DiskFullError(
+        f"disk full writing checkpoint file {path}: {free} bytes free, a checkpoint needs about "
+        f"{need} bytes; free space and resume with --resume (the last committed checkpoint is "
+        "intact)"
+    ) from None
 
 
 def _remove(path: Path) -> None:

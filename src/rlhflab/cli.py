@@ -16,6 +16,7 @@ SIGTERM / SIGINT writes a committed checkpoint and exits with 128 + the signal n
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -23,6 +24,49 @@ import sys
 from rlhflab.errors import ConfigError, Interrupted, RlhfLabError
 
 EXIT_USER_ERROR = 2
+
+
+def _dumps(results: dict) -> str:
+    """Results as JSON for stdout, secrets redacted in string values."""
+    from rlhflab.runs import redact_obj
+
+    return json.dumps(redact_obj(results), indent=2, default=str)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the house's error format: one line `error: ...`, exit code 2."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg} at char {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of the dataset's kwargs")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(x.strip()) for x in text.split(",") if x.strip()]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -39,7 +83,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(results, indent=2))
+        print(_dumps(results))
     return 0
 
 
@@ -66,12 +110,19 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from rlhflab.errors import ConfigError
     from rlhflab.eval.cli import run_eval_command
+
+    if args.k > 0 and args.temperature <= 0:
+        raise ConfigError(
+            f"eval --temperature {args.temperature}: pass@k sampling needs a temperature > 0 "
+            "(greedy accuracy is always reported; use --k 0 for greedy only)"
+        )
 
     results = run_eval_command(
         args.model,
         task=args.task,
-        task_config=json.loads(args.task_config) if args.task_config else {},
+        task_config=args.task_config or {},
         n=args.n,
         n_train_exclude=args.exclude_train,
         seed=args.seed,
@@ -82,7 +133,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         reward=args.reward,
         batch_size=args.batch_size,
     )
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 
@@ -90,7 +141,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     from rlhflab.quickstart import run_quickstart
 
     results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 
@@ -100,12 +151,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     overrides = [a for a in args.args if "=" in a]
     presets = [a for a in args.args if "=" not in a]
     results = run_compare(presets, seeds=args.seeds, overrides=overrides, root=args.root)
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _cmd_best_of_n(args: argparse.Namespace) -> int:
@@ -115,11 +162,11 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
         args.policy,
         args.rm,
         task=args.task,
-        task_config=json.loads(args.task_config) if args.task_config else {},
+        task_config=args.task_config or {},
         problems=args.problems,
         exclude_train=args.exclude_train,
         seed=args.seed,
-        ns=_ints(args.n),
+        ns=args.n,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         answer_format=args.answer_format,
@@ -129,7 +176,7 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
         min_score=args.min_score,
         threads=args.threads,
     )
-    print(json.dumps(results, indent=2, default=str))
+    print(_dumps(results))
     return 0
 
 
@@ -140,25 +187,25 @@ def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
         root=args.root,
         policy=args.policy,
         task=args.task,
-        task_config=json.loads(args.task_config) if args.task_config else None,
+        task_config=args.task_config,
         size=args.size,
         sft_steps=args.sft_steps,
         n_prompts=args.prompts,
         samples_per_prompt=args.samples_per_prompt,
         rm_steps=args.rm_steps,
         problems=args.problems,
-        ns=_ints(args.n),
+        ns=args.n,
         prm_reduce=args.prm_reduce,
         seed=args.seed,
         threads=args.threads,
     )
-    print(json.dumps(results, indent=2, default=str))
+    print(_dumps(results))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every `rlhflab` subcommand (tests introspect it for `--help`)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlhflab",
         description="LLM post-training for people who study RLHF.",
     )
@@ -194,8 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="held-out accuracy (greedy) and pass@k of a model on a task")
     p.add_argument("model", help="hub id or local directory of a causal LM")
     p.add_argument("--task", required=True, help="reasoning_gym dataset name")
-    p.add_argument("--task-config", default=None, help="the dataset's kwargs as JSON")
-    p.add_argument("--n", type=int, default=500, help="held-out problems (default 500)")
+    p.add_argument(
+        "--task-config", default=None, type=_json_object, help="the dataset's kwargs as JSON"
+    )
+    p.add_argument("--n", type=_positive_int, default=500, help="held-out problems (default 500)")
     p.add_argument(
         "--exclude-train",
         type=int,
@@ -203,12 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop held-out questions that appear among the first N training items (default 20000)",
     )
     p.add_argument("--seed", type=int, default=0, help="task seed used for training (default 0)")
-    p.add_argument("--k", type=int, default=0, help="samples per problem for pass@k (0: off)")
+    p.add_argument(
+        "--k", type=_nonneg_int, default=0, help="samples per problem for pass@k (0: off)"
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--answer-format", choices=["plain", "tags"], default="plain")
     p.add_argument("--reward", choices=["binary", "partial"], default="binary")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=_positive_int, default=256)
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("quickstart", help="tiny model → SFT → GRPO → held-out eval, with a report")
@@ -240,11 +291,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("policy", help="hub id or local directory of the sampling policy")
     p.add_argument("--rm", action="append", required=True, help="PATH:KIND (preference|orm|prm)")
     p.add_argument("--task", required=True, help="reasoning_gym dataset name")
-    p.add_argument("--task-config", default=None, help="the dataset's kwargs as JSON")
-    p.add_argument("--problems", type=int, default=64, help="held-out problems (default 64)")
+    p.add_argument(
+        "--task-config", default=None, type=_json_object, help="the dataset's kwargs as JSON"
+    )
+    p.add_argument(
+        "--problems", type=_positive_int, default=64, help="held-out problems (default 64)"
+    )
     p.add_argument("--exclude-train", type=int, default=20000, help="training items excluded")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n", default="1,2,4,8", help="comma-separated N values (default 1,2,4,8)")
+    p.add_argument(
+        "--n",
+        type=_int_list,
+        default=[1, 2, 4, 8],
+        help="comma-separated N values (default 1,2,4,8)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--answer-format", choices=["plain", "tags"], default="tags")
@@ -259,14 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
     p.add_argument("--policy", default=None, help="a policy that writes steps (default: train one)")
     p.add_argument("--task", default="chain_sum")
-    p.add_argument("--task-config", default=None, help="the dataset's kwargs as JSON")
+    p.add_argument(
+        "--task-config", default=None, type=_json_object, help="the dataset's kwargs as JSON"
+    )
     p.add_argument("--size", default="small", help="size of the policy trained from scratch")
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--prompts", type=int, default=256, help="training prompts sampled")
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--rm-steps", type=int, default=200)
     p.add_argument("--problems", type=int, default=200, help="held-out problems")
-    p.add_argument("--n", default="1,2,4,8,16")
+    p.add_argument("--n", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated N values")
     p.add_argument("--prm-reduce", choices=["min", "prod"], default="min")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -290,9 +352,22 @@ def main(argv: list[str] | None = None) -> int:
 
         _say(f"error: {redact(str(exc))}")
         return EXIT_USER_ERROR
+    except OSError as exc:  # disk full, permissions, a path that vanished: one line, redacted
+        from rlhflab.runs import redact
+
+        what = "disk full: " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        print(f"error: {what}{redact(str(exc))}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
+    except Exception:  # a bug: the traceback, with secrets redacted like every other stream
+        import traceback
+
+        from rlhflab.runs import redact
+
+        print(redact(traceback.format_exc()), file=sys.stderr, end="")
+        return 1
     finally:
         if "rlhflab.distributed" in sys.modules:
             sys.modules["rlhflab.distributed"].teardown()

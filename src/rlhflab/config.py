@@ -24,9 +24,29 @@ from rlhflab.errors import ConfigError
 
 
 class Strict(BaseModel):
-    """Base for every config section: unknown keys are errors."""
+    """Base for every config section: unknown keys are errors; true/false is not a number."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info) -> Any:
+        # pydantic's lax mode reads true as 1 for int and float fields (`train.steps=true`).
+        if isinstance(value, bool) and _wants_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true/false")
+        return value
+
+
+def _wants_number(annotation: Any) -> bool:
+    """An int or float annotation (possibly inside Optional / a union) that does not accept bool."""
+    args = set(typing.get_args(annotation)) or {annotation}
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _wants_number(typing.get_args(annotation)[0])
+    return bool(args & {int, float}) and bool not in args
+
+
+#: Seeds feed torch.manual_seed (< 2**64) and derived streams (seed + 1): kept below 2**63.
+SEED_MAX = 2**63 - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +92,7 @@ class TaskConfig(Strict):
     config: dict[str, Any] = Field(default_factory=dict)  # the dataset's own kwargs
     n_train: int = Field(20000, ge=1)
     n_heldout: int = Field(500, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     answer_format: Literal["tags", "plain"] = "plain"
     reward: Literal["binary", "partial"] = "binary"
     system: str | None = None
@@ -84,7 +104,7 @@ class OptimConfig(Strict):
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
@@ -97,7 +117,7 @@ class PrecisionConfig(Strict):
     autocast: Literal["auto", "bf16", "none"] = (
         "auto"  # auto: bf16 on CUDA GPUs that have it; CPU: none
     )
-    threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    threads: int | None = Field(None, ge=1)  # torch.set_num_threads; None: torch's default
 
 
 class TrackingConfig(Strict):
@@ -130,6 +150,13 @@ class RunConfig(Strict):
 
         check_run_name(name)
         return name
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_a_directory(cls, root: str) -> str:
+        if Path(root).exists() and not Path(root).is_dir():
+            raise ValueError(f"{root} exists and is not a directory")
+        return root
 
 
 class CheckpointConfig(Strict):
@@ -179,7 +206,7 @@ class TrainerConfig(Strict):
     """Sections every trainer family shares; the family's own sections follow them."""
 
     trainer: str
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     model: ModelConfig  # RM: the backbone (a causal LM, usually the SFT policy) or a saved RM
     task: TaskConfig = Field(default_factory=TaskConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
@@ -424,6 +451,15 @@ class PGConfig(TrainerConfig):
                 f"kl.placement 'reward_token' needs a per-token advantage such as 'gae' "
                 f"(loss.advantage is '{self.loss.advantage}'; use 'reward_sequence')"
             )
+        for comp in self.reward.components:
+            if comp.name == "overlong":  # DAPO's L_cache must fit in L_max
+                cache, limit = comp.args.get("cache"), comp.args.get("max_len")
+                limit = limit or self.rollout.max_new_tokens
+                if not isinstance(cache, int) or isinstance(cache, bool) or not 0 < cache <= limit:
+                    raise ValueError(
+                        f"reward.components[overlong].args.cache must be an integer in "
+                        f"1..{limit} (args.max_len or rollout.max_new_tokens), got {cache!r}"
+                    )
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise ValueError(

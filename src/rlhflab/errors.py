@@ -31,6 +31,10 @@ class CheckpointError(RlhfLabError):
     """A checkpoint is incomplete, corrupted or does not fit the run (message names the file)."""
 
 
+class DiskFullError(RlhfLabError):
+    """No space left while writing (message names the file, the free and the needed space)."""
+
+
 class NonFiniteError(RlhfLabError):
     """A loss or gradient became NaN/inf (message names the step and the metric)."""
 

@@ -8,6 +8,7 @@ variable `RLHFLAB_FAULT` is set.
     step_mid@3=sigterm        SIGTERM to itself in the middle of step 3 (after the backward pass)
     checkpoint_file@2=sigkill SIGKILL while writing a checkpoint, right after its 2nd file
     loss@4=nan                the loss of step 4 becomes NaN (also: inf)
+    checkpoint_file@8=enospc  the 8th checkpoint file written fails with "No space left on device"
 
 A rule prefixed with `rank<r>:` (e.g. `rank1:step_mid@3=sigkill`) fires only in the
 data-parallel process of that rank (torchrun's RANK); unprefixed rules fire in every process.
@@ -18,12 +19,13 @@ gradients after the sum over ranks and before clipping are written by rank 0 to
 
 Points and counters are chosen by the trainers (`step_*`, `loss`: the optimizer step number;
 `checkpoint_file`: files written by this process since start). Actions: sigkill, sigterm, sigint,
-nan, inf. The tests use these to kill a run at a chosen step, crash a writer after i files and
+nan, inf, enospc. The tests use these to kill a run at a chosen step, crash a writer after i files and
 inject a non-finite loss, so that every fault scenario is reproducible to the step.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -50,7 +52,7 @@ def _parse(spec: str) -> dict[tuple[str, int], str]:
             rules[(point, int(n))] = action
         except ValueError:
             raise ValueError(f"{FAULT_ENV}: cannot parse rule {part!r}") from None
-        if action not in _SIGNALS and action not in _VALUES:
+        if action not in _SIGNALS and action not in _VALUES and action != "enospc":
             raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {part!r}")
     return rules
 
@@ -61,10 +63,13 @@ def _action(point: str, n: int) -> str | None:
 
 
 def hit(point: str, n: int) -> None:
-    """Send the configured signal to this process if a rule names (point, n)."""
+    """Send the configured signal to this process if a rule names (point, n); for "enospc"
+    raise the OSError of a full disk."""
     action = _action(point, n)
     if action in _SIGNALS:
         os.kill(os.getpid(), _SIGNALS[action])
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def corrupt(point: str, n: int, value: torch.Tensor) -> torch.Tensor:

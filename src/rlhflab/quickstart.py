@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from rlhflab.config import apply_overrides, config_from_dict, dump_config
+from rlhflab.config import apply_overrides, config_from_dict
 from rlhflab.errors import ConfigError
-from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic, write_yaml_atomic
 
 
 def load_preset() -> dict:
@@ -76,8 +76,8 @@ def run_quickstart(
             "model": grpo_cfg.model.model_copy(update={"name_or_path": sft_results["model_dir"]})
         }
     )
-    write_text_atomic(run_dir / "grpo_config.yaml", dump_config(grpo_cfg))
-    write_text_atomic(run_dir / "sft_config.yaml", dump_config(sft_cfg))
+    write_yaml_atomic(run_dir / "grpo_config.yaml", grpo_cfg.model_dump(mode="json"))
+    write_yaml_atomic(run_dir / "sft_config.yaml", sft_cfg.model_dump(mode="json"))
     rl_results = policy_gradient.train(grpo_cfg)
 
     acc_sft = rl_results["heldout_accuracy_before"]

@@ -36,14 +36,55 @@ def secret_values() -> list[str]:
 def redact(text: str) -> str:
     """`text` with every secret environment value replaced by '***'.
 
-    Everything written into a run directory (config, metrics, samples, results, checkpoint
-    state) goes through this, so a token that reached a config value, a prompt or an error
-    message never lands on disk.
+    For free text (error messages, console lines). Structured data (JSON, YAML) goes through
+    `redact_obj` instead, which never touches numbers, keys or structure.
     """
     for secret in secret_values():
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+def redact_obj(obj: Any) -> Any:
+    """A copy of a JSON-like object (dicts, lists, tuples, scalars) with secrets replaced by
+    '***' inside string values only; numbers, bools, None and dict keys are returned as they are.
+
+    Everything written into a run directory (config, metrics, samples, results, checkpoint
+    state) goes through this before serialisation, so a token that reached a config value or a
+    prompt never lands on disk, while a secret made of digits that also occurs inside a logged
+    number or an RNG state cannot corrupt the file.
+    """
+    secrets = secret_values()
+    if not secrets:
+        return obj
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, os.PathLike):
+            x = os.fspath(x)
+        if isinstance(x, str):
+            for secret in secrets:
+                if secret in x:
+                    x = x.replace(secret, REDACTED)
+            return x
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(obj)
+
+
+def redact_json(obj: Any, **dumps_kwargs) -> str:
+    """`json.dumps` of `redact_obj(obj)`."""
+    return json.dumps(redact_obj(obj), **dumps_kwargs)
+
+
+def is_run_of(dirname: str, name: str) -> bool:
+    """Whether a directory name is a run directory of the run named `name` exactly:
+    `<name>-<YYYYmmdd-HHMMSS>` with an optional `-<i>` suffix (so 'exp' never matches the runs
+    of 'exp-b')."""
+    return re.fullmatch(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?", dirname) is not None
 
 
 def check_run_name(name: str) -> None:
@@ -61,26 +102,36 @@ def create_run_dir(root: str | Path, name: str) -> Path:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"run.root: {root} exists and is not a directory")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        path = root / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for i in range(1000):
+            path = root / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    except OSError as exc:  # read-only file system, permissions, a file in the way
+        raise ConfigError(f"run.root: cannot create a run directory under {root}: "
+                          f"{exc.strerror or exc}") from None  # fmt: skip
     raise ConfigError(f"run.root: cannot create a new run directory under {root}")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` (secrets redacted) to a temporary file beside `path`, fsync, then rename
-    over `path`."""
+    """Write free `text` (secrets redacted) to a temporary file beside `path`, fsync, then rename
+    over `path`. Structured data goes through `write_json_atomic` / `write_yaml_atomic`."""
+    _write_atomic(path, redact(text))
+
+
+def _write_atomic(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(redact(text))
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -90,8 +141,15 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """`write_text_atomic` of pretty JSON."""
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """Atomic write of `obj` as pretty JSON, secrets redacted in string values only."""
+    _write_atomic(path, redact_json(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_yaml_atomic(path: Path, obj: Any) -> None:
+    """Atomic write of `obj` as YAML (keys in order), secrets redacted in string values only."""
+    import yaml
+
+    _write_atomic(path, yaml.safe_dump(redact_obj(obj), sort_keys=False))
 
 
 class SampleWriter:
@@ -107,7 +165,7 @@ class SampleWriter:
         if self.file is None:
             return
         for row in rows:
-            self.file.write(redact(json.dumps({"step": step, **row})) + "\n")
+            self.file.write(redact_json({"step": step, **row}) + "\n")
         self.file.flush()
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rlhflab.runs import redact
+from rlhflab.runs import redact_json, redact_obj
 
 console = Console(stderr=True)
 
@@ -27,6 +27,29 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # json has no NaN/inf; keep them visible as strings
     return value
+
+
+#: Optional sinks: config flag -> (module to import, pip extra that installs it).
+EXTRAS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
+
+
+def check_tracking_extras(tracking) -> None:
+    """Before the run directory exists: every enabled optional sink (`tracking.wandb`,
+    `tracking.tensorboard`) has its package installed.
+
+    Raises:
+        ConfigError: naming the flag and the extra to install.
+    """
+    import importlib.util
+
+    from rlhflab.errors import ConfigError
+
+    for flag, (module, extra) in EXTRAS.items():
+        if getattr(tracking, flag) and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"tracking.{flag}: the {module} package is not installed "
+                f"(pip install 'rlhflab[{extra}]', or set tracking.{flag}=false)"
+            )
 
 
 class Tracker:
@@ -105,7 +128,7 @@ class Tracker:
             console_enabled=cfg.tracking.console,
             wandb=cfg.tracking.wandb,
             tensorboard=cfg.tracking.tensorboard,
-            config=cfg.model_dump(mode="json"),
+            config=redact_obj(cfg.model_dump(mode="json")),
             description=cfg.run.name,
             enabled=distributed.is_main(),
         )
@@ -116,7 +139,7 @@ class Tracker:
             return
         row = {"step": step, "time_s": round(time.perf_counter() - self.start, 4)}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
-        self.file.write(redact(json.dumps(row)) + "\n")
+        self.file.write(redact_json(row) + "\n")
         self.file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)

@@ -44,3 +44,34 @@ def test_components_are_summed_with_weights_and_returned_unweighted():
     torch.testing.assert_close(parts["length"], torch.tensor([-0.5, -1.0, -0.25]))
     torch.testing.assert_close(parts["overlong"], torch.tensor([0.0, -1.0, 0.0]))
     torch.testing.assert_close(total, torch.tensor([0.75, -1.5, -0.125]))
+
+
+def _nan_length(*, lengths, max_new_tokens):
+    """A log-only probe that fails on row 1 (e.g. a judge that could not parse its answer)."""
+    return torch.tensor([0.5, float("nan"), -0.25])
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_weight_zero_component_never_enters_the_total_and_nan_is_named(monkeypatch, weight):
+    from rlhflab.errors import NonFiniteError
+    from rlhflab.rewards import shaping
+
+    monkeypatch.setitem(shaping.REWARD_COMPONENTS, "length", _nan_length)
+    comps = [RewardComponentConfig(name="correctness"), RewardComponentConfig(name="length",
+             weight=weight)]  # fmt: skip
+    supplied = {
+        "texts": ["12", "13", "12"],
+        "problems": [_Problem("12")] * 3,
+        "verifier": Verifier(answer_format="plain", reward="binary"),
+        "lengths": torch.tensor([2.0, 4.0, 1.0]),
+        "max_new_tokens": 4,
+    }
+    if weight:
+        with pytest.raises(
+            NonFiniteError, match=r"reward component 'length' returned nan for row 1"
+        ):
+            score_components(comps, supplied)
+        return
+    total, parts = score_components(comps, supplied)
+    torch.testing.assert_close(total, torch.tensor([1.0, 0.0, 1.0]))  # 0 · NaN kept out
+    assert torch.isnan(parts["length"][1])  # still logged unweighted

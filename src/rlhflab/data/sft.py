@@ -49,6 +49,7 @@ DROP_REASONS: tuple[str, ...] = (
     "empty_completion",
     "bad_role",
     "last_role_not_assistant",
+    "no_user_turn",
 )
 
 ROLES = ("system", "user", "assistant")
@@ -159,6 +160,10 @@ def _parse_row(row: Any, tokenizer: Any) -> SFTExample:
             raise _RowError(
                 "missing_field", "field 'messages' has no message before the completion"
             )
+        if not any(m["role"] == "user" for m in messages[:-1]):
+            raise _RowError(
+                "no_user_turn", "field 'messages' has no user message before the completion"
+            )
         if not messages[-1]["content"].strip():
             raise _RowError("empty_completion", f"field 'messages[{last}].content' is empty")
         prompt = render_messages(tokenizer, messages[:-1], add_generation_prompt=True)
@@ -184,6 +189,8 @@ def _parse_row(row: Any, tokenizer: Any) -> SFTExample:
         return SFTExample(prompt=render_prompt(tokenizer, prompt), completion=completion)
     if isinstance(prompt, list):
         messages = _check_messages(prompt, "prompt")
+        if not any(m["role"] == "user" for m in messages):
+            raise _RowError("no_user_turn", "field 'prompt' has no user message")
         if messages[-1]["role"] == "assistant":
             raise _RowError(
                 "wrong_type",

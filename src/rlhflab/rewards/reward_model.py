@@ -25,6 +25,7 @@ named "reward_model" (`rlhflab.rewards.shaping.REWARD_COMPONENTS`), next to the 
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -129,6 +130,14 @@ class RewardModelScorer:
 
     __call__ = score
 
+    def running_state(self) -> dict:
+        """The running normalisation's statistics (Welford count, mean, M2) as JSON."""
+        return {"n": self._n, "mean": self._mean, "m2": self._m2}
+
+    def load_running_state(self, state: dict) -> None:
+        """Continue the running normalisation from a `running_state()`."""
+        self._n, self._mean, self._m2 = int(state["n"]), float(state["mean"]), float(state["m2"])
+
     def _normalize(self, raw: Tensor) -> Tensor:
         if self.normalize == "none":
             return raw
@@ -145,7 +154,55 @@ class RewardModelScorer:
         return (raw - self._mean) / (std + 1e-8)
 
 
+def check_reward_model_paths(components) -> None:
+    """Before the run directory exists: every "reward_model" reward component's `path` holds a
+    loadable model config (reads config.json only; the model is loaded at the first rollout).
+
+    Raises:
+        ConfigError: naming the component's path and why it cannot be loaded.
+    """
+    from transformers import AutoConfig
+
+    for comp in components:
+        if comp.name != "reward_model":
+            continue
+        path = comp.args.get("path")
+        try:
+            AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"reward.components[reward_model].args.path: cannot load a reward model from "
+                f"{path!r}: {first}"
+            ) from None
+
+
 _SCORERS: dict[tuple, RewardModelScorer] = {}
+_PENDING: dict[str, dict] = {}  # running statistics restored before their scorer is loaded
+
+
+def _state_key(key: tuple) -> str:
+    return json.dumps(list(key[:-1]))  # device aside: a run resumed elsewhere continues
+
+
+def running_norm_state() -> dict[str, dict]:
+    """The running-normalisation statistics of every "reward_model" component with
+    `normalize: running` (JSON, keyed by the component's arguments): saved in checkpoints so that
+    a resumed run normalises exactly as the uninterrupted one."""
+    out = dict(_PENDING)
+    for key, scorer in _SCORERS.items():
+        if scorer.normalize == "running":
+            out[_state_key(key)] = scorer.running_state()
+    return out
+
+
+def load_running_norm_state(state: dict[str, dict]) -> None:
+    """Restore `running_norm_state()` (a resumed run) or, given {}, start every running
+    normalisation from zero (a fresh run in a process that scored before)."""
+    _PENDING.clear()
+    _PENDING.update(state)
+    for scorer in _SCORERS.values():
+        scorer.load_running_state({"n": 0, "mean": 0.0, "m2": 0.0})
 
 
 def reward_model_component(
@@ -178,4 +235,6 @@ def reward_model_component(
             micro_batch_size=micro_batch_size,
         )
         _SCORERS[key] = scorer
+    if _state_key(key) in _PENDING:
+        scorer.load_running_state(_PENDING.pop(_state_key(key)))
     return scorer.score_rollout(rollout).cpu()

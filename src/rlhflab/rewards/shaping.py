@@ -23,11 +23,13 @@ import inspect
 import torch
 from torch import Tensor
 
+from rlhflab.errors import NonFiniteError
 from rlhflab.rewards.reward_model import reward_model_component
 
 __all__ = [
     "REWARD_COMPONENTS",
     "SUPPLIED_ARGS",
+    "check_finite_reward",
     "correctness",
     "format_reward",
     "length_penalty",
@@ -112,8 +114,13 @@ def score_components(components, supplied: dict) -> tuple[Tensor, dict[str, Tens
         components: `RewardComponentConfig`s (name, weight, args).
         supplied: the SUPPLIED_ARGS values for this batch; each component receives the ones its
             signature names.
+    A component of weight 0 is computed and returned (logged) but never enters the total, so a
+    NaN it returns cannot reach the loss.
+
     Returns:
         (total (B,) float32, {name: (B,) float32}).
+    Raises:
+        NonFiniteError: a weighted component returned NaN/inf (names the component and the row).
     """
     total, parts = None, {}
     for comp in components:
@@ -121,5 +128,22 @@ def score_components(components, supplied: dict) -> tuple[Tensor, dict[str, Tens
         accepted = inspect.signature(fn).parameters
         values = fn(**{k: v for k, v in supplied.items() if k in accepted}, **comp.args).float()
         parts[comp.name] = values
+        if comp.weight == 0:  # log-only
+            continue
+        check_finite_reward(comp.name, values)
         total = comp.weight * values if total is None else total + comp.weight * values
+    if total is None:  # every component is log-only
+        total = torch.zeros_like(next(iter(parts.values())))
     return total, parts
+
+
+def check_finite_reward(name: str, values: Tensor) -> None:
+    """Raise NonFiniteError naming the reward component and the first row whose value is NaN or
+    infinite (before any update uses it)."""
+    bad = (~torch.isfinite(values)).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        raise NonFiniteError(
+            f"reward component '{name}' returned {float(values[row])} for row {row} of the "
+            "batch; rewards must be finite"
+        )

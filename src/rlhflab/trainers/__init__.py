@@ -18,8 +18,13 @@ def run_config(cfg) -> dict:
         "direct_alignment": direct_alignment.train,
         "reward_model": reward_model.train,
     }
+    from rlhflab.rundir import release_locks
+
     strategy = cfg.parallel.strategy
     if strategy == "auto":
         strategy = "ddp" if distributed.launched() else "none"
     distributed.setup(strategy, timeout_s=cfg.parallel.timeout_s)
-    return trainers[cfg.trainer](cfg)
+    try:
+        return trainers[cfg.trainer](cfg)
+    finally:
+        release_locks()  # the run directory's lock (also dropped by the OS at process exit)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from rlhflab import distributed
 from rlhflab.checkpoint import python_rng_state, set_python_rng_state
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
-from rlhflab.errors import DataError, ModelError, NonFiniteError
+from rlhflab.errors import ConfigError, DataError, ModelError, NonFiniteError
 
 
 def seed_everything(seed: int) -> None:
@@ -124,6 +125,30 @@ def check_lengths(lengths: list[int], limit: int, *, what: str, field: str) -> N
             raise DataError(f"{field}: {what} of row {i} has {n} tokens > limit {limit}")
 
 
+def check_generation_budget(context: int, max_new_tokens: int, *, field: str) -> None:
+    """Raise ConfigError when `max_new_tokens` leaves no room for a prompt in the model's
+    context (names the field and both numbers)."""
+    if max_new_tokens >= context:
+        raise ConfigError(
+            f"{field} ({max_new_tokens}) must be smaller than the model's context length "
+            f"({context}): no room is left for the prompt"
+        )
+
+
+def check_context_fit(rows: list[dict], context: int, *, what: str) -> None:
+    """Raise DataError naming the first row whose prompt plus longest completion (`chosen`,
+    `rejected` or `completion` token ids) exceeds the model's context length."""
+    for i, row in enumerate(rows):
+        n = len(row["prompt"]) + max(
+            len(row[k]) for k in ("chosen", "rejected", "completion") if k in row
+        )
+        if n > context:
+            raise DataError(
+                f"{what}: row {i} has {n} tokens > the model's context length {context}; "
+                "set data.max_prompt_len / data.max_completion_len to truncate"
+            )
+
+
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (fp32 state)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -225,17 +250,23 @@ class NonFiniteGuard:
 
 
 def open_run(cfg, ckpt) -> Path:
-    """The run directory: a new one (config.yaml written) or, when resuming, the checkpoint's run
-    (checked by `resume_point`)."""
-    from rlhflab.config import dump_config
-    from rlhflab.runs import create_run_dir, write_text_atomic
+    """The run directory, locked for this process (`rlhflab.rundir`): a new one (config.yaml
+    written) or, when resuming, the checkpoint's run (checked by `resume_point`; here: no
+    symlinks in it, not in use by another process, its logs intact up to the checkpoint)."""
+    from rlhflab.rundir import check_logs, check_no_symlinks, lock_run_dir
+    from rlhflab.runs import create_run_dir, write_yaml_atomic
 
     if ckpt is not None:
+        check_no_symlinks(ckpt.run_dir)
+        if distributed.is_main():  # rank 0 alone writes it, so rank 0 alone holds the lock
+            lock_run_dir(ckpt.run_dir)
+        check_logs(ckpt.run_dir, ckpt)
         return ckpt.run_dir
     run_dir = None
     if distributed.is_main():  # rank 0 owns the run directory; the others learn its path
         run_dir = create_run_dir(cfg.run.root, cfg.run.name)
-        write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+        lock_run_dir(run_dir)
+        write_yaml_atomic(run_dir / "config.yaml", cfg.model_dump(mode="json"))
     return Path(distributed.broadcast_object(str(run_dir)))
 
 
@@ -253,10 +284,12 @@ def save_final_model(model, tokenizer, path: Path) -> None:
 
 def resume_point(cfg):
     """The verified checkpoint `run.resume` asks for (None: fresh run), after checking that no
-    config key that matters changed. Called first in set-up, before anything is written, so a bad
-    resume request fails early."""
+    config key that matters changed and that the enabled tracking sinks are installed. Called
+    first in set-up, before anything is written, so a bad request fails early."""
     from rlhflab.checkpoint import check_config_change, find_resume_checkpoint
+    from rlhflab.tracking import check_tracking_extras
 
+    check_tracking_extras(cfg.tracking)
     ckpt = find_resume_checkpoint(cfg.run.resume, cfg.run.root, cfg.run.name)
     if ckpt is not None:
         check_config_change(ckpt, cfg.model_dump(mode="json"), allow=cfg.run.allow_config_change)
@@ -273,8 +306,18 @@ class ShuffledStream:
     draws of the trainer (direct alignment samples its rounds' prompts from it too).
     """
 
-    def __init__(self, n: int, rng: random.Random) -> None:
+    def __init__(
+        self,
+        n: int,
+        rng: random.Random,
+        *,
+        fingerprint: dict | None = None,
+        allow_change: bool = False,
+    ) -> None:
         self.n, self.rng, self.order = n, rng, []
+        # `rlhflab.fingerprint.data_fingerprint` of the rows: checked by `load` (data changed
+        # since the checkpoint: an error, or with `allow_change` a new pass over the new rows).
+        self.fingerprint, self.allow_change = fingerprint, allow_change
 
     def __iter__(self):
         return self
@@ -289,18 +332,43 @@ class ShuffledStream:
         """The next k row indices."""
         return [next(self) for _ in range(k)]
 
-    def restart(self, n: int) -> None:
+    def restart(self, n: int, fingerprint: dict | None = None) -> None:
         """Start a new pass over `n` rows at the next draw (new data, e.g. a DPO round)."""
-        self.n, self.order = n, []
+        self.n, self.order, self.fingerprint = n, [], fingerprint
 
     def state(self) -> dict:
-        """The position as JSON: rows, indices left in this pass, rng state."""
-        return {"n": self.n, "order": self.order, "rng": python_rng_state(self.rng)}
+        """The position as JSON: rows, indices left in this pass, rng state, data fingerprint."""
+        return {
+            "n": self.n,
+            "order": self.order,
+            "rng": python_rng_state(self.rng),
+            "fingerprint": self.fingerprint,
+        }
 
     def load(self, state: dict) -> None:
-        """Continue from a `state()`."""
-        self.n, self.order = state["n"], state["order"]
+        """Continue from a `state()`.
+
+        Raises:
+            DataError: the rows differ from the checkpoint's (count or content) and
+                `allow_change` is off. With it, the stream starts a new pass over the new rows.
+        """
+        saved = state.get("fingerprint")
         set_python_rng_state(state["rng"], self.rng)
+        if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
+            change = (
+                f"training data changed since the checkpoint: {saved['rows']} rows "
+                f"(sha256 {saved['sha256'][:12]}) then, {self.fingerprint['rows']} rows "
+                f"(sha256 {self.fingerprint['sha256'][:12]}) now"
+            )
+            if not self.allow_change:
+                raise DataError(
+                    f"{change}; restore the data or pass --allow-config-change to continue on "
+                    "the new data"
+                )
+            warnings.warn(f"{change}; continuing with a new pass over the new data", stacklevel=2)
+            self.order = []  # a new pass over the new rows
+            return
+        self.n, self.order = state["n"], state["order"]
 
 
 def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype):
@@ -309,6 +377,13 @@ def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, 
     `step` and returned (keys accuracy, accuracy_stderr, n, ...)."""
     from rlhflab.eval.accuracy import evaluate, mean_and_stderr
 
+    if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
+        warnings.warn(
+            f"eval.n is {cfg.eval.n} but only {len(problems)} held-out problems exist "
+            f"(task.n_heldout {cfg.task.n_heldout}, minus questions seen in training): "
+            f"evaluating on {len(problems)}",
+            stacklevel=2,
+        )
     # Each rank evaluates a contiguous share of the problems with the full model; the per-problem
     # scores are gathered in order, so the numbers are those of one process on all of them.
     w, r = distributed.world_size(), distributed.rank()

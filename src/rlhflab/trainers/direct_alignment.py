@@ -54,7 +54,9 @@ from rlhflab.data.preference import (
 )
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import ConfigError, DataError
+from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
+from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
@@ -63,6 +65,7 @@ from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
+    check_context_fit,
     default_device,
     grad_norm_and_clip,
     heldout_eval,
@@ -276,7 +279,10 @@ def train(cfg: DPOConfig) -> dict:
             max_rows=cfg.data.max_rows,
         )
         rng.shuffle(examples)
-        n_held = min(cfg.data.heldout_pairs, len(examples) - 1)
+        n_held = cfg.data.heldout_pairs
+        if cfg.data.format != "unpaired" and n_held >= len(examples):
+            raise DataError(f"data.heldout_pairs ({n_held}) must be smaller than the "
+                            f"{len(examples)} pairs of {cfg.data.path}")  # fmt: skip
         heldout_pairs = [] if cfg.data.format == "unpaired" else examples[:n_held]
         train_pairs = examples if cfg.data.format == "unpaired" else examples[n_held:]
     if not train_pairs:
@@ -295,6 +301,8 @@ def train(cfg: DPOConfig) -> dict:
     rows, trunc = build_rows(train_pairs)
     held_tok, _ = tokenize_pairs(tokenizer, heldout_pairs, **tok_kw)
     held_rows = paired_rows(held_tok)
+    check_context_fit(rows, context_length(model), what="data (training rows)")
+    check_context_fit(held_rows, context_length(model), what="data (held-out pairs)")
     if cfg.train.batch_size % distributed.world_size():
         raise ConfigError(
             f"train.batch_size: {cfg.train.batch_size} rows do not split over "
@@ -357,7 +365,12 @@ def train(cfg: DPOConfig) -> dict:
     #       on, the round's pairs with their cached reference log-probs (round 1's are rebuilt
     #       exactly by the set-up above).
     steps_per_round = cfg.train.steps // v.rounds
-    stream = ShuffledStream(len(rows), rng)  # shares rng with the rounds' prompt draws
+    stream = ShuffledStream(  # shares rng with the rounds' prompt draws
+        len(rows), rng,
+        fingerprint=data_fingerprint([{k: v for k, v in r.items() if not k.startswith("ref")}
+                                      for r in rows]),
+        allow_change=cfg.run.allow_config_change,
+    )  # fmt: skip
     last_loss = float("nan")
     B = cfg.train.batch_size
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)

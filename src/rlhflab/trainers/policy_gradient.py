@@ -42,6 +42,7 @@ from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, render_prompt
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import ConfigError
+from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
@@ -50,6 +51,11 @@ from rlhflab.losses.value import clipped_value_loss, explained_variance
 from rlhflab.models.loading import context_length
 from rlhflab.models.value import ValueModel
 from rlhflab.plots import plot_run
+from rlhflab.rewards.reward_model import (
+    check_reward_model_paths,
+    load_running_norm_state,
+    running_norm_state,
+)
 from rlhflab.rewards.shaping import score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
@@ -59,6 +65,7 @@ from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
+    check_generation_budget,
     check_lengths,
     default_device,
     grad_norm_and_clip,
@@ -97,11 +104,14 @@ def train(cfg: PGConfig) -> dict:
         encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=t.system))
         for p in splits.train
     ]
+    check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
+                            field="rollout.max_new_tokens")  # fmt: skip
     limit = context_length(model) - cfg.rollout.max_new_tokens
     check_lengths(
         [len(p) for p in prompts], limit, what="prompt", field=f"task '{t.name}' train split"
     )
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
+    check_reward_model_paths(cfg.reward.components)
     heldout = splits.heldout[: cfg.eval.n]
     if cfg.rollout.prompts_per_step % distributed.world_size():
         raise ConfigError(
@@ -144,7 +154,10 @@ def train(cfg: PGConfig) -> dict:
     need_logp_old = optimizer_steps_per_batch > 1 or (ref_model is not None and not kl_in_loss)
     sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
-    prompt_stream = ShuffledStream(len(prompts), random.Random(cfg.seed))
+    prompt_stream = ShuffledStream(
+        len(prompts), random.Random(cfg.seed), fingerprint=data_fingerprint(prompts),
+        allow_change=cfg.run.allow_config_change,
+    )  # fmt: skip
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
 
     # -- 1. Run directory (a resumed run continues in its own).
@@ -230,13 +243,16 @@ def train(cfg: PGConfig) -> dict:
             "kl_coef": kl_coef,
             "initial_eval": initial_eval,
             "verifier_errors": verifier.n_errors,
+            "reward_norm": running_norm_state(),
         }
 
     if ckpt is not None:
         st = checkpointer.resume(ckpt, tracker, cfg.train.steps)
         kl_coef, initial_eval = st["kl_coef"], st["initial_eval"]
         verifier.n_errors = st["verifier_errors"]
+        load_running_norm_state(st.get("reward_norm", {}))
     else:
+        load_running_norm_state({})
         initial_eval = run_eval(0) if heldout else {}
     steps_done = ckpt.step if ckpt is not None else 0
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit

@@ -37,6 +37,7 @@ from rlhflab.data.reward_data import (
 )
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import ConfigError, DataError
+from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.reward_model import (
     IGNORE_INDEX,
     bradley_terry,
@@ -138,7 +139,10 @@ def train(cfg: RMConfig) -> dict:
 
     # -- 2. Training steps. Checkpoints hold model, optimizer, schedule, RNGs and the data
     #       position (the data itself is rebuilt exactly by the set-up).
-    stream = ShuffledStream(len(train_items), random.Random(cfg.seed))
+    stream = ShuffledStream(
+        len(train_items), random.Random(cfg.seed), fingerprint=data_fingerprint(train_items),
+        allow_change=cfg.run.allow_config_change,
+    )  # fmt: skip
     last_loss = float("nan")
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
     checkpointer = Checkpointer(

@@ -23,6 +23,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
 from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
 from rlhflab.data.tasks import make_splits
+from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
@@ -111,7 +112,10 @@ def train(cfg: SFTConfig) -> dict:
     # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step,
     #       drawn in one global order; each data-parallel rank trains on its contiguous share.
     #       Checkpoints hold model, optimizer, schedule, RNGs and the data position (`order`).
-    stream = ShuffledStream(len(pairs), random.Random(cfg.seed))
+    stream = ShuffledStream(
+        len(pairs), random.Random(cfg.seed), fingerprint=data_fingerprint(pairs),
+        allow_change=cfg.run.allow_config_change,
+    )  # fmt: skip
     last_loss = float("nan")
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
     checkpointer = Checkpointer(
