@@ -328,6 +328,8 @@ class _StateSchema(BaseModel):
     stateful: dict[str, dict[str, Any]]
     file_offsets: dict[str, StrictInt]
     config: dict[str, Any]
+    world_size: StrictInt = Field(1, ge=1)  # data-parallel ranks that wrote it
+    rank_rngs: list[dict[str, Any]] = Field(default_factory=list)  # ranks 1.. (python, numpy)
 
 
 def check_state_schema(path: Path, state: Any) -> dict:
