@@ -78,6 +78,42 @@ class TaskConfig(Strict):
     system: str | None = None
 
 
+class PromptDataConfig(Strict):
+    """Where on-policy prompts come from (see rlhflab.data.prompts).
+
+    source "task": the `task` section's reasoning_gym task (its verifier is `correctness`).
+    source "dataset": `path`, a Hub id (`datasets.load_dataset(path, name, split=split)`) or a local
+    .json/.jsonl/.parquet file in TRL's prompt-only formats; `prompt_column` names the prompt
+    (GSM8K `question`, MATH `problem`); `prompt_format: hh_transcript` reads an HH-RLHF transcript
+    column (`chosen`) and keeps the turns before the last assistant turn. Held out: `heldout_split`
+    (a named split), `heldout_path` (a local file), or else a seeded `heldout_frac` of the rows;
+    held-out prompts equal to training prompts are dropped and counted.
+    """
+
+    source: Literal["task", "dataset"] = "task"
+    path: str | None = None
+    name: str | None = None  # the Hub dataset's config name (GSM8K: main)
+    split: str = "train"
+    prompt_column: str = "prompt"
+    prompt_format: Literal["auto", "hh_transcript"] = "auto"
+    system: str | None = None  # system turn for prompts that have none
+    heldout_split: str | None = None
+    heldout_path: str | None = None
+    heldout_frac: float = Field(0.1, ge=0, lt=1)
+    n_heldout: int | None = Field(None, ge=1)  # cap on held-out prompts (after dedup)
+    max_rows: int | None = Field(None, ge=1)  # cap on training prompts
+    seed: int | None = None  # held-out fraction's shuffle; None: the run's seed
+    on_invalid: Literal["error", "drop"] = "error"
+
+    @model_validator(mode="after")
+    def _path_for_dataset(self) -> PromptDataConfig:
+        if self.source == "dataset" and not self.path:
+            raise ValueError("data.path is required when data.source is 'dataset'")
+        if self.heldout_split and self.heldout_path:
+            raise ValueError("set at most one of data.heldout_split and data.heldout_path")
+        return self
+
+
 class OptimConfig(Strict):
     """AdamW with linear warmup then a schedule; gradients clipped by global norm."""
 
@@ -243,17 +279,44 @@ class RolloutConfig(Strict):
 
 
 class RewardComponentConfig(Strict):
-    """One named reward term: weight · REWARD_COMPONENTS[name](..., **args)."""
+    """One reward term: weight · component, logged as rollout/reward/<name>_mean.
 
-    name: str
+    `name` is a named component (REWARD_COMPONENTS: correctness, format, length, overlong,
+    reward_model) or a built-in reward function (REWARD_FUNCTIONS: math_verify, exact_match,
+    think_format); or set `function` to a TRL-convention reward function by import path
+    ("pkg.module:fn" or "path/to/file.py:fn"), then `name` is its label (default: the function's
+    name). `args` are keyword arguments (checked against named components' signatures).
+    """
+
+    name: str | None = None
+    function: str | None = None
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _name_and_args(self) -> RewardComponentConfig:
+        from rlhflab.rewards.functions import REWARD_FUNCTIONS, load_reward_function
         from rlhflab.rewards.shaping import REWARD_COMPONENTS, SUPPLIED_ARGS
 
-        _check_name("reward.components.name", self.name, REWARD_COMPONENTS)
+        if self.function is not None:
+            try:
+                load_reward_function(self.function)
+            except ConfigError as exc:
+                raise ValueError(f"reward.components.function: {exc}") from None
+            if self.name is None:
+                self.name = self.function.rsplit(":", 1)[-1]
+            return self
+        if self.name is None:
+            raise ValueError("reward.components: each component needs a name or a function")
+        if self.name in REWARD_FUNCTIONS:
+            _check_kwargs(
+                f"reward.components[{self.name}].args",
+                REWARD_FUNCTIONS[self.name],
+                self.args,
+                set(),
+            )
+            return self
+        _check_name("reward.components.name", self.name, {**REWARD_COMPONENTS, **REWARD_FUNCTIONS})
         _check_kwargs(
             f"reward.components[{self.name}].args",
             REWARD_COMPONENTS[self.name],
@@ -373,6 +436,7 @@ class PGConfig(TrainerConfig):
     loss: LossConfig = Field(default_factory=LossConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     value: ValueConfig | None = None  # set for advantages that need a critic (gae)
+    data: PromptDataConfig = Field(default_factory=PromptDataConfig)
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -407,6 +471,13 @@ class PGConfig(TrainerConfig):
             raise ValueError(
                 f"kl.placement 'reward_token' needs a per-token advantage such as 'gae' "
                 f"(loss.advantage is '{self.loss.advantage}'; use 'reward_sequence')"
+            )
+        if self.data.source == "dataset" and any(
+            c.name == "correctness" and c.function is None for c in self.reward.components
+        ):
+            raise ValueError(
+                "reward.components: 'correctness' scores with the task's verifier; with "
+                "data.source 'dataset' use math_verify, exact_match or a reward function"
             )
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:

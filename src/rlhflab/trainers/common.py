@@ -285,10 +285,14 @@ class ShuffledStream:
         set_python_rng_state(state["rng"], self.rng)
 
 
-def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype):
-    """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`, as
-    `cfg.eval` configures it (see `rlhflab.eval.accuracy.evaluate`); logged as `eval/*` at
-    `step` and returned (keys accuracy, accuracy_stderr, n, ...)."""
+def heldout_eval(
+    cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...
+):
+    """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`
+    (task Problems or prompt rows), as `cfg.eval` configures it (see
+    `rlhflab.eval.accuracy.evaluate`; `verifier` is anything with `score_batch(texts, rows)`);
+    logged as `eval/*` at `step` and returned (keys accuracy, accuracy_stderr, n, ...).
+    `system` defaults to `cfg.task.system`."""
     from rlhflab.eval.accuracy import evaluate
 
     res = evaluate(
@@ -301,7 +305,7 @@ def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, 
         k=cfg.eval.k,
         temperature=cfg.eval.temperature,
         seed=cfg.seed,
-        system=cfg.task.system,
+        system=cfg.task.system if system is ... else system,
         autocast_dtype=autocast_dtype,
     )
     tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
