@@ -97,6 +97,9 @@ class PromptDataConfig(Strict):
     prompt_column: str = "prompt"
     prompt_format: Literal["auto", "hh_transcript"] = "auto"
     system: str | None = None  # system turn for prompts that have none
+    # A plain-text prompt template with "{prompt}" (no chat template is applied): R1-Zero's /
+    # TinyZero's prompt for base models. Applies to task and dataset prompts alike.
+    template: str | None = None
     heldout_split: str | None = None
     heldout_path: str | None = None
     heldout_frac: float = Field(0.1, ge=0, lt=1)
@@ -109,6 +112,8 @@ class PromptDataConfig(Strict):
     def _path_for_dataset(self) -> PromptDataConfig:
         if self.source == "dataset" and not self.path:
             raise ValueError("data.path is required when data.source is 'dataset'")
+        if self.template is not None and "{prompt}" not in self.template:
+            raise ValueError("data.template must contain '{prompt}'")
         if self.heldout_split and self.heldout_path:
             raise ValueError("set at most one of data.heldout_split and data.heldout_path")
         return self

@@ -187,3 +187,27 @@ def test_orm_task_samples_and_grpo_with_rm_reward(tmp_path, backbone):
     for r in rows:
         assert "rollout/reward/correctness_mean" in r
         assert abs(r["rollout/reward/reward_model_mean"]) < 1e-5  # batch-normalised RM score
+
+    # best-of-n --write-sft: rejection sampling draws from the training split only.
+    from rlhflab.data.tasks import make_splits
+    from rlhflab.eval.best_of_n import run_best_of_n_command
+
+    sft_path = tmp_path / "rejection.jsonl"
+    summary = run_best_of_n_command(
+        backbone,
+        [f"{res['model_dir']}:orm"],
+        task=TASK["name"],
+        task_config=TASK["config"],
+        problems=6,
+        exclude_train=200,
+        ns=[2],
+        max_new_tokens=6,
+        write_sft=str(sft_path),
+    )
+    splits = make_splits(TASK["name"], config=TASK["config"], n_train=200, n_heldout=6, seed=0)
+    train_q = {p.question for p in splits.train}
+    heldout_q = {p.question for p in splits.heldout}
+    written = [json.loads(x)["prompt"] for x in sft_path.read_text().splitlines()]
+    assert summary["problems"] == 6 and summary["sft_rows"] == len(written) > 0
+    assert summary["sft_source"] == "training split (6 problems)"
+    assert all(q in train_q and q not in heldout_q for q in written)

@@ -52,12 +52,15 @@ class PromptRow:
             to reward functions.
         index: row number in its source file / split (for messages).
         problem: for `data.source: task`, the reasoning_gym `Problem` (its verifier scores it).
+        rendered: True when `prompt` is the final prompt text (`data.template` applied), used
+            as is without the chat template (base models, R1-Zero's prompt).
     """
 
     prompt: str | Messages
     columns: dict = field(default_factory=dict, hash=False)
     index: int = 0
     problem: Any = field(default=None, compare=False, hash=False, repr=False)
+    rendered: bool = False
 
     @property
     def question(self) -> str:
@@ -117,9 +120,12 @@ def render_row(tokenizer: Any, row: Any, *, system: str | None = None) -> str:
 
     A string prompt (or a Problem's question) is one user turn after `system`, if given.
     Messages are rendered as they are; `system` is prepended only when they have no system turn.
+    A row with `rendered` set (a `data.template` prompt) is returned as is.
     Raises ModelError when the tokenizer has no chat template.
     """
     prompt = getattr(row, "prompt", None)
+    if getattr(row, "rendered", False):
+        return prompt
     if prompt is None or isinstance(prompt, str):
         text = row.question if prompt is None else prompt
         return render_prompt(tokenizer, text, system=system)
@@ -171,8 +177,31 @@ def load_prompt_source(data, task=None, *, seed: int = 0) -> PromptSplits:
     if data.source == "task":
         if task is None:
             raise ConfigError("data.source 'task' needs a task section")
-        return task_prompt_splits(task)
-    return load_prompt_dataset(data, seed=seed if data.seed is None else data.seed)
+        splits = task_prompt_splits(task)
+    else:
+        splits = load_prompt_dataset(data, seed=seed if data.seed is None else data.seed)
+    if data.template is not None:
+        splits.train = apply_template(splits.train, data.template)
+        splits.heldout = apply_template(splits.heldout, data.template)
+    return splits
+
+
+def apply_template(rows: list[PromptRow], template: str) -> list[PromptRow]:
+    """Rows whose prompt is `template` with `{prompt}` replaced by the row's prompt text, marked
+    `rendered` (used without the chat template: R1-Zero / TinyZero prompts for base models).
+
+    Raises: DataError for a conversational row (a template takes text prompts only).
+    """
+    out = []
+    for r in rows:
+        if not isinstance(r.prompt, str):
+            raise DataError(
+                f"data.template: row {r.index} has a conversational prompt; a template takes text "
+                "prompts (remove data.template to use the chat template)"
+            )
+        text = template.replace("{prompt}", r.prompt)
+        out.append(PromptRow(text, r.columns, r.index, problem=r.problem, rendered=True))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

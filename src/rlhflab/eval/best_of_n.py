@@ -193,7 +193,8 @@ def run_best_of_n_command(
 ) -> dict:
     """`rlhflab best-of-n`: accuracy vs N of each `PATH:KIND` reward model on held-out problems
     (questions absent from the first `exclude_train` training items), with a plot and optionally
-    the rejection-sampled SFT JSONL (selected by the first RM)."""
+    the rejection-sampled SFT JSONL (selected by the first RM from samples on `problems`
+    training-split problems, never held-out ones)."""
     import torch
 
     from rlhflab.data.tasks import make_splits
@@ -237,9 +238,42 @@ def run_best_of_n_command(
             json.dump(summary, fh, indent=2)
         summary["plot"] = os.path.join(out_dir, "best_of_n.png")
     if write_sft:
+        # Rejection sampling writes training data: it draws its own pool from the TRAINING split
+        # (never the held-out problems the curves are measured on).
         first = next(iter(scorers))
+        train_problems = rejection_problems(splits.train, problems, seed=seed)
+        pool = best_of_n_eval(
+            policy,
+            tokenizer,
+            train_problems,
+            Verifier(answer_format=answer_format),
+            {first: scorers[first]},
+            ns=[max(ns)],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed + 2,
+        )
         summary["sft_rows"] = write_rejection_sft(
-            write_sft, res["pool"], res["rm_scores"][first], n=max(ns), min_score=min_score
+            write_sft, pool["pool"], pool["rm_scores"][first], n=max(ns), min_score=min_score
         )
         summary["sft_path"] = write_sft
+        summary["sft_source"] = f"training split ({len(train_problems)} problems)"
     return summary
+
+
+def rejection_problems(train: list, n: int, *, seed: int) -> list:
+    """`n` training problems with distinct questions, in a seeded random order: the prompts of
+    rejection sampling (`--write-sft`). Raises ValueError when the training split is empty."""
+    if not train:
+        raise ValueError("rejection sampling needs training problems (--exclude-train > 0)")
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    out, seen = [], set()
+    for i in order:
+        q = train[i].question.strip()
+        if q not in seen:
+            seen.add(q)
+            out.append(train[i])
+        if len(out) == n:
+            break
+    return out
