@@ -205,6 +205,20 @@ def test_file_pairs_and_unpaired_kto(sft_model_dir, tmp_path):
         )
     )
     assert res["train_rows"] == 12 and math.isfinite(res["final_loss"])
+    # A preference file without a task section: eval.n > 0 must not report the accuracy of the
+    # default reasoning_gym task, which has nothing to do with these pairs.
+    no_task = {k: v for k, v in base.items() if k != "task"}
+    res = run_config(
+        config_from_dict(
+            {
+                **no_task,
+                "eval": {"n": 4, "pref_every": 0, "max_new_tokens": 4},
+                "data": {"source": "file", "path": str(pairs), "heldout_pairs": 4},
+            }
+        )
+    )
+    assert res["heldout_accuracy"] is None and res["heldout_n"] == 0
+    assert res["heldout_pref_accuracy"] is not None
 
 
 def test_bad_config_fails_before_run_dir(tmp_path):

@@ -217,8 +217,11 @@ def train(cfg: DPOConfig) -> dict:
     wants_lengths = "chosen_lengths" in inspect.signature(loss_fn).parameters
     verifiable = cfg.data.source == "verifiable"
     t = cfg.task
+    # Task accuracy only where a task is the run's own: verifiable pairs, or a `task` section
+    # set explicitly beside a preference file (never the default task's).
+    task_eval = cfg.eval.n > 0 and (verifiable or "task" in cfg.model_fields_set)
     splits = None
-    if verifiable or cfg.eval.n > 0 or cfg.model.build is not None:
+    if verifiable or task_eval or cfg.model.build is not None:
         splits = make_splits(
             t.name, config=t.config, n_train=t.n_train, n_heldout=t.n_heldout, seed=t.seed
         )
@@ -230,7 +233,7 @@ def train(cfg: DPOConfig) -> dict:
     )
     pad = tokenizer.pad_token_id
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
-    heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
+    heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and task_eval else []
     chunk = 2 * cfg.train.micro_batch_size
     rng = random.Random(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
