@@ -142,3 +142,23 @@ def test_errors_name_file_row_and_field(tmp_path):
                 path=f"{FIX}/math.jsonl", prompt_column="problem", heldout_path=f"{FIX}/math.jsonl"
             )
         )
+
+
+def test_template_is_used_as_is_for_task_and_dataset_rows(tiny_tokenizer):
+    from rlhflab.config import TaskConfig
+    from rlhflab.data.prompts import load_prompt_source
+
+    template = "User: {prompt}\nAssistant: <think>"
+    data = _data(path=f"{FIX}/gsm8k_train.jsonl", prompt_column="question", template=template)
+    s = load_prompt_source(data, seed=0)
+    row = s.train[0]
+    lines = Path(f"{FIX}/gsm8k_train.jsonl").read_text().splitlines()
+    question = json.loads(lines[row.index])["question"]
+    assert row.rendered and row.prompt == f"User: {question}\nAssistant: <think>"
+    assert render_row(tiny_tokenizer, row, system="ignored") == row.prompt  # no chat template
+    task = TaskConfig(name="chain_sum", n_train=5, n_heldout=2)
+    t = load_prompt_source(PromptDataConfig(source="task", template=template), task)
+    assert t.train[0].prompt == template.replace("{prompt}", t.train[0].problem.question)
+    assert t.train[0].columns["answer"] == t.train[0].problem.answer
+    with pytest.raises(DataError, match=r"data\.template: row 0 has a conversational prompt"):
+        load_prompt_source(_data(path=f"{FIX}/conversational.jsonl", template=template))
