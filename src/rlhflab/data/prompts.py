@@ -371,7 +371,7 @@ def load_prompt_dataset(data, *, seed: int = 0) -> PromptSplits:
             kept.append(r)
     if data.n_heldout is not None:
         kept = kept[: data.n_heldout]
-    if not kept and (data.heldout_path or data.heldout_split or data.heldout_frac > 0):
+    if not kept and heldout:  # there were held-out rows, and filtering removed them all
         raise DataError(
             f"data: no held-out prompts left after filtering ({n_overlap} were training prompts, "
             f"{n_dupes} repeats); set data.heldout_split / heldout_path, raise data.heldout_frac, "
