@@ -2,7 +2,7 @@
 
 Commands:
     train CONFIG [key.path=value ...]   run the trainer named by the config's `trainer` key
-    eval MODEL --task NAME              held-out greedy accuracy and pass@k of a model
+    eval MODEL --task NAME | --data P   held-out greedy accuracy and pass@k / mean reward
     quickstart [--fast]                 the main job: tiny model → SFT → GRPO → held-out eval
     compare PRESET... [k=v ...]         several policy-gradient presets, same seeds: plot + table
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
@@ -41,8 +41,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from rlhflab.eval.cli import run_eval_command
+    from rlhflab.errors import ConfigError
+    from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
 
+    if (args.task is None) == (args.data is None):
+        raise ConfigError("eval: give exactly one of --task NAME and --data PATH")
+    if args.data is not None:
+        results = run_prompt_eval_command(
+            args.model,
+            data=args.data,
+            name=args.data_name,
+            split=args.split,
+            prompt_column=args.prompt_column,
+            prompt_format=args.prompt_format,
+            template=args.template,
+            system=args.system,
+            rewards=args.reward_fn,
+            n=args.n,
+            k=args.k,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+        print(json.dumps(results, indent=2))
+        return 0
     results = run_eval_command(
         args.model,
         task=args.task,
@@ -158,9 +181,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("eval", help="held-out accuracy (greedy) and pass@k of a model on a task")
+    p = sub.add_parser(
+        "eval",
+        help="held-out accuracy (greedy) and pass@k of a model on a task, or its mean reward on a "
+        "prompt dataset",
+    )
     p.add_argument("model", help="hub id or local directory of a causal LM")
-    p.add_argument("--task", required=True, help="reasoning_gym dataset name")
+    p.add_argument("--task", default=None, help="reasoning_gym dataset name")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="prompt dataset instead of a task: hub id or .json/.jsonl/.parquet file",
+    )
+    p.add_argument("--data-name", default=None, help="hub dataset config (GSM8K: main)")
+    p.add_argument("--split", default="test", help="--data split to evaluate (default test)")
+    p.add_argument("--prompt-column", default="prompt", help="GSM8K: question, MATH: problem")
+    p.add_argument("--prompt-format", choices=["auto", "hh_transcript"], default="auto")
+    p.add_argument("--template", default=None, help="plain-text prompt template with {prompt}")
+    p.add_argument("--system", default=None, help="system turn for prompts without one")
+    p.add_argument(
+        "--reward-fn",
+        action="append",
+        default=[],
+        help="with --data: math_verify | exact_match | think_format | pkg.mod:fn | file.py:fn, "
+        "optionally =WEIGHT; repeat to sum several",
+    )
     p.add_argument("--task-config", default=None, help="the dataset's kwargs as JSON")
     p.add_argument("--n", type=int, default=500, help="held-out problems (default 500)")
     p.add_argument(
