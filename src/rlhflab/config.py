@@ -698,6 +698,9 @@ class VerifiablePairsConfig(Strict):
 
     n_prompts: int = Field(512, ge=1)
     samples_per_prompt: int = Field(8, ge=2)
+    # How samples are scored: None, the task's verifier; else reward components (reward
+    # functions, a reward model, ...) summed with weights, as in the policy-gradient trainer.
+    reward: list[RewardComponentConfig] | None = None
     chosen: Literal["sampled", "gold", "sampled_or_gold"] = "sampled_or_gold"
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(24, ge=1)
@@ -744,6 +747,8 @@ class DPOConfig(TrainerConfig):
 
     trainer: Literal["direct_alignment"] = "direct_alignment"
     data: DPODataConfig = Field(default_factory=DPODataConfig)
+    # data.source "verifiable": where the sampled pairs' prompts come from (task or dataset).
+    prompts: PromptDataConfig = Field(default_factory=PromptDataConfig)
     verifiable: VerifiablePairsConfig = Field(default_factory=VerifiablePairsConfig)
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
     train: DPOTrainConfig = Field(default_factory=DPOTrainConfig)
@@ -758,6 +763,18 @@ class DPOConfig(TrainerConfig):
                 f"verifiable.rounds ({self.verifiable.rounds}) must divide train.steps "
                 f"({self.train.steps})"
             )
+        if self.prompts.source == "dataset" and self.data.source == "verifiable":
+            comps = self.verifiable.reward
+            if not comps or any(c.name == "correctness" and not c.function for c in comps):
+                raise ValueError(
+                    "verifiable.reward: pairs sampled on a prompt dataset are labelled by reward "
+                    "components (math_verify, a reward function, reward_model), not 'correctness'"
+                )
+            if self.verifiable.chosen != "sampled":
+                raise ValueError(
+                    "verifiable.chosen must be 'sampled' with prompts.source 'dataset' "
+                    "(there is no gold completion)"
+                )
         if self.data.source == "file" and self.verifiable.rounds > 1:
             raise ValueError(
                 "verifiable.rounds > 1 needs data.source 'verifiable' (on-policy pairs)"

@@ -211,3 +211,29 @@ def test_orm_task_samples_and_grpo_with_rm_reward(tmp_path, backbone):
     assert summary["problems"] == 6 and summary["sft_rows"] == len(written) > 0
     assert summary["sft_source"] == "training split (6 problems)"
     assert all(q in train_q and q not in heldout_q for q in written)
+
+    # Online DPO with pairs labelled by the reward model instead of the task verifier.
+    dpo = config_from_dict(
+        {
+            "trainer": "direct_alignment",
+            "model": {"name_or_path": backbone},
+            "task": TASK,
+            "data": {"source": "verifiable", "heldout_pairs": 2},
+            "verifiable": {
+                "n_prompts": 6,
+                "samples_per_prompt": 3,
+                "max_new_tokens": 6,
+                "chosen": "sampled",
+                "reward": [
+                    {"name": "reward_model", "args": {"path": res["model_dir"], "kind": "orm"}}
+                ],
+            },
+            "train": {"steps": 2, "batch_size": 2, "micro_batch_size": 2},
+            "eval": {"n": 2, "max_new_tokens": 4, "pref_every": 0},
+            "tracking": {"console": False},
+            "run": {"name": "odpo-rm", "root": str(tmp_path), "save_model": False},
+        }
+    )
+    out = run_config(dpo)
+    # Continuous RM scores almost never tie: every prompt gives a best-vs-worst pair.
+    assert out["pairs"]["round_1"]["pairs"] == 6 and math.isfinite(out["final_loss"])
