@@ -5,6 +5,7 @@ Commands:
     eval MODEL --task NAME | --data P   held-out greedy accuracy and pass@k / mean reward
     quickstart [--fast]                 the main job: tiny model → SFT → GRPO → held-out eval
     compare PRESET... [k=v ...]         several policy-gradient presets, same seeds: plot + table
+    pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
 
@@ -98,6 +99,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     overrides = [a for a in args.args if "=" in a]
     presets = [a for a in args.args if "=" not in a]
     results = run_compare(presets, seeds=args.seeds, overrides=overrides, root=args.root)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def _cmd_pipeline(args: argparse.Namespace) -> int:
+    from rlhflab.pipeline import run_pipeline
+
+    results = run_pipeline(args.pipeline, overrides=args.overrides, root=args.root)
     print(json.dumps(results, indent=2))
     return 0
 
@@ -247,6 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per preset (default 3)")
     p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser(
+        "pipeline",
+        help="the classic pipeline on one preference dataset: RM, then RL against it and DPO on "
+        "its pairs from one SFT model; comparison table + plot",
+    )
+    p.add_argument("pipeline", help="a pipeline file, e.g. configs/pipeline/hh.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    p.add_argument("--root", default="runs", help="where <name>-<ts>/ goes (default runs/)")
+    p.set_defaults(func=_cmd_pipeline)
 
     p = sub.add_parser("best-of-n", help="best-of-N accuracy vs N with reward models")
     p.add_argument("policy", help="hub id or local directory of the sampling policy")
