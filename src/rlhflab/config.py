@@ -295,6 +295,7 @@ class RewardComponentConfig(Strict):
 
     name: str | None = None
     function: str | None = None
+    label: str | None = None  # the logged name when `name` repeats (two reward models)
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict)
 
@@ -341,11 +342,13 @@ class RewardConfig(Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> RewardConfig:
-        names = [c.name for c in self.components]
+        names = [c.label or c.name for c in self.components]
         if not names:
             raise ValueError("reward.components: at least one component is required")
         if len(set(names)) != len(names):
-            raise ValueError(f"reward.components: names must be unique, got {names}")
+            raise ValueError(
+                f"reward.components: names must be unique (give repeats a `label`), got {names}"
+            )
         return self
 
 

@@ -237,3 +237,51 @@ def test_orm_task_samples_and_grpo_with_rm_reward(tmp_path, backbone):
     out = run_config(dpo)
     # Continuous RM scores almost never tie: every prompt gives a best-vs-worst pair.
     assert out["pairs"]["round_1"]["pairs"] == 6 and math.isfinite(out["final_loss"])
+
+
+def test_rm_retokenize_equals_token_scoring_and_two_labelled_rms(tmp_path, backbone):
+    """An RM scoring re-tokenised text gives the scores of the same tokens scored directly (the
+    third-party-RM path, checked with a shared tokenizer), and two RMs log under their labels."""
+    from rlhflab.config import RewardComponentConfig
+    from rlhflab.data.formatting import encode_prompt
+    from rlhflab.data.prompts import PromptRow, render_row
+    from rlhflab.models.loading import load_tokenizer
+    from rlhflab.rewards.shaping import score_components
+    from rlhflab.rollout.sampler import pack
+
+    rm = run_config(
+        _rm_cfg(
+            tmp_path,
+            "preference",
+            {
+                "source": "preference",
+                "path": str(Path(__file__).parents[1] / "data/fixtures/pref_pairs.jsonl"),
+                "heldout_frac": 0.0,
+                "on_invalid": "drop",
+            },
+            model={"name_or_path": backbone},
+        )
+    )
+    tok = load_tokenizer(backbone)
+    rows = [PromptRow("What is 2 + 3?", {}), PromptRow([{"role": "user", "content": "Hi"}], {})]
+    texts = ["5", "Hello there"]
+    prompts = [encode_prompt(tok, render_row(tok, r)) for r in rows]
+    completions = [
+        [*tok(t, add_special_tokens=False)["input_ids"], tok.eos_token_id] for t in texts
+    ]
+    rollout = pack(prompts, completions, tok.pad_token_id)
+    comps = [
+        RewardComponentConfig(
+            name="reward_model", label="rm_tokens", args={"path": rm["model_dir"]}
+        ),
+        RewardComponentConfig(
+            name="reward_model",
+            label="rm_text",
+            weight=0.0,
+            args={"path": rm["model_dir"], "retokenize": True},
+        ),
+    ]
+    _, parts = score_components(comps, {"texts": texts, "problems": rows, "rollout": rollout})
+    assert set(parts) == {"rm_tokens", "rm_text"}
+    assert torch.allclose(parts["rm_tokens"], parts["rm_text"], atol=1e-5)
+    assert parts["rm_tokens"].std() > 0  # two different scores, not a constant

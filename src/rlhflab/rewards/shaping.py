@@ -137,7 +137,7 @@ def score_components(
             values = call_reward_function(
                 fn, comp, supplied["problems"], supplied["texts"], where=where
             )
-        parts[comp.name] = values
+        parts[getattr(comp, "label", None) or comp.name] = values
         if comp.weight != 0:
             total = total + comp.weight * torch.nan_to_num(values, nan=0.0)
     return total, parts
