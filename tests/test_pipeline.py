@@ -17,9 +17,10 @@ HH = str(ROOT / "tests/data/fixtures/prompts/hh_rlhf_pipeline.jsonl")
 SMALL_PG = ["train.steps=2", "train.micro_batch_size=8", "rollout.max_new_tokens=6"]
 
 
-def test_hh_pipeline_file_validates(tmp_path):
-    pc = load_pipeline(ROOT / "configs/pipeline/hh.yaml")
-    cfgs = build_configs(pc, tmp_path, base=ROOT / "configs/pipeline/hh.yaml")
+@pytest.mark.parametrize("name", ["hh", "hh_small"])
+def test_pipeline_files_validate(tmp_path, name):
+    path = ROOT / f"configs/pipeline/{name}.yaml"
+    cfgs = build_configs(load_pipeline(path), tmp_path, base=path)
     assert set(cfgs) == {"rm", "ppo", "grpo", "dpo"}
     assert cfgs["grpo"].data.prompt_format == "hh_transcript"
     assert cfgs["ppo"].reward.components[0].name == "reward_model"
