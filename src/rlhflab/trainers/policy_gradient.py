@@ -100,7 +100,8 @@ def train(cfg: PGConfig) -> dict:
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
     # Held-out score: the task's verifier, or a dataset's text-computable rewards.
     scorer = verifier if cfg.data.source == "task" else TextRewardScorer(cfg.reward.components)
-    heldout = splits.heldout[: cfg.eval.n]
+    # (No held-out eval when no reward can score text alone, e.g. a reward model only.)
+    heldout = splits.heldout[: cfg.eval.n] if scorer is verifier or scorer.components else []
     ref_model = None
     if cfg.kl.coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
