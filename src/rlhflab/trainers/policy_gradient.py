@@ -540,6 +540,8 @@ def _rollout_metrics(batch: ScoredBatch, group_size: int) -> dict:
     }
     for name, values in batch.components.items():
         values = values[~values.isnan()]  # a reward function's None entries are NaN
+        if values.numel() == 0:  # no sample of the batch got this reward
+            continue
         metrics[f"rollout/reward/{name}_mean"] = values.mean().item()
         metrics[f"rollout/reward/{name}_std"] = values.std().item() if values.numel() > 1 else 0.0
     return metrics
