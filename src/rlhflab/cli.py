@@ -116,8 +116,21 @@ def _ints(text: str) -> list[int]:
 
 
 def _cmd_best_of_n(args: argparse.Namespace) -> int:
+    from rlhflab.errors import ConfigError
     from rlhflab.eval.best_of_n import run_best_of_n_command
 
+    if (args.task is None) == (args.data is None):
+        raise ConfigError("best-of-n: give exactly one of --task NAME and --data PATH")
+    data = None
+    if args.data is not None:
+        data = {
+            "path": args.data,
+            "name": args.data_name,
+            "split": args.split,
+            "prompt_column": args.prompt_column,
+            "prompt_format": args.prompt_format,
+            "heldout_split": args.heldout_split,
+        }
     results = run_best_of_n_command(
         args.policy,
         args.rm,
@@ -135,6 +148,8 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
         write_sft=args.write_sft,
         min_score=args.min_score,
         threads=args.threads,
+        data=data,
+        reward_fns=args.reward_fn,
     )
     print(json.dumps(results, indent=2, default=str))
     return 0
@@ -270,7 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("best-of-n", help="best-of-N accuracy vs N with reward models")
     p.add_argument("policy", help="hub id or local directory of the sampling policy")
     p.add_argument("--rm", action="append", required=True, help="PATH:KIND (preference|orm|prm)")
-    p.add_argument("--task", required=True, help="reasoning_gym dataset name")
+    p.add_argument("--task", default=None, help="reasoning_gym dataset name")
+    p.add_argument("--data", default=None, help="prompt dataset: hub id or .json/.jsonl/.parquet")
+    p.add_argument("--data-name", default=None, help="hub dataset config")
+    p.add_argument("--split", default="train", help="--data training split (default train)")
+    p.add_argument("--heldout-split", default=None, help="--data held-out split (else 10%%)")
+    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--prompt-format", choices=["auto", "hh_transcript"], default="auto")
+    p.add_argument(
+        "--reward-fn",
+        action="append",
+        default=[],
+        help="with --data: what counts as correct (summed reward 1.0); as in `rlhflab eval`",
+    )
     p.add_argument("--task-config", default=None, help="the dataset's kwargs as JSON")
     p.add_argument("--problems", type=int, default=64, help="held-out problems (default 64)")
     p.add_argument("--exclude-train", type=int, default=20000, help="training items excluded")

@@ -285,3 +285,31 @@ def test_rm_retokenize_equals_token_scoring_and_two_labelled_rms(tmp_path, backb
     assert set(parts) == {"rm_tokens", "rm_text"}
     assert torch.allclose(parts["rm_tokens"], parts["rm_text"], atol=1e-5)
     assert parts["rm_tokens"].std() > 0  # two different scores, not a constant
+
+    # best-of-n on a prompt dataset: curves on its held-out rows, judged by a reward function;
+    # rejection sampling from its training rows only.
+    from rlhflab.config import PromptDataConfig
+    from rlhflab.data.prompts import load_prompt_source
+    from rlhflab.eval.best_of_n import run_best_of_n_command
+
+    fix = Path(__file__).parents[1] / "data/fixtures/prompts"
+    data = {"path": str(fix / "brevity.jsonl"), "heldout_frac": 0.25}
+    sft_path = tmp_path / "rejection.jsonl"
+    summary = run_best_of_n_command(
+        backbone,
+        [f"{rm['model_dir']}:preference"],
+        task=None,
+        data=data,
+        reward_fns=[f"{fix}/user_rewards.py:brevity"],
+        problems=4,
+        ns=[1, 2],
+        max_new_tokens=4,
+        write_sft=str(sft_path),
+    )
+    splits = load_prompt_source(PromptDataConfig(source="dataset", **data), seed=0)
+    written = [json.loads(x)["prompt"] for x in sft_path.read_text().splitlines()]
+    assert summary["problems"] == 4 and set(summary["curves"]["preference"]) == {1, 2}
+    assert summary["sft_rows"] == len(written) > 0
+    train_q = {r.question for r in splits.train}
+    assert all(q in train_q for q in written)
+    assert not set(written) & {r.question for r in splits.heldout}

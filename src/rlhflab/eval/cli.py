@@ -89,31 +89,11 @@ def run_prompt_eval_command(
     Raises:
         ConfigError / DataError: one line naming the option, file, row or field.
     """
-    from pydantic import ValidationError
-
-    from rlhflab.config import PromptDataConfig, RewardComponentConfig
+    from rlhflab.config import PromptDataConfig
     from rlhflab.data.prompts import load_prompt_source
-    from rlhflab.errors import ConfigError
-    from rlhflab.rewards.functions import REWARD_FUNCTIONS
     from rlhflab.rewards.shaping import TextRewardScorer
 
-    if not rewards:
-        raise ConfigError("eval on a prompt dataset needs at least one --reward-fn")
-    components = []
-    for spec in rewards:
-        target, _, weight = spec.partition("=")
-        try:
-            w = float(weight) if weight else 1.0
-        except ValueError:
-            raise ConfigError(f"--reward-fn {spec!r}: weight {weight!r} is not a number") from None
-        try:
-            if target in REWARD_FUNCTIONS:
-                components.append(RewardComponentConfig(name=target, weight=w))
-            else:
-                components.append(RewardComponentConfig(function=target, weight=w))
-        except ValidationError as exc:
-            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
-            raise ConfigError(f"--reward-fn {spec!r}: {msg}") from None
+    components = reward_components_from_specs(rewards)
     cfg = PromptDataConfig(
         source="dataset",
         path=data,
@@ -150,3 +130,32 @@ def run_prompt_eval_command(
         "metric": "reward",
         **res,
     }
+
+
+def reward_components_from_specs(specs: list[str]) -> list:
+    """`--reward-fn` values ("math_verify", "pkg.mod:fn", "file.py:fn", each optionally
+    "=WEIGHT") as RewardComponentConfigs. Raises ConfigError naming the spec."""
+    from pydantic import ValidationError
+
+    from rlhflab.config import RewardComponentConfig
+    from rlhflab.errors import ConfigError
+    from rlhflab.rewards.functions import REWARD_FUNCTIONS
+
+    if not specs:
+        raise ConfigError("a prompt dataset needs at least one --reward-fn")
+    components = []
+    for spec in specs:
+        target, _, weight = spec.partition("=")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise ConfigError(f"--reward-fn {spec!r}: weight {weight!r} is not a number") from None
+        try:
+            if target in REWARD_FUNCTIONS:
+                components.append(RewardComponentConfig(name=target, weight=w))
+            else:
+                components.append(RewardComponentConfig(function=target, weight=w))
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"--reward-fn {spec!r}: {msg}") from None
+    return components
