@@ -183,3 +183,35 @@ def test_eval_command_on_a_prompt_dataset_with_reward_functions(
     assert "give exactly one of --task NAME and --data PATH" in capsys.readouterr().err
     assert main([*argv[:6], "--reward-fn", "nosuchmod_q:fn"]) == 2
     assert "--reward-fn 'nosuchmod_q:fn'" in capsys.readouterr().err
+
+
+def test_prompt_dataset_errors_are_one_line_before_the_run(tmp_path, capsys):
+    root = tmp_path / "runs"
+    gsm8k = str(ROOT / "tests/data/fixtures/prompts/gsm8k_train.jsonl")
+    base = ["train", GRPO, f"run.root={root}", "model.name_or_path=none"]
+    _fails_cleanly(
+        [*base, f"data.path={gsm8k}"], capsys, root, "data.source is 'task' (prompts from the task)"
+    )
+    _fails_cleanly(
+        [
+            *base,
+            "data.source=dataset",
+            f"data.path={gsm8k}",
+            "reward.components=[{name: math_verify}]",
+        ],
+        capsys,
+        root,
+        "gsm8k_train.jsonl row 0: field 'prompt' is missing (columns: answer, question; "
+        "set data.prompt_column)",
+    )
+    _fails_cleanly(
+        [
+            *base,
+            "data.source=dataset",
+            f"data.path={gsm8k}",
+            "reward.components=[{function: x.py:f}]",
+        ],
+        capsys,
+        root,
+        "reward function 'x.py:f': file not found: x.py",
+    )

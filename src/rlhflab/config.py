@@ -112,6 +112,11 @@ class PromptDataConfig(Strict):
     def _path_for_dataset(self) -> PromptDataConfig:
         if self.source == "dataset" and not self.path:
             raise ValueError("data.path is required when data.source is 'dataset'")
+        if self.source == "task" and (self.path or self.heldout_path):
+            raise ValueError(
+                "data.path is set but data.source is 'task' (prompts from the task); "
+                "set data.source=dataset to train on the file's prompts"
+            )
         if self.template is not None and "{prompt}" not in self.template:
             raise ValueError("data.template must contain '{prompt}'")
         if self.heldout_split and self.heldout_path:
