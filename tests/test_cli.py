@@ -157,3 +157,61 @@ def test_eval_command_on_a_saved_model(tmp_path, tiny_model, tiny_tokenizer, cap
     out = json.loads(capsys.readouterr().out)
     assert out["n"] == 6 and out["k"] == 2
     assert 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["pass@1"] <= out["pass@k"] <= 1.0
+
+
+def test_eval_command_on_a_prompt_dataset_with_reward_functions(
+    tmp_path, tiny_model, tiny_tokenizer, capsys
+):
+    from rlhflab.models.build import save_pretrained
+
+    save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
+    (tmp_path / "r.py").write_text(
+        "def half(prompts, completions, answer, **kw):\n"
+        "    return [0.5 if a.strip().endswith(('18', '7', '3')) else None for a in answer]\n"
+    )
+    data = str(ROOT / "tests/data/fixtures/prompts/gsm8k_test.jsonl")
+    argv = ["eval", str(tmp_path / "model"), "--data", data, "--prompt-column", "question"]
+    argv += ["--reward-fn", f"{tmp_path}/r.py:half=2", "--reward-fn", "math_verify=0"]
+    argv += ["--max-new-tokens", "3"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    # 4 GSM8K test rows (the file as is: no held-out filtering in eval), each 2 · 0.5 = 1.0;
+    # math_verify has weight 0 and does not count.
+    assert out["n"] == 4 and out["metric"] == "reward" and out["accuracy"] == 1.0
+    assert out["rewards"] == ["half=2", "math_verify=0"]
+    assert main([*argv[:2], "--task", "chain_sum", *argv[2:]]) == 2
+    assert "give exactly one of --task NAME and --data PATH" in capsys.readouterr().err
+    assert main([*argv[:6], "--reward-fn", "nosuchmod_q:fn"]) == 2
+    assert "--reward-fn 'nosuchmod_q:fn'" in capsys.readouterr().err
+
+
+def test_prompt_dataset_errors_are_one_line_before_the_run(tmp_path, capsys):
+    root = tmp_path / "runs"
+    gsm8k = str(ROOT / "tests/data/fixtures/prompts/gsm8k_train.jsonl")
+    base = ["train", GRPO, f"run.root={root}", "model.name_or_path=none"]
+    _fails_cleanly(
+        [*base, f"data.path={gsm8k}"], capsys, root, "data.source is 'task' (prompts from the task)"
+    )
+    _fails_cleanly(
+        [
+            *base,
+            "data.source=dataset",
+            f"data.path={gsm8k}",
+            "reward.components=[{name: math_verify}]",
+        ],
+        capsys,
+        root,
+        "gsm8k_train.jsonl row 0: field 'prompt' is missing (columns: answer, question; "
+        "set data.prompt_column)",
+    )
+    _fails_cleanly(
+        [
+            *base,
+            "data.source=dataset",
+            f"data.path={gsm8k}",
+            "reward.components=[{function: x.py:f}]",
+        ],
+        capsys,
+        root,
+        "reward function 'x.py:f': file not found: x.py",
+    )

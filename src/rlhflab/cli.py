@@ -2,9 +2,10 @@
 
 Commands:
     train CONFIG [key.path=value ...]   run the trainer named by the config's `trainer` key
-    eval MODEL --task NAME              held-out greedy accuracy and pass@k of a model
+    eval MODEL --task NAME | --data P   held-out greedy accuracy and pass@k / mean reward
     quickstart [--fast]                 the main job: tiny model → SFT → GRPO → held-out eval
     compare PRESET... [k=v ...]         several policy-gradient presets, same seeds: plot + table
+    pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
 
@@ -111,7 +112,7 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from rlhflab.errors import ConfigError
-    from rlhflab.eval.cli import run_eval_command
+    from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
 
     if args.k > 0 and args.temperature <= 0:
         raise ConfigError(
@@ -119,6 +120,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             "(greedy accuracy is always reported; use --k 0 for greedy only)"
         )
 
+    if (args.task is None) == (args.data is None):
+        raise ConfigError("eval: give exactly one of --task NAME and --data PATH")
+    if args.data is not None:
+        results = run_prompt_eval_command(
+            args.model,
+            data=args.data,
+            name=args.data_name,
+            split=args.split,
+            prompt_column=args.prompt_column,
+            prompt_format=args.prompt_format,
+            template=args.template,
+            system=args.system,
+            rewards=args.reward_fn,
+            n=args.n,
+            k=args.k,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+        print(json.dumps(results, indent=2))
+        return 0
     results = run_eval_command(
         args.model,
         task=args.task,
@@ -155,9 +178,30 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pipeline(args: argparse.Namespace) -> int:
+    from rlhflab.pipeline import run_pipeline
+
+    results = run_pipeline(args.pipeline, overrides=args.overrides, root=args.root)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
 def _cmd_best_of_n(args: argparse.Namespace) -> int:
+    from rlhflab.errors import ConfigError
     from rlhflab.eval.best_of_n import run_best_of_n_command
 
+    if (args.task is None) == (args.data is None):
+        raise ConfigError("best-of-n: give exactly one of --task NAME and --data PATH")
+    data = None
+    if args.data is not None:
+        data = {
+            "path": args.data,
+            "name": args.data_name,
+            "split": args.split,
+            "prompt_column": args.prompt_column,
+            "prompt_format": args.prompt_format,
+            "heldout_split": args.heldout_split,
+        }
     results = run_best_of_n_command(
         args.policy,
         args.rm,
@@ -175,6 +219,8 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
         write_sft=args.write_sft,
         min_score=args.min_score,
         threads=args.threads,
+        data=data,
+        reward_fns=args.reward_fn,
     )
     print(_dumps(results))
     return 0
@@ -238,9 +284,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("eval", help="held-out accuracy (greedy) and pass@k of a model on a task")
+    p = sub.add_parser(
+        "eval",
+        help="held-out accuracy (greedy) and pass@k of a model on a task, or its mean reward on a "
+        "prompt dataset",
+    )
     p.add_argument("model", help="hub id or local directory of a causal LM")
-    p.add_argument("--task", required=True, help="reasoning_gym dataset name")
+    p.add_argument("--task", default=None, help="reasoning_gym dataset name")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="prompt dataset instead of a task: hub id or .json/.jsonl/.parquet file",
+    )
+    p.add_argument("--data-name", default=None, help="hub dataset config (GSM8K: main)")
+    p.add_argument("--split", default="test", help="--data split to evaluate (default test)")
+    p.add_argument("--prompt-column", default="prompt", help="GSM8K: question, MATH: problem")
+    p.add_argument("--prompt-format", choices=["auto", "hh_transcript"], default="auto")
+    p.add_argument("--template", default=None, help="plain-text prompt template with {prompt}")
+    p.add_argument("--system", default=None, help="system turn for prompts without one")
+    p.add_argument(
+        "--reward-fn",
+        action="append",
+        default=[],
+        help="with --data: math_verify | exact_match | think_format | pkg.mod:fn | file.py:fn, "
+        "optionally =WEIGHT; repeat to sum several",
+    )
     p.add_argument(
         "--task-config", default=None, type=_json_object, help="the dataset's kwargs as JSON"
     )
@@ -287,10 +355,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")
     p.set_defaults(func=_cmd_compare)
 
+    p = sub.add_parser(
+        "pipeline",
+        help="the classic pipeline on one preference dataset: RM, then RL against it and DPO on "
+        "its pairs from one SFT model; comparison table + plot",
+    )
+    p.add_argument("pipeline", help="a pipeline file, e.g. configs/pipeline/hh.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    p.add_argument("--root", default="runs", help="where <name>-<ts>/ goes (default runs/)")
+    p.set_defaults(func=_cmd_pipeline)
+
     p = sub.add_parser("best-of-n", help="best-of-N accuracy vs N with reward models")
     p.add_argument("policy", help="hub id or local directory of the sampling policy")
     p.add_argument("--rm", action="append", required=True, help="PATH:KIND (preference|orm|prm)")
-    p.add_argument("--task", required=True, help="reasoning_gym dataset name")
+    p.add_argument("--task", default=None, help="reasoning_gym dataset name")
+    p.add_argument("--data", default=None, help="prompt dataset: hub id or .json/.jsonl/.parquet")
+    p.add_argument("--data-name", default=None, help="hub dataset config")
+    p.add_argument("--split", default="train", help="--data training split (default train)")
+    p.add_argument("--heldout-split", default=None, help="--data held-out split (else 10%%)")
+    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--prompt-format", choices=["auto", "hh_transcript"], default="auto")
+    p.add_argument(
+        "--reward-fn",
+        action="append",
+        default=[],
+        help="with --data: what counts as correct (summed reward 1.0); as in `rlhflab eval`",
+    )
     p.add_argument(
         "--task-config", default=None, type=_json_object, help="the dataset's kwargs as JSON"
     )

@@ -13,7 +13,9 @@ Writes `<root>/compare-<timestamp>/`:
 
 The same overrides go to every preset (task, model, steps, ...), and seed i of every preset uses
 `seed=i`, so presets see the same prompts order and initial model; they differ only in their parts.
-One comparison holds presets of one family (`policy_gradient` or `direct_alignment`).
+Presets of both families (`policy_gradient` and `direct_alignment`) may be compared side by side
+on the same task: the table then has one row per preset with its family, held-out accuracy and its
+own training signal (reward or DPO margin, named in the row).
 """
 
 from __future__ import annotations
@@ -109,11 +111,8 @@ def run_compare(
                 f"{' or '.join(SIGNALS)} presets"
             )
         if cfgs[0].trainer != family:
-            raise ConfigError(
-                f"compare: {p} is a '{cfgs[0].trainer}' preset but the first is '{family}'; "
-                "compare one family at a time"
-            )
-    signal_key, signal_name = SIGNALS[family]
+            family = "mixed"  # GRPO beside DPO: held-out accuracy is the shared number
+    signal_key, signal_name = SIGNALS.get(family, ("training signal", "reward or margin"))
     out = create_run_dir(root, "compare")
     t0 = time.perf_counter()
     results: dict = {
@@ -135,11 +134,14 @@ def run_compare(
             rows = read_metrics(Path(res["run_dir"]) / "metrics.jsonl")
             runs.append({"result": res, "rows": rows})
         cfg0 = configs[p][0]
-        reward = [_series(r["rows"], signal_key) for r in runs]
+        own_signal = SIGNALS[cfg0.trainer][0]
+        reward = [_series(r["rows"], own_signal) for r in runs]
         acc = [_series(r["rows"], "eval/accuracy") for r in runs]
         tail = [statistics.mean(v for _, _, v in ser[-10:]) if ser else None for ser in reward]
         results["presets"][name] = {
             "path": str(p),
+            "family": cfg0.trainer,
+            "signal": own_signal,
             "composition": _composition(cfg0),
             "steps": [r["result"]["steps"] for r in runs],
             "completions_per_step": _per_step(cfg0),
@@ -169,8 +171,14 @@ def run_compare(
 def comparison_table(results: dict) -> str:
     """The markdown table of a comparison (one row per preset; mean ± std over seeds)."""
     pairs = results.get("family") == "direct_alignment"
+    mixed = results.get("family") == "mixed"
     signal = results.get("signal_name", "reward")
-    if pairs:
+    if mixed:
+        head = (
+            "| preset | family: composition | steps × completions or pairs | held-out acc. before "
+            "| held-out acc. after | training signal (last 10 steps) | wall s / run |"
+        )
+    elif pairs:
         head = (
             "| preset | loss | steps × pairs | held-out pref. acc. before | held-out pref. acc. "
             f"after | held-out acc. before | held-out acc. after | {signal} (last 10 steps) "
@@ -189,10 +197,12 @@ def comparison_table(results: dict) -> str:
             if pairs
             else ""
         )
+        comp = f"{r['family']}: {r['composition']}" if mixed else r["composition"]
+        sig = f"{r['signal']} {_fmt(r['reward_last10'])}" if mixed else _fmt(r["reward_last10"])
         lines.append(
-            f"| {name} | {r['composition']} | {'/'.join(map(str, steps))} × "
+            f"| {name} | {comp} | {'/'.join(map(str, steps))} × "
             f"{r['completions_per_step']} | {pref}{_fmt(r['heldout_accuracy_before'])} | "
-            f"{_fmt(r['heldout_accuracy'])} | {_fmt(r['reward_last10'])} | "
+            f"{_fmt(r['heldout_accuracy'])} | {sig} | "
             f"{_fmt(r['wall_s'], 0)} |"
         )
     n = results["seeds"]

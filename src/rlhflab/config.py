@@ -98,6 +98,52 @@ class TaskConfig(Strict):
     system: str | None = None
 
 
+class PromptDataConfig(Strict):
+    """Where on-policy prompts come from (see rlhflab.data.prompts).
+
+    source "task": the `task` section's reasoning_gym task (its verifier is `correctness`).
+    source "dataset": `path`, a Hub id (`datasets.load_dataset(path, name, split=split)`) or a local
+    .json/.jsonl/.parquet file in TRL's prompt-only formats; `prompt_column` names the prompt
+    (GSM8K `question`, MATH `problem`); `prompt_format: hh_transcript` reads an HH-RLHF transcript
+    column (`chosen`) and keeps the turns before the last assistant turn. Held out: `heldout_split`
+    (a named split), `heldout_path` (a local file), or else a seeded `heldout_frac` of the rows;
+    held-out prompts equal to training prompts are dropped and counted.
+    """
+
+    source: Literal["task", "dataset"] = "task"
+    path: str | None = None
+    name: str | None = None  # the Hub dataset's config name (GSM8K: main)
+    split: str = "train"
+    prompt_column: str = "prompt"
+    prompt_format: Literal["auto", "hh_transcript"] = "auto"
+    system: str | None = None  # system turn for prompts that have none
+    # A plain-text prompt template with "{prompt}" (no chat template is applied): R1-Zero's /
+    # TinyZero's prompt for base models. Applies to task and dataset prompts alike.
+    template: str | None = None
+    heldout_split: str | None = None
+    heldout_path: str | None = None
+    heldout_frac: float = Field(0.1, ge=0, lt=1)
+    n_heldout: int | None = Field(None, ge=1)  # cap on held-out prompts (after dedup)
+    max_rows: int | None = Field(None, ge=1)  # cap on training prompts
+    seed: int | None = None  # held-out fraction's shuffle; None: the run's seed
+    on_invalid: Literal["error", "drop"] = "error"
+
+    @model_validator(mode="after")
+    def _path_for_dataset(self) -> PromptDataConfig:
+        if self.source == "dataset" and not self.path:
+            raise ValueError("data.path is required when data.source is 'dataset'")
+        if self.source == "task" and (self.path or self.heldout_path):
+            raise ValueError(
+                "data.path is set but data.source is 'task' (prompts from the task); "
+                "set data.source=dataset to train on the file's prompts"
+            )
+        if self.template is not None and "{prompt}" not in self.template:
+            raise ValueError("data.template must contain '{prompt}'")
+        if self.heldout_split and self.heldout_path:
+            raise ValueError("set at most one of data.heldout_split and data.heldout_path")
+        return self
+
+
 class OptimConfig(Strict):
     """AdamW with linear warmup then a schedule; gradients clipped by global norm."""
 
@@ -286,17 +332,45 @@ class RolloutConfig(Strict):
 
 
 class RewardComponentConfig(Strict):
-    """One named reward term: weight · REWARD_COMPONENTS[name](..., **args)."""
+    """One reward term: weight · component, logged as rollout/reward/<name>_mean.
 
-    name: str
+    `name` is a named component (REWARD_COMPONENTS: correctness, format, length, overlong,
+    reward_model) or a built-in reward function (REWARD_FUNCTIONS: math_verify, exact_match,
+    think_format); or set `function` to a TRL-convention reward function by import path
+    ("pkg.module:fn" or "path/to/file.py:fn"), then `name` is its label (default: the function's
+    name). `args` are keyword arguments (checked against named components' signatures).
+    """
+
+    name: str | None = None
+    function: str | None = None
+    label: str | None = None  # the logged name when `name` repeats (two reward models)
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _name_and_args(self) -> RewardComponentConfig:
+        from rlhflab.rewards.functions import REWARD_FUNCTIONS, load_reward_function
         from rlhflab.rewards.shaping import REWARD_COMPONENTS, SUPPLIED_ARGS
 
-        _check_name("reward.components.name", self.name, REWARD_COMPONENTS)
+        if self.function is not None:
+            try:
+                load_reward_function(self.function)
+            except ConfigError as exc:
+                raise ValueError(f"reward.components.function: {exc}") from None
+            if self.name is None:
+                self.name = self.function.rsplit(":", 1)[-1]
+            return self
+        if self.name is None:
+            raise ValueError("reward.components: each component needs a name or a function")
+        if self.name in REWARD_FUNCTIONS:
+            _check_kwargs(
+                f"reward.components[{self.name}].args",
+                REWARD_FUNCTIONS[self.name],
+                self.args,
+                set(),
+            )
+            return self
+        _check_name("reward.components.name", self.name, {**REWARD_COMPONENTS, **REWARD_FUNCTIONS})
         _check_kwargs(
             f"reward.components[{self.name}].args",
             REWARD_COMPONENTS[self.name],
@@ -316,11 +390,13 @@ class RewardConfig(Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> RewardConfig:
-        names = [c.name for c in self.components]
+        names = [c.label or c.name for c in self.components]
         if not names:
             raise ValueError("reward.components: at least one component is required")
         if len(set(names)) != len(names):
-            raise ValueError(f"reward.components: names must be unique, got {names}")
+            raise ValueError(
+                f"reward.components: names must be unique (give repeats a `label`), got {names}"
+            )
         return self
 
 
@@ -416,6 +492,7 @@ class PGConfig(TrainerConfig):
     loss: LossConfig = Field(default_factory=LossConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     value: ValueConfig | None = None  # set for advantages that need a critic (gae)
+    data: PromptDataConfig = Field(default_factory=PromptDataConfig)
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -460,6 +537,13 @@ class PGConfig(TrainerConfig):
                         f"reward.components[overlong].args.cache must be an integer in "
                         f"1..{limit} (args.max_len or rollout.max_new_tokens), got {cache!r}"
                     )
+        if self.data.source == "dataset" and any(
+            c.name == "correctness" and c.function is None for c in self.reward.components
+        ):
+            raise ValueError(
+                "reward.components: 'correctness' scores with the task's verifier; with "
+                "data.source 'dataset' use math_verify, exact_match or a reward function"
+            )
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise ValueError(
@@ -674,6 +758,9 @@ class VerifiablePairsConfig(Strict):
 
     n_prompts: int = Field(512, ge=1)
     samples_per_prompt: int = Field(8, ge=2)
+    # How samples are scored: None, the task's verifier; else reward components (reward
+    # functions, a reward model, ...) summed with weights, as in the policy-gradient trainer.
+    reward: list[RewardComponentConfig] | None = None
     chosen: Literal["sampled", "gold", "sampled_or_gold"] = "sampled_or_gold"
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(24, ge=1)
@@ -720,6 +807,8 @@ class DPOConfig(TrainerConfig):
 
     trainer: Literal["direct_alignment"] = "direct_alignment"
     data: DPODataConfig = Field(default_factory=DPODataConfig)
+    # data.source "verifiable": where the sampled pairs' prompts come from (task or dataset).
+    prompts: PromptDataConfig = Field(default_factory=PromptDataConfig)
     verifiable: VerifiablePairsConfig = Field(default_factory=VerifiablePairsConfig)
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
     train: DPOTrainConfig = Field(default_factory=DPOTrainConfig)
@@ -734,6 +823,18 @@ class DPOConfig(TrainerConfig):
                 f"verifiable.rounds ({self.verifiable.rounds}) must divide train.steps "
                 f"({self.train.steps})"
             )
+        if self.prompts.source == "dataset" and self.data.source == "verifiable":
+            comps = self.verifiable.reward
+            if not comps or any(c.name == "correctness" and not c.function for c in comps):
+                raise ValueError(
+                    "verifiable.reward: pairs sampled on a prompt dataset are labelled by reward "
+                    "components (math_verify, a reward function, reward_model), not 'correctness'"
+                )
+            if self.verifiable.chosen != "sampled":
+                raise ValueError(
+                    "verifiable.chosen must be 'sampled' with prompts.source 'dataset' "
+                    "(there is no gold completion)"
+                )
         if self.data.source == "file" and self.verifiable.rounds > 1:
             raise ValueError(
                 "verifiable.rounds > 1 needs data.source 'verifiable' (on-policy pairs)"

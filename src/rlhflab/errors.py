@@ -23,6 +23,11 @@ class DataError(RlhfLabError):
     """A dataset, file or row is invalid (message names the file/dataset, row and field)."""
 
 
+class RewardError(RlhfLabError):
+    """A reward function raised, returned the wrong length, or returned NaN (message names the
+    function and the batch)."""
+
+
 class ModelError(RlhfLabError):
     """A model or tokenizer cannot be loaded or does not fit the request."""
 

@@ -205,6 +205,20 @@ def test_file_pairs_and_unpaired_kto(sft_model_dir, tmp_path):
         )
     )
     assert res["train_rows"] == 12 and math.isfinite(res["final_loss"])
+    # A preference file without a task section: eval.n > 0 must not report the accuracy of the
+    # default reasoning_gym task, which has nothing to do with these pairs.
+    no_task = {k: v for k, v in base.items() if k != "task"}
+    res = run_config(
+        config_from_dict(
+            {
+                **no_task,
+                "eval": {"n": 4, "pref_every": 0, "max_new_tokens": 4},
+                "data": {"source": "file", "path": str(pairs), "heldout_pairs": 4},
+            }
+        )
+    )
+    assert res["heldout_accuracy"] is None and res["heldout_n"] == 0
+    assert res["heldout_pref_accuracy"] is not None
 
 
 def test_bad_config_fails_before_run_dir(tmp_path):
@@ -268,12 +282,12 @@ def test_compare_direct_alignment_presets(sft_model_dir, tmp_path):
     over = [f"model.name_or_path={sft_model_dir}", *SMOKE]
     over += [f"task.{k}={json.dumps(v)}" for k, v in TASK.items()]
     dpo, ipo = str(root / "configs/dpo/dpo.yaml"), str(root / "configs/dpo/ipo.yaml")
-    # one family at a time, checked before any run starts
-    with pytest.raises(ConfigError, match="compare one family at a time"):
+    # every config is validated before any run starts (a DPO preset has no rollout section)
+    with pytest.raises(ConfigError, match=r"dpo\.yaml: unknown config key 'rollout'"):
         run_compare(
             [dpo, str(root / "configs/pg/grpo.yaml")],
             seeds=1,
-            overrides=[f"model.name_or_path={sft_model_dir}"],
+            overrides=[f"model.name_or_path={sft_model_dir}", "rollout.group_size=2"],
             root=str(tmp_path / "bad"),
         )
     assert not (tmp_path / "bad").exists()
@@ -286,3 +300,29 @@ def test_compare_direct_alignment_presets(sft_model_dir, tmp_path):
     table = (out / "comparison.md").read_text()
     assert "held-out pref. acc. before" in table and "| dpo | dpo(" in table
     assert (out / "comparison.png").exists()
+
+
+def test_compare_grpo_beside_dpo(sft_model_dir, tmp_path):
+    """Families side by side: one table, held-out accuracy for both, each with its own signal."""
+    from rlhflab.compare import run_compare
+
+    root = Path(__file__).parents[2]
+    over = [f"model.name_or_path={sft_model_dir}", "train.steps=2", "eval.n=4"]
+    over += ["eval.max_new_tokens=6", "tracking.console=false", "optim.lr=1e-3"]
+    over += [f"task.{k}={json.dumps(v)}" for k, v in TASK.items()]
+    dpo = str(root / "configs/dpo/dpo.yaml")
+    grpo = str(root / "configs/pg/grpo.yaml")
+    res = run_compare(
+        [grpo, dpo],
+        seeds=1,
+        overrides=[*over, "train.micro_batch_size=4"],
+        root=str(tmp_path),
+    )
+    results = json.loads((Path(res["out_dir"]) / "results.json").read_text())
+    assert results["family"] == "mixed"
+    assert results["presets"]["grpo"]["signal"] == "rollout/reward_mean"
+    assert results["presets"]["dpo"]["signal"] == "dpo/margin"
+    for name in ("grpo", "dpo"):
+        assert results["presets"][name]["heldout_accuracy"][0] is not None
+    table = (Path(res["out_dir"]) / "comparison.md").read_text()
+    assert "| grpo | policy_gradient: " in table and "| dpo | direct_alignment: " in table

@@ -187,3 +187,129 @@ def test_orm_task_samples_and_grpo_with_rm_reward(tmp_path, backbone):
     for r in rows:
         assert "rollout/reward/correctness_mean" in r
         assert abs(r["rollout/reward/reward_model_mean"]) < 1e-5  # batch-normalised RM score
+
+    # best-of-n --write-sft: rejection sampling draws from the training split only.
+    from rlhflab.data.tasks import make_splits
+    from rlhflab.eval.best_of_n import run_best_of_n_command
+
+    sft_path = tmp_path / "rejection.jsonl"
+    summary = run_best_of_n_command(
+        backbone,
+        [f"{res['model_dir']}:orm"],
+        task=TASK["name"],
+        task_config=TASK["config"],
+        problems=6,
+        exclude_train=200,
+        ns=[2],
+        max_new_tokens=6,
+        write_sft=str(sft_path),
+    )
+    splits = make_splits(TASK["name"], config=TASK["config"], n_train=200, n_heldout=6, seed=0)
+    train_q = {p.question for p in splits.train}
+    heldout_q = {p.question for p in splits.heldout}
+    written = [json.loads(x)["prompt"] for x in sft_path.read_text().splitlines()]
+    assert summary["problems"] == 6 and summary["sft_rows"] == len(written) > 0
+    assert summary["sft_source"] == "training split (6 problems)"
+    assert all(q in train_q and q not in heldout_q for q in written)
+
+    # Online DPO with pairs labelled by the reward model instead of the task verifier.
+    dpo = config_from_dict(
+        {
+            "trainer": "direct_alignment",
+            "model": {"name_or_path": backbone},
+            "task": TASK,
+            "data": {"source": "verifiable", "heldout_pairs": 2},
+            "verifiable": {
+                "n_prompts": 6,
+                "samples_per_prompt": 3,
+                "max_new_tokens": 6,
+                "chosen": "sampled",
+                "reward": [
+                    {"name": "reward_model", "args": {"path": res["model_dir"], "kind": "orm"}}
+                ],
+            },
+            "train": {"steps": 2, "batch_size": 2, "micro_batch_size": 2},
+            "eval": {"n": 2, "max_new_tokens": 4, "pref_every": 0},
+            "tracking": {"console": False},
+            "run": {"name": "odpo-rm", "root": str(tmp_path), "save_model": False},
+        }
+    )
+    out = run_config(dpo)
+    # Continuous RM scores almost never tie: every prompt gives a best-vs-worst pair.
+    assert out["pairs"]["round_1"]["pairs"] == 6 and math.isfinite(out["final_loss"])
+
+
+def test_rm_retokenize_equals_token_scoring_and_two_labelled_rms(tmp_path, backbone):
+    """An RM scoring re-tokenised text gives the scores of the same tokens scored directly (the
+    third-party-RM path, checked with a shared tokenizer), and two RMs log under their labels."""
+    from rlhflab.config import RewardComponentConfig
+    from rlhflab.data.formatting import encode_prompt
+    from rlhflab.data.prompts import PromptRow, render_row
+    from rlhflab.models.loading import load_tokenizer
+    from rlhflab.rewards.shaping import score_components
+    from rlhflab.rollout.sampler import pack
+
+    rm = run_config(
+        _rm_cfg(
+            tmp_path,
+            "preference",
+            {
+                "source": "preference",
+                "path": str(Path(__file__).parents[1] / "data/fixtures/pref_pairs.jsonl"),
+                "heldout_frac": 0.0,
+                "on_invalid": "drop",
+            },
+            model={"name_or_path": backbone},
+        )
+    )
+    tok = load_tokenizer(backbone)
+    rows = [PromptRow("What is 2 + 3?", {}), PromptRow([{"role": "user", "content": "Hi"}], {})]
+    texts = ["5", "Hello there"]
+    prompts = [encode_prompt(tok, render_row(tok, r)) for r in rows]
+    completions = [
+        [*tok(t, add_special_tokens=False)["input_ids"], tok.eos_token_id] for t in texts
+    ]
+    rollout = pack(prompts, completions, tok.pad_token_id)
+    comps = [
+        RewardComponentConfig(
+            name="reward_model", label="rm_tokens", args={"path": rm["model_dir"]}
+        ),
+        RewardComponentConfig(
+            name="reward_model",
+            label="rm_text",
+            weight=0.0,
+            args={"path": rm["model_dir"], "retokenize": True},
+        ),
+    ]
+    _, parts = score_components(comps, {"texts": texts, "problems": rows, "rollout": rollout})
+    assert set(parts) == {"rm_tokens", "rm_text"}
+    assert torch.allclose(parts["rm_tokens"], parts["rm_text"], atol=1e-5)
+    assert parts["rm_tokens"].std() > 0  # two different scores, not a constant
+
+    # best-of-n on a prompt dataset: curves on its held-out rows, judged by a reward function;
+    # rejection sampling from its training rows only.
+    from rlhflab.config import PromptDataConfig
+    from rlhflab.data.prompts import load_prompt_source
+    from rlhflab.eval.best_of_n import run_best_of_n_command
+
+    fix = Path(__file__).parents[1] / "data/fixtures/prompts"
+    data = {"path": str(fix / "brevity.jsonl"), "heldout_frac": 0.25}
+    sft_path = tmp_path / "rejection.jsonl"
+    summary = run_best_of_n_command(
+        backbone,
+        [f"{rm['model_dir']}:preference"],
+        task=None,
+        data=data,
+        reward_fns=[f"{fix}/user_rewards.py:brevity"],
+        problems=4,
+        ns=[1, 2],
+        max_new_tokens=4,
+        write_sft=str(sft_path),
+    )
+    splits = load_prompt_source(PromptDataConfig(source="dataset", **data), seed=0)
+    written = [json.loads(x)["prompt"] for x in sft_path.read_text().splitlines()]
+    assert summary["problems"] == 4 and set(summary["curves"]["preference"]) == {1, 2}
+    assert summary["sft_rows"] == len(written) > 0
+    train_q = {r.question for r in splits.train}
+    assert all(q in train_q for q in written)
+    assert not set(written) & {r.question for r in splits.heldout}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhflab.data.formatting import encode_prompt, render_prompt
+from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.preference import TokenizedPair
 from rlhflab.data.prm import IGNORE_INDEX, label_steps, step_label_ids
 from rlhflab.rollout.sampler import sample
@@ -71,17 +71,17 @@ def sample_and_score(
     system: str | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> ScoredSamples:
-    """Sample `k` completions for each problem and score them with `verifier`."""
+    """Sample `k` completions for each problem (task Problem or prompt row) and score them with
+    `verifier` (anything with `score_batch(texts, rows)`)."""
     from rlhflab.rollout.sampler import decode_completions
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    prompts = [
-        encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=system))
-        for p in problems
-    ]
+    from rlhflab.data.prompts import render_row
+
+    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
     per_chunk = max(1, batch_size // k)
     comp_ids: list[list[list[int]]] = []
     texts: list[list[str]] = []

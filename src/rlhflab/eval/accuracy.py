@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from rlhflab.data.formatting import encode_prompt, render_prompt
+from rlhflab.data.formatting import encode_prompt
+from rlhflab.data.prompts import render_row
 from rlhflab.rollout.sampler import decode_completions, sample
 
 
@@ -57,8 +58,10 @@ def evaluate(
     """Greedy accuracy (and pass@k when k > 0) of `model` on `problems`.
 
     Args:
-        problems: rlhflab.data.tasks.Problem list (held-out).
-        verifier: rlhflab.rewards.verifier.Verifier (its reward mode decides binary/partial).
+        problems: held-out task `Problem`s or prompt rows (`rlhflab.data.prompts.PromptRow`).
+        verifier: a `Verifier` (its reward mode decides binary/partial) or any object with
+            `score_batch(texts, rows) -> list[float]` (a prompt dataset's `TextRewardScorer`;
+            "accuracy" is then the mean held-out reward).
         k: samples per problem at `temperature` for pass@1 / pass@k; 0 skips sampling.
 
     Returns:
@@ -68,10 +71,7 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    prompts = [
-        encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=system))
-        for p in problems
-    ]
+    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     scores: list[float] = []
     texts: list[str] = []

@@ -190,10 +190,15 @@ def run_best_of_n_command(
     write_sft: str | None = None,
     min_score: float | None = None,
     threads: int | None = None,
+    data: dict | None = None,
+    reward_fns: list[str] | None = None,
 ) -> dict:
     """`rlhflab best-of-n`: accuracy vs N of each `PATH:KIND` reward model on held-out problems
     (questions absent from the first `exclude_train` training items), with a plot and optionally
-    the rejection-sampled SFT JSONL (selected by the first RM)."""
+    the rejection-sampled SFT JSONL (selected by the first RM from samples on `problems`
+    training-split problems, never held-out ones). With `data` (PromptDataConfig fields of a
+    prompt dataset) the prompts come from its held-out / training rows and `reward_fns` (as
+    `rlhflab eval --reward-fn`) decide what counts as correct (summed reward 1.0)."""
     import torch
 
     from rlhflab.data.tasks import make_splits
@@ -213,16 +218,27 @@ def run_best_of_n_command(
             )
         name = kind if kind not in scorers else f"{kind}:{path}"
         scorers[name] = RewardModelScorer.from_pretrained(path, kind=kind, prm_reduce=prm_reduce)
-    splits = make_splits(
-        task, config=task_config or {}, n_train=exclude_train, n_heldout=problems, seed=seed
-    )
+    if data is not None:  # a prompt dataset: "correct" means the summed reward is 1.0
+        from rlhflab.config import PromptDataConfig
+        from rlhflab.data.prompts import load_prompt_source
+        from rlhflab.eval.cli import reward_components_from_specs
+        from rlhflab.rewards.shaping import TextRewardScorer
+
+        scorer = TextRewardScorer(reward_components_from_specs(reward_fns or []))
+        splits = load_prompt_source(PromptDataConfig(source="dataset", **data), seed=seed)
+        splits.heldout = splits.heldout[:problems]
+    else:
+        scorer = Verifier(answer_format=answer_format)
+        splits = make_splits(
+            task, config=task_config or {}, n_train=exclude_train, n_heldout=problems, seed=seed
+        )
     tokenizer = load_tokenizer(policy_path)
     policy = load_model(policy_path).eval()
     res = best_of_n_eval(
         policy,
         tokenizer,
         splits.heldout,
-        Verifier(answer_format=answer_format),
+        scorer,
         scorers,
         ns=sorted(ns),
         max_new_tokens=max_new_tokens,
@@ -237,9 +253,42 @@ def run_best_of_n_command(
             json.dump(summary, fh, indent=2)
         summary["plot"] = os.path.join(out_dir, "best_of_n.png")
     if write_sft:
+        # Rejection sampling writes training data: it draws its own pool from the TRAINING split
+        # (never the held-out problems the curves are measured on).
         first = next(iter(scorers))
+        train_problems = rejection_problems(splits.train, problems, seed=seed)
+        pool = best_of_n_eval(
+            policy,
+            tokenizer,
+            train_problems,
+            scorer,
+            {first: scorers[first]},
+            ns=[max(ns)],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed + 2,
+        )
         summary["sft_rows"] = write_rejection_sft(
-            write_sft, res["pool"], res["rm_scores"][first], n=max(ns), min_score=min_score
+            write_sft, pool["pool"], pool["rm_scores"][first], n=max(ns), min_score=min_score
         )
         summary["sft_path"] = write_sft
+        summary["sft_source"] = f"training split ({len(train_problems)} problems)"
     return summary
+
+
+def rejection_problems(train: list, n: int, *, seed: int) -> list:
+    """`n` training problems with distinct questions, in a seeded random order: the prompts of
+    rejection sampling (`--write-sft`). Raises ValueError when the training split is empty."""
+    if not train:
+        raise ValueError("rejection sampling needs training problems (--exclude-train > 0)")
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    out, seen = [], set()
+    for i in order:
+        q = train[i].question.strip()
+        if q not in seen:
+            seen.add(q)
+            out.append(train[i])
+        if len(out) == n:
+            break
+    return out

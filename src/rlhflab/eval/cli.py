@@ -1,4 +1,5 @@
-"""`rlhflab eval`: load a model, rebuild the task's held-out split, report accuracy and pass@k."""
+"""`rlhflab eval`: load a model, rebuild the task's held-out split (or read a prompt dataset),
+report accuracy (or mean reward) and pass@k."""
 
 from __future__ import annotations
 
@@ -54,3 +55,107 @@ def run_eval_command(
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped,
         "verifier_errors": verifier.n_errors,
     }
+
+
+def run_prompt_eval_command(
+    model_path: str,
+    *,
+    data: str,
+    name: str | None = None,
+    split: str = "test",
+    prompt_column: str = "prompt",
+    prompt_format: str = "auto",
+    template: str | None = None,
+    system: str | None = None,
+    rewards: list[str],
+    n: int | None = None,
+    k: int = 0,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    batch_size: int = 256,
+    seed: int = 0,
+) -> dict:
+    """Mean reward of `model_path`'s greedy completions on a prompt dataset (every row of `split`,
+    or the first `n`), scored by reward functions.
+
+    Args:
+        data: a Hub id (with `name`, `split`) or a local .json/.jsonl/.parquet file.
+        rewards: reward names (REWARD_FUNCTIONS: math_verify, exact_match, think_format) or import
+            paths ("pkg.mod:fn", "file.py:fn"), each optionally "=weight"; summed with weights.
+        k: samples per prompt for pass@1 / pass@k (a sample "passes" when its reward is 1.0).
+    Returns:
+        {"model", "data", "split", "rewards", "accuracy" (= mean reward), "accuracy_stderr", "n",
+        "metric": "reward", ...}.
+    Raises:
+        ConfigError / DataError: one line naming the option, file, row or field.
+    """
+    from rlhflab.config import PromptDataConfig
+    from rlhflab.data.prompts import load_prompt_source
+    from rlhflab.rewards.shaping import TextRewardScorer
+
+    components = reward_components_from_specs(rewards)
+    cfg = PromptDataConfig(
+        source="dataset",
+        path=data,
+        name=name,
+        split=split,
+        prompt_column=prompt_column,
+        prompt_format=prompt_format,
+        template=template,
+        system=system,
+        heldout_frac=0.0,
+    )
+    rows = load_prompt_source(cfg, seed=seed).train
+    rows = rows[:n] if n else rows
+    tokenizer = load_tokenizer(model_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(model_path, device=device)
+    res = evaluate(
+        model,
+        tokenizer,
+        rows,
+        TextRewardScorer(components),
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        k=k,
+        temperature=temperature,
+        seed=seed,
+        system=system,
+    )
+    return {
+        "model": model_path,
+        "data": data,
+        "split": split,
+        "rewards": [f"{c.name}={c.weight:g}" for c in components],
+        "metric": "reward",
+        **res,
+    }
+
+
+def reward_components_from_specs(specs: list[str]) -> list:
+    """`--reward-fn` values ("math_verify", "pkg.mod:fn", "file.py:fn", each optionally
+    "=WEIGHT") as RewardComponentConfigs. Raises ConfigError naming the spec."""
+    from pydantic import ValidationError
+
+    from rlhflab.config import RewardComponentConfig
+    from rlhflab.errors import ConfigError
+    from rlhflab.rewards.functions import REWARD_FUNCTIONS
+
+    if not specs:
+        raise ConfigError("a prompt dataset needs at least one --reward-fn")
+    components = []
+    for spec in specs:
+        target, _, weight = spec.partition("=")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise ConfigError(f"--reward-fn {spec!r}: weight {weight!r} is not a number") from None
+        try:
+            if target in REWARD_FUNCTIONS:
+                components.append(RewardComponentConfig(name=target, weight=w))
+            else:
+                components.append(RewardComponentConfig(function=target, weight=w))
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"--reward-fn {spec!r}: {msg}") from None
+    return components

@@ -97,7 +97,26 @@ class RewardModelScorer:
             num_labels = AutoConfig.from_pretrained(path).num_labels
         model = load_reward_model(path, num_labels=num_labels or 1, device=device)
         sep_id = separator_id(tokenizer, sep) if kind == "prm" else None
-        return cls(model, kind=kind, pad_token_id=tokenizer.pad_token_id, sep_id=sep_id, **kwargs)
+        scorer = cls(model, kind=kind, pad_token_id=tokenizer.pad_token_id, sep_id=sep_id, **kwargs)
+        scorer.tokenizer = tokenizer  # for scoring decoded text (`score_texts`)
+        return scorer
+
+    def score_texts(self, rows: list, texts: list[str], truncated: list[bool]) -> Tensor:
+        """Scores (B,) of decoded completions, re-tokenised with the RM's own tokenizer: the prompt
+        row rendered with the RM's chat template (`rlhflab.data.prompts.render_row`), the
+        completion encoded with eos appended unless it was truncated. For RMs whose tokenizer
+        differs from the policy's (third-party RMs). Needs `from_pretrained` (the tokenizer)."""
+        from rlhflab.data.formatting import encode_prompt
+        from rlhflab.data.prompts import render_row
+
+        tok = self.tokenizer
+        prompts = [encode_prompt(tok, render_row(tok, r)) for r in rows]
+        completions = [
+            list(tok(t, add_special_tokens=False)["input_ids"])
+            + ([] if cut else [tok.eos_token_id])
+            for t, cut in zip(texts, truncated, strict=True)
+        ]
+        return self.score(prompts, completions)
 
     @torch.no_grad()
     def raw_scores_rollout(self, rollout) -> Tensor:
@@ -208,18 +227,24 @@ def load_running_norm_state(state: dict[str, dict]) -> None:
 def reward_model_component(
     *,
     rollout,
+    texts: list[str] | None = None,
+    problems: list | None = None,
     path: str,
     kind: str = "preference",
     normalize: str = "none",
     prm_reduce: str = "min",
     step_separator: str = "\n",
     micro_batch_size: int = 64,
+    retokenize: bool = False,
 ) -> Tensor:
     """Reward component "reward_model": the RM's score of each completion of the rollout (B,) on
     the CPU, float32. The RM at `path` is loaded once per process (on the rollout's device) and
     reused; with normalize "running" its statistics persist across steps.
 
-    The RM must share the policy's tokenizer (it scores the sampled token ids as they are).
+    retokenize False: the RM shares the policy's tokenizer and scores the sampled token ids as
+    they are. True: the decoded completions and their prompt rows are re-tokenised with the RM's
+    own tokenizer and chat template (`RewardModelScorer.score_texts`) — an RM whose tokenizer
+    differs from the policy's.
     """
     device = rollout.completion_ids.device
     key = (path, kind, normalize, prm_reduce, step_separator, micro_batch_size, str(device))
@@ -237,4 +262,7 @@ def reward_model_component(
         _SCORERS[key] = scorer
     if _state_key(key) in _PENDING:
         scorer.load_running_state(_PENDING.pop(_state_key(key)))
+    if retokenize:
+        raw = scorer.score_texts(problems, texts, rollout.truncated.tolist())
+        return raw.cpu()
     return scorer.score_rollout(rollout).cpu()

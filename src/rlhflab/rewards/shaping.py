@@ -107,34 +107,143 @@ REWARD_COMPONENTS = {
 }
 
 
-def score_components(components, supplied: dict) -> tuple[Tensor, dict[str, Tensor]]:
+def score_components(
+    components, supplied: dict, *, where: str = "batch"
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Total reward Σ weight·component and each component's unweighted (B,) values.
 
     Args:
-        components: `RewardComponentConfig`s (name, weight, args).
-        supplied: the SUPPLIED_ARGS values for this batch; each component receives the ones its
-            signature names.
-    A component of weight 0 is computed and returned (logged) but never enters the total, so a
-    NaN it returns cannot reach the loss.
-
+        components: `RewardComponentConfig`s (name, function, weight, args). A named component of
+            REWARD_COMPONENTS receives the SUPPLIED_ARGS its signature names; a reward function
+            (REWARD_FUNCTIONS name, or `function` import path) is called in TRL's convention on
+            `supplied["problems"]` (the prompt rows) and `supplied["texts"]`.
+        supplied: the SUPPLIED_ARGS values for this batch.
+        where: names the batch in errors ("step 3", "eval").
     Returns:
-        (total (B,) float32, {name: (B,) float32}).
+        (total (B,) float32, {name: (B,) float32}). A reward function's None entries are NaN in
+        its values (left out of its logged mean) and 0 in the total; a weight-0 component is
+        computed and logged only and never enters the total, so a NaN it returns cannot reach
+        the loss.
     Raises:
-        NonFiniteError: a weighted component returned NaN/inf (names the component and the row).
+        RewardError: a reward function raised, returned the wrong length, a non-number or NaN.
+        NonFiniteError: a weighted named component returned NaN/inf (names it and the row).
     """
-    total, parts = None, {}
+    n = len(supplied["texts"])
+    total, parts = torch.zeros(n, dtype=torch.float32), {}
     for comp in components:
-        fn = REWARD_COMPONENTS[comp.name]
-        accepted = inspect.signature(fn).parameters
-        values = fn(**{k: v for k, v in supplied.items() if k in accepted}, **comp.args).float()
-        parts[comp.name] = values
-        if comp.weight == 0:  # log-only
-            continue
-        check_finite_reward(comp.name, values)
-        total = comp.weight * values if total is None else total + comp.weight * values
-    if total is None:  # every component is log-only
-        total = torch.zeros_like(next(iter(parts.values())))
+        fn = component_function(comp)
+        if fn is None:
+            fn = REWARD_COMPONENTS[comp.name]
+            accepted = inspect.signature(fn).parameters
+            values = fn(**{k: v for k, v in supplied.items() if k in accepted}, **comp.args)
+            values = values.float()
+            if comp.weight != 0:
+                check_finite_reward(comp.name, values)
+        else:
+            values = call_reward_function(
+                fn, comp, supplied["problems"], supplied["texts"], where=where
+            )
+        parts[getattr(comp, "label", None) or comp.name] = values
+        if comp.weight != 0:
+            total = total + comp.weight * torch.nan_to_num(values, nan=0.0)
     return total, parts
+
+
+def component_function(comp):
+    """The TRL-convention reward function of a component (by `function` path or REWARD_FUNCTIONS
+    name), or None for a named component of REWARD_COMPONENTS."""
+    from rlhflab.rewards.functions import REWARD_FUNCTIONS, load_reward_function
+
+    if getattr(comp, "function", None):
+        return load_reward_function(comp.function)
+    return REWARD_FUNCTIONS.get(comp.name)
+
+
+def call_reward_function(fn, comp, rows: list, texts: list[str], *, where: str) -> Tensor:
+    """Call `fn(prompts, completions, **columns, **comp.args)` for prompt rows and completions.
+
+    Conversational rows (prompt = messages) get completions as `[{"role": "assistant",
+    "content": text}]`, as in TRL. Columns missing from a row are None in its list.
+    Returns (B,) float32 with NaN for None. Raises RewardError (one line naming the function and
+    `where`) when fn raises, returns a non-list or the wrong length, a non-number or NaN.
+    """
+    import math
+
+    from rlhflab.errors import RewardError
+    from rlhflab.rewards.functions import call_kwargs
+
+    label = comp.name if not getattr(comp, "function", None) else f"{comp.name} ({comp.function})"
+    prompts = [getattr(r, "prompt", getattr(r, "question", None)) for r in rows]
+    completions = [
+        t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+        for p, t in zip(prompts, texts, strict=True)
+    ]
+    keys = sorted({k for r in rows for k in getattr(r, "columns", {})})
+    columns = {k: [getattr(r, "columns", {}).get(k) for r in rows] for k in keys}
+    kwargs = call_kwargs(fn, {**columns, **comp.args})
+    try:
+        out = fn(prompts, completions, **kwargs)
+    except Exception as exc:
+        msg = " ".join(str(exc).split())[:200]
+        raise RewardError(
+            f"reward function '{label}' raised {type(exc).__name__}: {msg} "
+            f"(on {where}, {len(texts)} completions)"
+        ) from None
+    if isinstance(out, Tensor):
+        out = out.tolist()
+    if not isinstance(out, list | tuple) or len(out) != len(texts):
+        got = f"length {len(out)}" if isinstance(out, list | tuple) else type(out).__name__
+        raise RewardError(
+            f"reward function '{label}' returned {got} for {len(texts)} completions (on {where})"
+        )
+    values = []
+    for i, v in enumerate(out):
+        if v is None:
+            values.append(float("nan"))
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise RewardError(
+                f"reward function '{label}' returned {type(v).__name__} at index {i} "
+                f"(on {where}); expected float or None"
+            )
+        if math.isnan(v):
+            raise RewardError(
+                f"reward function '{label}' returned NaN at index {i} (on {where}); "
+                "return None for no reward"
+            )
+        values.append(float(v))
+    return torch.tensor(values, dtype=torch.float32)
+
+
+class TextRewardScorer:
+    """Held-out scoring of a prompt dataset: `score_batch(texts, rows)` is the weighted sum of the
+    reward components computable from text alone (reward functions, `format`); components that
+    need the sampled tokens (length, overlong, reward_model) are left out and listed in `skipped`.
+    Used in place of a task `Verifier` by `rlhflab.eval.accuracy.evaluate`.
+    """
+
+    def __init__(self, components, verifier=None):
+        self.verifier = verifier
+        self.components, self.skipped = [], []
+        for comp in components:
+            if component_function(comp) is None:
+                params = inspect.signature(REWARD_COMPONENTS[comp.name]).parameters
+                needs = {k for k in params if k in SUPPLIED_ARGS}
+                if not needs <= {"texts", "problems", "verifier"}:
+                    self.skipped.append(comp.name)
+                    continue
+            if comp.weight != 0:
+                self.components.append(comp)
+        self.n_errors = 0
+
+    def score_batch(self, texts: list[str], rows: list) -> list[float]:
+        """Weighted text-only reward of each completion (B floats)."""
+        total, _ = score_components(
+            self.components,
+            {"texts": texts, "problems": rows, "verifier": self.verifier},
+            where="held-out eval",
+        )
+        return total.tolist()
 
 
 def check_finite_reward(name: str, values: Tensor) -> None:

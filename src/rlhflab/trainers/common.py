@@ -371,10 +371,14 @@ class ShuffledStream:
         self.n, self.order = state["n"], state["order"]
 
 
-def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype):
-    """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`, as
-    `cfg.eval` configures it (see `rlhflab.eval.accuracy.evaluate`); logged as `eval/*` at
-    `step` and returned (keys accuracy, accuracy_stderr, n, ...)."""
+def heldout_eval(
+    cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...
+):
+    """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`
+    (task Problems or prompt rows), as `cfg.eval` configures it (see
+    `rlhflab.eval.accuracy.evaluate`; `verifier` is anything with `score_batch(texts, rows)`);
+    logged as `eval/*` at `step` and returned (keys accuracy, accuracy_stderr, n, ...).
+    `system` defaults to `cfg.task.system`."""
     from rlhflab.eval.accuracy import evaluate, mean_and_stderr
 
     if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
@@ -399,7 +403,7 @@ def heldout_eval(cfg, model, tokenizer, problems, verifier, tracker, step: int, 
             k=cfg.eval.k,
             temperature=cfg.eval.temperature,
             seed=cfg.seed + r,
-            system=cfg.task.system,
+            system=cfg.task.system if system is ... else system,
             autocast_dtype=autocast_dtype,
             return_scores=w > 1,
         )

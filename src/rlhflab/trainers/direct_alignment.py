@@ -44,7 +44,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import DPOConfig
-from rlhflab.data.formatting import encode_prompt, format_completion, render_prompt
+from rlhflab.data.formatting import encode_prompt, format_completion
 from rlhflab.data.preference import (
     PreferencePair,
     TokenizedPair,
@@ -52,12 +52,13 @@ from rlhflab.data.preference import (
     pairs_from_scored_samples,
     tokenize_pairs,
 )
-from rlhflab.data.tasks import make_splits
+from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.errors import ConfigError, DataError
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
+from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
 from rlhflab.runs import SampleWriter, write_json_atomic
@@ -176,14 +177,18 @@ def cache_reference(model, rows, pad_id, *, unpaired, chunk, autocast_dtype) -> 
 
 
 def verifiable_pairs(
-    model, tokenizer, problems, verifier, vcfg, task, *, generator, rng, chunk, autocast_dtype
-):
-    """Sample K completions per problem from `model`, score them, pair best with worst."""
-    prompts = [render_prompt(tokenizer, p.question, system=task.system) for p in problems]
+    model, tokenizer, problems, verifier, vcfg, task, *, generator, rng, chunk, autocast_dtype,
+    system=None,
+):  # fmt: skip
+    """Sample K completions per prompt row from `model`, score them (the task's verifier, or
+    `vcfg.reward` components: reward functions, a reward model), pair best with worst."""
+    prompts = [render_row(tokenizer, p, system=system) for p in problems]
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     K = vcfg.samples_per_prompt
     texts: list[str] = []
+    scores: list[float] = []
     flat = [p for p in ids for _ in range(K)]
+    rows = [p for p in problems for _ in range(K)]
     was_training = model.training
     model.eval()
     # Every data-parallel rank samples every prompt with the same draws (the generators are in
@@ -200,13 +205,32 @@ def verifiable_pairs(
                 generator=generator,
                 autocast_dtype=autocast_dtype,
             )
-            texts.extend(decode_completions(tokenizer, ro))
+            chunk_texts = decode_completions(tokenizer, ro)
+            texts.extend(chunk_texts)
+            if vcfg.reward is not None:  # labelled by reward components, as in policy gradients
+                total, _ = score_components(
+                    vcfg.reward,
+                    {
+                        "texts": chunk_texts,
+                        "problems": rows[s : s + chunk],
+                        "verifier": verifier,
+                        "lengths": ro.lengths.cpu(),
+                        "truncated": ro.truncated.cpu(),
+                        "max_new_tokens": vcfg.max_new_tokens,
+                        "rollout": ro,
+                    },
+                    where="pair sampling",
+                )
+                scores.extend(total.tolist())
     model.train(was_training)
-    scores = verifier.score_batch(texts, [p for p in problems for _ in range(K)])
+    if vcfg.reward is None:
+        scores = verifier.score_batch(texts, rows)
     samples = [texts[i * K : (i + 1) * K] for i in range(len(problems))]
     score_rows = [scores[i * K : (i + 1) * K] for i in range(len(problems))]
     gold = [
-        None if p.answer is None else format_completion(p.answer, answer_format=task.answer_format)
+        None
+        if p.answer is None or getattr(p, "problem", True) is None  # dataset rows: no gold
+        else format_completion(p.answer, answer_format=task.answer_format)
         for p in problems
     ]
     pairs, counts = pairs_from_scored_samples(
@@ -230,11 +254,14 @@ def train(cfg: DPOConfig) -> dict:
     wants_lengths = "chosen_lengths" in inspect.signature(loss_fn).parameters
     verifiable = cfg.data.source == "verifiable"
     t = cfg.task
+    v = cfg.verifiable
+    # Task accuracy only where a task is the run's own: verifiable pairs, or a `task` section
+    # set explicitly beside a preference file (never the default task's).
+    task_eval = cfg.eval.n > 0 and (verifiable or "task" in cfg.model_fields_set)
     splits = None
-    if verifiable or cfg.eval.n > 0 or cfg.model.build is not None:
-        splits = make_splits(
-            t.name, config=t.config, n_train=t.n_train, n_heldout=t.n_heldout, seed=t.seed
-        )
+    if verifiable or task_eval or cfg.model.build is not None:
+        splits = load_prompt_source(cfg.prompts, t, seed=cfg.seed)
+    system = t.system if cfg.prompts.source == "task" else cfg.prompts.system
     tokenizer, model = prepare_model(
         cfg.model,
         device=device,
@@ -243,7 +270,11 @@ def train(cfg: DPOConfig) -> dict:
     )
     pad = tokenizer.pad_token_id
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
-    heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
+    # Held-out score: the task's verifier, or a prompt dataset's text-computable rewards.
+    scorer = verifier
+    if cfg.prompts.source == "dataset" and verifiable:
+        scorer = TextRewardScorer(v.reward, verifier)
+    heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and task_eval else []
     chunk = 2 * cfg.train.micro_batch_size
     rng = random.Random(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -254,19 +285,20 @@ def train(cfg: DPOConfig) -> dict:
     }
     drops: dict[str, int] = {}
     data_counts: dict = {}
-    v = cfg.verifiable
 
     def round_pairs() -> tuple[list[PreferencePair], dict]:
         problems = rng.sample(splits.train, min(v.n_prompts, len(splits.train)))
         return verifiable_pairs(
             model, tokenizer, problems, verifier, v, t,
             generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
+            system=system,
         )  # fmt: skip
 
     if verifiable:
         heldout_pairs, data_counts["heldout"] = verifiable_pairs(
             model, tokenizer, splits.heldout[: cfg.data.heldout_pairs], verifier, v, t,
             generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
+            system=system,
         )  # fmt: skip
         train_pairs, data_counts["round_1"] = round_pairs()
         examples = train_pairs
@@ -338,7 +370,15 @@ def train(cfg: DPOConfig) -> dict:
 
     def run_eval(step: int) -> dict:
         return heldout_eval(
-            cfg, model, tokenizer, heldout_tasks, verifier, tracker, step, autocast_dtype
+            cfg,
+            model,
+            tokenizer,
+            heldout_tasks,
+            scorer,
+            tracker,
+            step,
+            autocast_dtype,
+            system=system,
         )
 
     @torch.no_grad()
@@ -526,7 +566,15 @@ def train(cfg: DPOConfig) -> dict:
                 step % cfg.tracking.samples_every == 0 or step == 1
             ) and cfg.tracking.samples_per_step:
                 _write_samples(
-                    samples, step, model, tokenizer, heldout_tasks, verifier, cfg, autocast_dtype
+                    samples,
+                    step,
+                    model,
+                    tokenizer,
+                    heldout_tasks,
+                    scorer,
+                    cfg,
+                    autocast_dtype,
+                    system,
                 )
             tracker.advance(step, metrics)
             checkpointer.end_step(step, stop, state, on_stop=(tracker.close, samples.close))
@@ -608,17 +656,16 @@ def _tokenize_unpaired(tokenizer, examples, tok_kw) -> tuple[list[dict], dict]:
 
 
 @torch.no_grad()
-def _write_samples(writer, step, model, tokenizer, problems, verifier, cfg, autocast_dtype) -> None:
-    """Greedy completions of the first held-out task problems (in-loop samples)."""
+def _write_samples(
+    writer, step, model, tokenizer, problems, scorer, cfg, autocast_dtype, system=None
+) -> None:
+    """Greedy completions of the first held-out prompts (in-loop samples), with their scores."""
     problems = problems[: cfg.tracking.samples_per_step]
     if not problems:
         return
     was_training = model.training
     model.eval()
-    prompts = [
-        encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=cfg.task.system))
-        for p in problems
-    ]
+    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
     with distributed.gathered(model):
         ro = sample(
             model, prompts, max_new_tokens=cfg.eval.max_new_tokens,
@@ -627,15 +674,11 @@ def _write_samples(writer, step, model, tokenizer, problems, verifier, cfg, auto
         )  # fmt: skip
     model.train(was_training)
     texts = decode_completions(tokenizer, ro)
+    scores = scorer.score_batch(texts, problems)
     writer.write(
         step,
         [
-            {
-                "prompt": p.question,
-                "completion": c,
-                "reward": verifier.score(c, p),
-                "answer": p.answer,
-            }
-            for p, c in zip(problems, texts, strict=True)
+            {"prompt": p.question, "completion": c, "reward": r, "answer": p.answer}
+            for p, c, r in zip(problems, texts, scores, strict=True)
         ],
     )

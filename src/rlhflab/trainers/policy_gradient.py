@@ -39,8 +39,8 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
-from rlhflab.data.formatting import encode_prompt, render_prompt
-from rlhflab.data.tasks import make_splits
+from rlhflab.data.formatting import encode_prompt
+from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.errors import ConfigError
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.advantages import ADVANTAGES, whiten
@@ -56,7 +56,7 @@ from rlhflab.rewards.reward_model import (
     load_running_norm_state,
     running_norm_state,
 )
-from rlhflab.rewards.shaping import score_components
+from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
 from rlhflab.rollout.sampler import completion_logps, decode_completions, draw_seed, sample
@@ -91,9 +91,9 @@ def train(cfg: PGConfig) -> dict:
     device = default_device()
     autocast_dtype = setup_precision(cfg.precision, device)
     t = cfg.task
-    splits = make_splits(
-        t.name, config=t.config, n_train=t.n_train, n_heldout=t.n_heldout, seed=t.seed
-    )
+    # Prompt rows (task problems or a dataset's rows) with a deduplicated held-out split.
+    splits = load_prompt_source(cfg.data, t, seed=cfg.seed)
+    system = t.system if cfg.data.source == "task" else cfg.data.system
     tokenizer, model = prepare_model(
         cfg.model,
         device=device,
@@ -101,18 +101,18 @@ def train(cfg: PGConfig) -> dict:
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
     )
     prompts = [
-        encode_prompt(tokenizer, render_prompt(tokenizer, p.question, system=t.system))
-        for p in splits.train
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in splits.train
     ]
     check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
                             field="rollout.max_new_tokens")  # fmt: skip
     limit = context_length(model) - cfg.rollout.max_new_tokens
-    check_lengths(
-        [len(p) for p in prompts], limit, what="prompt", field=f"task '{t.name}' train split"
-    )
+    check_lengths([len(p) for p in prompts], limit, what="prompt", field=f"{splits.source} train")
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
     check_reward_model_paths(cfg.reward.components)
-    heldout = splits.heldout[: cfg.eval.n]
+    # Held-out score: the task's verifier, or a dataset's text-computable rewards.
+    scorer = verifier if cfg.data.source == "task" else TextRewardScorer(cfg.reward.components)
+    # (No held-out eval when no reward can score text alone, e.g. a reward model only.)
+    heldout = splits.heldout[: cfg.eval.n] if scorer is verifier or scorer.components else []
     if cfg.rollout.prompts_per_step % distributed.world_size():
         raise ConfigError(
             f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} prompts do not split over "
@@ -172,7 +172,9 @@ def train(cfg: PGConfig) -> dict:
     )
 
     def run_eval(step: int) -> dict:
-        return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
+        return heldout_eval(
+            cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype, system=system
+        )
 
     def draw(chosen: list[int]) -> ScoredBatch:
         """Phases 1-2 for the given prompts (the global list): sample group_size completions each,
@@ -202,6 +204,7 @@ def train(cfg: PGConfig) -> dict:
                 "max_new_tokens": cfg.rollout.max_new_tokens,
                 "rollout": rollout,
             },
+            where=f"step {step}",
         )
         components = {k: v.to(device) for k, v in components.items()}
         local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
@@ -501,6 +504,8 @@ def train(cfg: PGConfig) -> dict:
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped,
+        "heldout_metric": "accuracy" if cfg.data.source == "task" else "reward",
+        "prompt_source": splits.source,
         "verifier_errors": verifier.n_errors,
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
@@ -604,7 +609,7 @@ def _update_metrics(sums: dict) -> dict:
 def _rollout_metrics(batch: ScoredBatch, group_size: int) -> dict:
     """Reward (total and per component), accuracy, length and truncation of one rollout batch."""
     rewards, rollout = batch.rewards, batch.rollout
-    correct = batch.components.get("correctness", rewards)
+    correct = batch.components.get("correctness", batch.components.get("math_verify", rewards))
     grouped = rewards.view(-1, group_size)
     lengths = rollout.lengths
     metrics = {
@@ -619,6 +624,9 @@ def _rollout_metrics(batch: ScoredBatch, group_size: int) -> dict:
         else 0.0,
     }
     for name, values in batch.components.items():
+        values = values[~values.isnan()]  # a reward function's None entries are NaN
+        if values.numel() == 0:  # no sample of the batch got this reward
+            continue
         metrics[f"rollout/reward/{name}_mean"] = values.mean().item()
         metrics[f"rollout/reward/{name}_std"] = values.std().item() if values.numel() > 1 else 0.0
     return metrics
