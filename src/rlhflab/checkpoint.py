@@ -62,6 +62,7 @@ _PREFIX = "step-"
 #: Config keys whose change does not alter what training computes: allowed on resume.
 HARMLESS_KEYS = (
     "tracking.",
+    "health.",
     "eval.",
     "checkpoint.",
     "run.resume",
@@ -486,16 +487,21 @@ class Checkpointer:
         self._retain(final)
         return final
 
-    def end_step(self, step: int, stop: StopSignals, state_fn, on_stop=()) -> None:
+    def end_step(self, step: int, stop: StopSignals, state_fn, on_stop=(), halt=None) -> None:
         """The end of optimizer step `step`: a periodic checkpoint when due; after a stop signal
-        a checkpoint, then `on_stop` callables (close the tracker...) and `Interrupted`."""
+        a checkpoint, then `on_stop` callables (close the tracker...) and `Interrupted`. `halt`
+        (an exception with a `checkpoint` attribute, e.g. a failed health check under
+        `health.on_fail: stop`) is raised the same way, after a committed checkpoint."""
         saved = None
-        if self.due(step) or stop.requested:
+        if self.due(step) or stop.requested or halt is not None:
             saved = self.save(step, state_fn())
-        if stop.requested:
+        if stop.requested or halt is not None:
             for close in on_stop:
                 close()
-            raise Interrupted(stop.requested, step, saved)
+            if stop.requested:
+                raise Interrupted(stop.requested, step, saved)
+            halt.checkpoint = saved
+            raise halt
         faults.hit("step_end", step)
 
     def finish(self, step: int, state: dict) -> None:

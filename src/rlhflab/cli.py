@@ -10,7 +10,8 @@ Commands:
 
 Every user-facing error is printed as one line `error: ...` with exit code 2. A run stopped by
 SIGTERM / SIGINT writes a committed checkpoint and exits with 128 + the signal number (143 / 130);
-`rlhflab train CONFIG --resume` continues it.
+`rlhflab train CONFIG --resume` continues it. A run whose health check fails under
+`health.on_fail: stop` writes a committed checkpoint and exits with 3 (docs/health.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import os
 import sys
 
-from rlhflab.errors import Interrupted, RlhfLabError
+from rlhflab.errors import HealthStop, Interrupted, RlhfLabError
 
 EXIT_USER_ERROR = 2
 
@@ -249,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except Interrupted as exc:
         print(f"interrupted: {exc}; continue with --resume", file=sys.stderr)
+        return exc.exit_code
+    except HealthStop as exc:
+        print(
+            f"health: {exc}; stopped (health.on_fail: stop), checkpoint {exc.checkpoint}",
+            file=sys.stderr,
+        )
         return exc.exit_code
     except RlhfLabError as exc:
         from rlhflab.runs import redact

@@ -160,6 +160,53 @@ class EvalConfig(Strict):
     temperature: float = Field(1.0, gt=0)
 
 
+class HealthConfig(Strict):
+    """`health`: live checks of the run (rlhflab.health; meanings and thresholds in docs/health.md).
+
+    on_fail: "warn" prints one line the first time a check fails and counts later failures;
+    "stop" also ends the run after that step with a committed checkpoint and exit code 3.
+    Sustained checks fail after `patience` steps in a row; trend checks look at `window` steps.
+    """
+
+    enabled: bool = True
+    on_fail: Literal["warn", "stop"] = "warn"
+    skip: list[str] = Field(default_factory=list)  # check names to leave out
+    patience: int = Field(3, ge=1)
+    window: int = Field(20, ge=2)
+    sample_every: int = Field(10, ge=0)  # sampled softmax-sum check every N steps; 0: never
+    prob_sum_tol: float = Field(1e-3, gt=0)
+    logp_tol: float = Field(1e-4, ge=0)
+    logp_mismatch_max: float = Field(0.05, gt=0)  # mean |sampler logp - trainer logp| per token
+    ratio_tol: float = Field(1e-3, gt=0)
+    grad_norm_min: float = Field(1e-8, ge=0)
+    grad_norm_max: float = Field(1e4, gt=0)
+    param_change_min: float = Field(1e-10, ge=0)  # relative parameter change per step
+    loss_change_min: float = Field(1e-6, ge=0)
+    reward_change_min: float = Field(1e-6, ge=0)
+    entropy_min: float = Field(1e-3, ge=0)  # nats per token
+    entropy_max_frac: float = Field(0.95, gt=0)  # of ln(vocab size)
+    kl_max: float = Field(1.0, gt=0)  # nats per token
+    clip_frac_max: float = Field(0.3, gt=0)
+    truncation_max: float = Field(0.5, ge=0, le=1)
+    empty_max: float = Field(0.5, ge=0, le=1)
+    repeat_max: float = Field(0.5, ge=0, le=1)
+    identical_max: float = Field(0.5, ge=0, le=1)
+    nonprintable_max: float = Field(0.5, ge=0, le=1)
+    hacking_drop: float = Field(0.05, ge=0)  # held-out accuracy drop (and reward rise) that counts
+
+    @field_validator("skip")
+    @classmethod
+    def _known_checks(cls, names: list[str]) -> list[str]:
+        from rlhflab.health import CHECK_NAMES
+
+        for name in names:
+            if name not in CHECK_NAMES:
+                close = difflib.get_close_matches(name, CHECK_NAMES, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(f"unknown health check '{name}'{hint}")
+        return names
+
+
 class TrainerConfig(Strict):
     """Sections every trainer family shares; the family's own sections follow them."""
 
@@ -171,6 +218,7 @@ class TrainerConfig(Strict):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from rlhflab.data.preference import (
 )
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import DataError
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.build import save_pretrained
 from rlhflab.plots import plot_run
@@ -306,6 +307,7 @@ def train(cfg: DPOConfig) -> dict:
         run_dir, cfg, headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy")
     )
     samples = SampleWriter(run_dir)
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
     tracker.print(
         f"run directory: {run_dir}  ({len(rows)} training rows, {len(held_rows)} held-out pairs, "
         f"dropped: {sum(drops.values()) if drops else 0}, truncated: {trunc}, "
@@ -492,6 +494,7 @@ def train(cfg: DPOConfig) -> dict:
                 "perf/step_s": dt,
                 "perf/tokens_per_s": n_tokens / dt,
             }
+            metrics.update(health.check(step, metrics))
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             if cfg.eval.pref_every and step % cfg.eval.pref_every == 0 and step < cfg.train.steps:
@@ -510,7 +513,9 @@ def train(cfg: DPOConfig) -> dict:
                     samples, step, model, tokenizer, heldout_tasks, verifier, cfg, autocast_dtype
                 )
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close, samples.close))
+            checkpointer.end_step(
+                step, stop, state, on_stop=(tracker.close, samples.close), halt=health.halt()
+            )
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -542,6 +547,7 @@ def train(cfg: DPOConfig) -> dict:
         "heldout_n": final_eval.get("n", 0),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
         "reference_pass_s": round(t_ref, 2),
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,

@@ -41,6 +41,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, render_prompt
 from rlhflab.data.tasks import make_splits
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
@@ -142,13 +143,16 @@ def train(cfg: PGConfig) -> dict:
         run_dir, cfg, headline=("rollout/reward_mean", "policy/kl", "eval/accuracy")
     )
     samples = SampleWriter(run_dir)
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
     tracker.print(
         f"run directory: {run_dir}  (train prompts {len(prompts)}, held-out {len(heldout)}, "
         f"held-out dropped as seen in training: {splits.n_heldout_overlap_dropped})"
     )
 
     def run_eval(step: int) -> dict:
-        return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
+        res = heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
+        health.observe_eval(step, res)
+        return res
 
     def draw(chosen: list[int]) -> ScoredBatch:
         """Phases 1-2 for the given prompts: sample group_size completions each, then score."""
@@ -397,6 +401,17 @@ def train(cfg: PGConfig) -> dict:
                     horizon=cfg.kl.horizon,
                     n_steps=batch_size,
                 )
+            metrics.update(
+                health.check(
+                    step,
+                    metrics,
+                    rollout=rollout,
+                    adv=adv,
+                    texts=batch.texts,
+                    group_size=group_size,
+                    correct=batch.components.get("correctness"),
+                )
+            )
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             if step % cfg.tracking.samples_every == 0 or step == 1:
@@ -416,7 +431,9 @@ def train(cfg: PGConfig) -> dict:
             if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close, samples.close))
+            checkpointer.end_step(
+                step, stop, state, on_stop=(tracker.close, samples.close), halt=health.halt()
+            )
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -439,6 +456,7 @@ def train(cfg: PGConfig) -> dict:
         "heldout_n": final_eval.get("n", 0),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped,
         "verifier_errors": verifier.n_errors,
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,

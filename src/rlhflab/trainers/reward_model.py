@@ -37,6 +37,7 @@ from rlhflab.data.reward_data import (
 )
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import DataError
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.reward_model import (
     IGNORE_INDEX,
     bradley_terry,
@@ -122,6 +123,7 @@ def train(cfg: RMConfig) -> dict:
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "rm/accuracy"))
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
     tracker.print(
         f"run directory: {run_dir}  ({len(train_items)} train / {len(eval_items)} held-out "
         f"{cfg.kind} examples; data: {data_counts})"
@@ -185,10 +187,11 @@ def train(cfg: RMConfig) -> dict:
             }
             if cfg.train.nan_policy == "skip":
                 metrics["train/nan_skips"] = guard.skipped
+            metrics.update(health.check(step, metrics))
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,))
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,), halt=health.halt())
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -246,6 +249,7 @@ def train(cfg: RMConfig) -> dict:
         "data": data_counts,
         "eval": final_eval,
         "best_of_n": bon.get("curves") if bon else None,
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,

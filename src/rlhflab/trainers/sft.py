@@ -23,6 +23,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
 from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
 from rlhflab.data.tasks import make_splits
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.models.build import save_pretrained
 from rlhflab.models.loading import context_length
@@ -102,6 +103,7 @@ def train(cfg: SFTConfig) -> dict:
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "eval/accuracy"))
     tracker.print(f"run directory: {run_dir}  ({len(pairs)} examples, dropped: {drops or 0})")
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
 
     def run_eval(step: int) -> dict:
         return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
@@ -166,12 +168,13 @@ def train(cfg: SFTConfig) -> dict:
             }
             if cfg.train.nan_policy == "skip":
                 metrics["train/nan_skips"] = guard.skipped
+            metrics.update(health.check(step, metrics, sample=mb))
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,))
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,), halt=health.halt())
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -195,6 +198,7 @@ def train(cfg: SFTConfig) -> dict:
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
