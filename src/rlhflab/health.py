@@ -480,7 +480,9 @@ class HealthMonitor:
             return {}
         cfg = self.cfg
         view: dict = {"metrics": metrics, "log_vocab": self.log_vocab}
-        loss = _loss(view)
+        # The policy-gradient surrogate is ~0 on-policy by construction: only train/loss (SFT, RM,
+        # DPO) is expected to move; a policy's progress shows in its reward (reward_flat).
+        loss = metrics.get("train/loss")
         if loss is not None and math.isfinite(float(loss)):
             self.losses.append(float(loss))
             if len(self.losses) == cfg.window:
