@@ -259,5 +259,5 @@ def test_on_fail_stop_exit_code_from_the_cli(tmp_path, monkeypatch, capsys):
 def test_unknown_check_name_is_a_config_error(tmp_path):
     from rlhflab.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="health.skip.*grad_norm_zero"):
+    with pytest.raises(ConfigError, match=r"health\.skip.*grad_norm_zero"):
         _sft(tmp_path, health={"skip": ["grad_norm_zro"]})
