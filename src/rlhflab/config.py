@@ -38,7 +38,7 @@ class BuildConfig(Strict):
     """Build a small model from scratch with a tokenizer trained on the task text."""
 
     size: str = "base"  # a key of rlhflab.models.build.SIZE_PRESETS
-    arch: Literal["qwen3", "llama"] = "qwen3"
+    arch: Literal["qwen3", "llama", "gpt"] = "qwen3"  # gpt: rlhflab.models.gpt (from scratch)
     vocab_size: int = Field(1024, ge=263)  # byte-level BPE: 256 bytes + 7 special tokens
     max_position_embeddings: int = Field(512, ge=16)
     tokenizer_texts: int = Field(20000, ge=100)  # task strings to train the tokenizer on

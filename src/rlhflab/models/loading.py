@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
+import rlhflab.models.gpt  # noqa: F401  (registers model_type "rlhflab_gpt" with transformers)
 from rlhflab.errors import ConfigError, ModelError
 
 DTYPES: dict[str, torch.dtype] = {
