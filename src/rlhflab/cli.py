@@ -57,6 +57,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         answer_format=args.answer_format,
         reward=args.reward,
         batch_size=args.batch_size,
+        system=args.system,
+        extractor=args.extractor,
+        threads=args.threads,
+        show=args.show,
+        print_fn=lambda line: print(line, file=sys.stderr),
     )
     print(json.dumps(results, indent=2))
     return 0
@@ -174,9 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=0, help="samples per problem for pass@k (0: off)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--answer-format", choices=["plain", "tags"], default="plain")
+    p.add_argument(
+        "--answer-format",
+        choices=["plain", "tags", "last_number", "last_line", "boxed"],
+        default="plain",
+        help="how the answer is read from a completion (default plain: the whole text)",
+    )
+    p.add_argument("--extractor", default=None, help="user extractor 'module:function'")
     p.add_argument("--reward", choices=["binary", "partial"], default="binary")
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--system", default=None, help="system prompt (as task.system in training)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("quickstart", help="tiny model → SFT → GRPO → held-out eval, with a report")

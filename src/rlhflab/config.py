@@ -73,9 +73,24 @@ class TaskConfig(Strict):
     n_train: int = Field(20000, ge=1)
     n_heldout: int = Field(500, ge=1)
     seed: int = 0
-    answer_format: Literal["tags", "plain"] = "plain"
+    # how the answer is read from a completion (rlhflab.rewards.verifier.extract_answer):
+    # the whole text, the last <answer>..</answer>, the last number, the last line, the last \boxed{}
+    answer_format: Literal["tags", "plain", "last_number", "last_line", "boxed"] = "plain"
+    extractor: str | None = None  # "module:function" (text -> answer or None); overrides the above
     reward: Literal["binary", "partial"] = "binary"
     system: str | None = None
+
+    @field_validator("extractor")
+    @classmethod
+    def _loadable(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            from rlhflab.rewards.verifier import load_extractor
+
+            try:
+                load_extractor(spec)
+            except ConfigError as exc:
+                raise ValueError(str(exc).removeprefix("task.extractor: ")) from None
+        return spec
 
 
 class OptimConfig(Strict):

@@ -114,9 +114,14 @@ def test_reward_model_on_the_gpt(gpt_sft, tmp_path):
 def test_eval_command_reads_the_gpt(gpt_sft):
     from rlhflab.eval.cli import run_eval_command
 
+    printed = []
     res = run_eval_command(
         gpt_sft["model_dir"], task=TASK["name"], task_config=TASK["config"], n=8,
         n_train_exclude=300, seed=0, k=0, temperature=1.0, max_new_tokens=6,
-        answer_format="plain", reward="binary", batch_size=8,
+        answer_format="last_number", reward="binary", batch_size=8, system="Be brief.",
+        threads=1, show=2, print_fn=printed.append,
     )  # fmt: skip
     assert res["n"] >= 1 and 0.0 <= res["accuracy"] <= 1.0
+    assert len(printed) == 3 and printed[0].count("completion:") == 1
+    assert "majority-answer baseline" in printed[-1]
+    assert res["majority_answer"] is not None and 0.0 <= res["majority_accuracy"] <= 1.0

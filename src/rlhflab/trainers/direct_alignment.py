@@ -230,7 +230,7 @@ def train(cfg: DPOConfig) -> dict:
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
     )
     pad = tokenizer.pad_token_id
-    verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
+    verifier = Verifier(answer_format=t.answer_format, reward=t.reward, extractor=t.extractor)
     heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
     chunk = 2 * cfg.train.micro_batch_size
     rng = random.Random(cfg.seed)

@@ -101,7 +101,7 @@ def train(cfg: PGConfig) -> dict:
     check_lengths(
         [len(p) for p in prompts], limit, what="prompt", field=f"task '{t.name}' train split"
     )
-    verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
+    verifier = Verifier(answer_format=t.answer_format, reward=t.reward, extractor=t.extractor)
     heldout = splits.heldout[: cfg.eval.n]
     ref_model = None
     if cfg.kl.coef > 0:

@@ -224,7 +224,11 @@ def train(cfg: RMConfig) -> dict:
             policy,
             tokenizer,
             splits.heldout[: cfg.eval.n_problems],
-            Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward),
+            Verifier(
+                answer_format=cfg.task.answer_format,
+                reward=cfg.task.reward,
+                extractor=cfg.task.extractor,
+            ),
             {cfg.kind: scorer},
             ns=cfg.eval.best_of_n,
             max_new_tokens=cfg.eval.max_new_tokens,
@@ -290,7 +294,11 @@ def build_rm_data(cfg: RMConfig, tokenizer, lm, splits, device) -> tuple[list, l
         )
 
         policy = _policy(cfg, device)
-        verifier = Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward)
+        verifier = Verifier(
+            answer_format=cfg.task.answer_format,
+            reward=cfg.task.reward,
+            extractor=cfg.task.extractor,
+        )
         out, counts = [], {}
         for name, problems, seed in (
             ("train", splits.train[: d.n_prompts], cfg.seed),

@@ -94,7 +94,9 @@ def train(cfg: SFTConfig) -> dict:
     for f in features:
         n_prompt = sum(1 for label in f["labels"] if label == -100)
         pairs.append((f["input_ids"][:n_prompt], f["input_ids"][n_prompt:]))
-    verifier = Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward)
+    verifier = Verifier(
+        answer_format=cfg.task.answer_format, reward=cfg.task.reward, extractor=cfg.task.extractor
+    )
     heldout = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
