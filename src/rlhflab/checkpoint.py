@@ -370,7 +370,7 @@ class Checkpointer:
         generators: named `torch.Generator`s (sampling, shuffling streams).
         stateful: named objects with `state() -> dict` (JSON) and `load(dict)`: the data
             stream's position, the NaN guard's counters.
-        every: save every N optimizer steps (0: only at the end and on a stop signal).
+        every: save every N optimizer steps and at the end (0: only on a stop signal).
         keep_last: committed checkpoints kept (the newest and the resumed-from one always are).
         resumed_from: the checkpoint this run resumed from (protected from retention).
 
@@ -505,8 +505,9 @@ class Checkpointer:
         faults.hit("step_end", step)
 
     def finish(self, step: int, state: dict) -> None:
-        """The checkpoint at the end of training (skipped when `step` was just saved)."""
-        if step > 0 and self.last_saved != step:
+        """The checkpoint at the end of training (skipped when `step` was just saved, and with
+        `every` = 0: then only a stop signal or a health stop writes one)."""
+        if step > 0 and self.every and self.last_saved != step:
             self.save(step, state)
 
     def _retain(self, newest: Path) -> None:
@@ -554,7 +555,8 @@ class Checkpointer:
         set_python_rng_state(ckpt.state["python_rng"])
         _set_numpy_rng_state(ckpt.state["numpy_rng"])
         for name, obj in self.stateful.items():
-            obj.load(ckpt.state["stateful"][name])
+            if name in ckpt.state["stateful"] or not getattr(obj, "state_optional", False):
+                obj.load(ckpt.state["stateful"][name])
         for fname, size in ckpt.state["file_offsets"].items():
             f = self.run_dir / fname
             if f.exists() and f.stat().st_size > size:

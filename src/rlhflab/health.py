@@ -555,6 +555,32 @@ class HealthMonitor:
         else:
             rec["count"] += 1
 
+    #: checkpoints written before the health checks existed have no "health" entry
+    state_optional = True
+
+    def state(self) -> dict:
+        """The checks' memory as JSON, for checkpoints (the parameter sample is not stored: it is
+        re-taken from the restored weights, which are the weights it was taken from)."""
+        return {
+            "streak": self.streak,
+            "failures": self.failures,
+            "losses": list(self.losses),
+            "rewards": list(self.rewards),
+            "evals": self.evals,
+            "judged_evals": sorted(self._judged_evals),
+        }
+
+    def load(self, state: dict) -> None:
+        """Continue from a `state()` (called after the model's weights are restored)."""
+        self.streak = {**dict.fromkeys(CHECKS, 0), **state["streak"]}
+        self.failures = state["failures"]
+        self.losses.extend(state["losses"])
+        self.rewards.extend(state["rewards"])
+        self.evals = [tuple(e) for e in state["evals"]]
+        self._judged_evals = set(state["judged_evals"])
+        if self._params is not None:
+            self._params = _param_sample(self.model)
+
     def halt(self) -> HealthStop | None:
         """The HealthStop to raise after this step's checkpoint (on_fail "stop"), else None."""
         return self._halt

@@ -261,3 +261,15 @@ def test_unknown_check_name_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match=r"health\.skip.*grad_norm_zero"):
         _sft(tmp_path, health={"skip": ["grad_norm_zro"]})
+
+
+def test_checkpoint_every_0_and_save_model_false_write_neither(tmp_path):
+    """checkpoint.every=0 writes no checkpoint at the end; run.save_model=false no model/."""
+    res = run_config(
+        _sft(tmp_path, steps=2, checkpoint={"every": 0},
+             run={"name": "sft", "root": str(tmp_path), "save_model": False})
+    )  # fmt: skip
+    run_dir = Path(res["run_dir"])
+    assert committed_checkpoints(run_dir) == []
+    assert not (run_dir / "model").exists() and res["model_dir"] is None
+    assert (run_dir / "final_results.json").exists()

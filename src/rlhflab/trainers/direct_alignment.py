@@ -369,7 +369,7 @@ def train(cfg: DPOConfig) -> dict:
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
         generators={"sampler": generator},
-        stateful={"data": stream, "nan": guard},
+        stateful={"data": stream, "nan": guard, "health": health},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,

@@ -196,7 +196,7 @@ def train(cfg: PGConfig) -> dict:
         optimizers={"optimizer": optimizer, "value_optimizer": value_optimizer},
         schedulers={"scheduler": scheduler, "value_scheduler": value_scheduler},
         generators={"sampler": sampler_rng, "shuffle": shuffle_rng},
-        stateful={"prompts": prompt_stream, "nan": guard},
+        stateful={"prompts": prompt_stream, "nan": guard, "health": health},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,

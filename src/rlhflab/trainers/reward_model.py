@@ -140,7 +140,7 @@ def train(cfg: RMConfig) -> dict:
         modules={"model": model},
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
-        stateful={"data": stream, "nan": guard},
+        stateful={"data": stream, "nan": guard, "health": health},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
