@@ -61,6 +61,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         extractor=args.extractor,
         threads=args.threads,
         show=args.show,
+        gguf_file=args.gguf_file,
         print_fn=lambda line: print(line, file=sys.stderr),
     )
     print(json.dumps(results, indent=2))
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt (as task.system in training)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
+    p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("quickstart", help="tiny model → SFT → GRPO → held-out eval, with a report")

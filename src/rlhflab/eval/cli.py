@@ -28,6 +28,7 @@ def run_eval_command(
     extractor: str | None = None,
     threads: int | None = None,
     show: int = 0,
+    gguf_file: str | None = None,
     print_fn=print,
 ) -> dict:
     """Held-out results of `model_path` on `task`.
@@ -40,6 +41,7 @@ def run_eval_command(
         system: system prompt rendered into every question (as `task.system` in training).
         extractor: "module:function" user extractor (overrides answer_format).
         threads: torch threads (None: torch's default).
+        gguf_file: a GGUF file inside `model_path` (loaded dequantised).
         show: print this many held-out problems with the greedy completion, the extracted
             answer, the gold answer and the score.
     Returns:
@@ -50,9 +52,9 @@ def run_eval_command(
     if threads:
         torch.set_num_threads(threads)
     splits = make_splits(task, config=task_config, n_train=n_train_exclude, n_heldout=n, seed=seed)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(model_path, device=device)
+    model = load_model(model_path, device=device, gguf_file=gguf_file)
     verifier = Verifier(answer_format=answer_format, reward=reward, extractor=extractor)
     res = evaluate(
         model,
