@@ -5,7 +5,7 @@ docs/health.md. The checks read what a trainer already has — its step metrics,
 advantages, the completion texts — plus one cheap sampled check (a forward pass over one sequence
 every `health.sample_every` steps) that the model's output distributions sum to 1.
 
-    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     ...
     metrics.update(health.check(step, metrics, rollout=rollout, adv=adv, ...))
     checkpointer.end_step(step, stop, state, halt=health.halt())

@@ -127,6 +127,16 @@ class Tracker:
         if self.progress is not None:
             self.progress.console.print(message)
 
+    def warn(self, message: str) -> None:
+        """A warning line: on the console above the progress bar, or on stderr when the console
+        sink is off (warnings are never silent)."""
+        if self.progress is not None:
+            self.progress.console.print(message, markup=False)
+        else:
+            import sys
+
+            print(message, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()

@@ -307,7 +307,7 @@ def train(cfg: DPOConfig) -> dict:
         run_dir, cfg, headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy")
     )
     samples = SampleWriter(run_dir)
-    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  ({len(rows)} training rows, {len(held_rows)} held-out pairs, "
         f"dropped: {sum(drops.values()) if drops else 0}, truncated: {trunc}, "

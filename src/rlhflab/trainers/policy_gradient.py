@@ -143,7 +143,7 @@ def train(cfg: PGConfig) -> dict:
         run_dir, cfg, headline=("rollout/reward_mean", "policy/kl", "eval/accuracy")
     )
     samples = SampleWriter(run_dir)
-    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  (train prompts {len(prompts)}, held-out {len(heldout)}, "
         f"held-out dropped as seen in training: {splits.n_heldout_overlap_dropped})"

@@ -123,7 +123,7 @@ def train(cfg: RMConfig) -> dict:
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "rm/accuracy"))
-    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  ({len(train_items)} train / {len(eval_items)} held-out "
         f"{cfg.kind} examples; data: {data_counts})"

@@ -105,7 +105,7 @@ def train(cfg: SFTConfig) -> dict:
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "eval/accuracy"))
     tracker.print(f"run directory: {run_dir}  ({len(pairs)} examples, dropped: {drops or 0})")
-    health = HealthMonitor(cfg.health, model, print_fn=tracker.print)
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
 
     def run_eval(step: int) -> dict:
         return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
