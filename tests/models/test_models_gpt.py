@@ -153,3 +153,16 @@ def test_sequence_classification_head_for_reward_models(tiny_tokenizer):
     out = rm(x, attention_mask=mask).logits  # (2, 1): read at the last real token
     h = rm.transformer(x[:1, :3]).last_hidden_state[:, -1]
     torch.testing.assert_close(out[0], rm.score(h)[0], atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """`model.gradient_checkpointing: true` recomputes each Block in the backward pass."""
+    a, b = _model(), _model()
+    b.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert all(block.gradient_checkpointing for block in b.transformer.h)
+    x = torch.randint(0, CFG["vocab_size"], (2, 10))
+    for m in (a, b):
+        m.train()
+        m(x).logits.logsumexp(-1).sum().backward()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=0)

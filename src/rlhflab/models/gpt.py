@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -120,8 +121,9 @@ class MLP(nn.Module):
         return F.dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+class Block(GradientCheckpointingLayer):
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x)). (The base class recomputes
+    the block in the backward pass when gradient checkpointing is on; a plain nn.Module otherwise.)"""
 
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
@@ -142,7 +144,7 @@ class GPTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "transformer"
     _no_split_modules = ["Block"]  # noqa: RUF012  (transformers reads it as a class attribute)
     _supports_sdpa = True
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
