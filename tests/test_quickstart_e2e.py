@@ -31,6 +31,12 @@ def test_quickstart_fast_end_to_end(tmp_path):
     assert results["heldout_n"] >= 500
     report = (run_dir / "report.md").read_text()
     assert "after GRPO" in report
+    # The healthy run raises no health alarm: no check failed in either stage, no warning line.
+    for stage in ("sft", "grpo"):
+        assert results["health"][stage]["ok"], results["health"][stage]["failed"]
+        assert results["health"][stage]["checked"]
+    assert "health: '" not in proc.stderr
+    assert "checks passed" in report
     grpo = Path(results["grpo_run"])
     for name in (
         "config.yaml",

@@ -76,6 +76,7 @@ _PREFIX = "step-"
 #: Config keys whose change does not alter what training computes: allowed on resume.
 HARMLESS_KEYS = (
     "tracking.",
+    "health.",
     "eval.",
     "checkpoint.",
     "run.resume",
@@ -445,7 +446,7 @@ class Checkpointer:
         generators: named `torch.Generator`s (sampling, shuffling streams).
         stateful: named objects with `state() -> dict` (JSON) and `load(dict)`: the data
             stream's position, the NaN guard's counters.
-        every: save every N optimizer steps (0: only at the end and on a stop signal).
+        every: save every N optimizer steps and at the end (0: only on a stop signal).
         keep_last: committed checkpoints kept (the newest and the resumed-from one always are).
         resumed_from: the checkpoint this run resumed from (protected from retention).
 
@@ -605,24 +606,35 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def end_step(self, step: int, stop: StopSignals, state_fn, on_stop=()) -> None:
+    def end_step(self, step: int, stop: StopSignals, state_fn, on_stop=(), halt=None) -> None:
         """The end of optimizer step `step`: a periodic checkpoint when due; after a stop signal
-        a checkpoint, then `on_stop` callables (close the tracker...) and `Interrupted`."""
+        a checkpoint, then `on_stop` callables (close the tracker...) and `Interrupted`. `halt`
+        (an exception with a `checkpoint` attribute, e.g. a failed health check under
+        `health.on_fail: stop`) is raised the same way, after a committed checkpoint."""
         saved = None
-        # A signal may reach the ranks during different steps: they agree on it here, so every
-        # rank checkpoints and stops after the same step.
+        # A signal may reach the ranks during different steps, and a health stop may be decided
+        # on one rank only (checks of local shards): the ranks agree here, so every rank
+        # checkpoints and stops after the same step.
         stop.requested = distributed.any_rank(stop.requested) or None
-        if self.due(step) or stop.requested:
+        if distributed.any_rank(halt is not None) and halt is None:
+            from rlhflab.errors import HealthStop
+
+            halt = HealthStop("on another rank", step, "another data-parallel rank stopped")
+        if self.due(step) or stop.requested or halt is not None:
             saved = self.save(step, state_fn())
-        if stop.requested:
+        if stop.requested or halt is not None:
             for close in on_stop:
                 close()
-            raise Interrupted(stop.requested, step, saved)
+            if stop.requested:
+                raise Interrupted(stop.requested, step, saved)
+            halt.checkpoint = saved
+            raise halt
         faults.hit("step_end", step)
 
     def finish(self, step: int, state: dict) -> None:
-        """The checkpoint at the end of training (skipped when `step` was just saved)."""
-        if step > 0 and self.last_saved != step:
+        """The checkpoint at the end of training (skipped when `step` was just saved, and with
+        `every` = 0: then only a stop signal or a health stop writes one)."""
+        if step > 0 and self.every and self.last_saved != step:
             self.save(step, state)
 
     def _retain(self, newest: Path) -> None:
@@ -692,7 +704,8 @@ class Checkpointer:
         set_python_rng_state(py)
         _set_numpy_rng_state(npy)
         for name, obj in self.stateful.items():
-            obj.load(ckpt.state["stateful"][name])
+            if name in ckpt.state["stateful"] or not getattr(obj, "state_optional", False):
+                obj.load(ckpt.state["stateful"][name])
         if not distributed.is_main():  # rank 0 owns the run directory's files
             return ckpt.state["trainer"]
         drop_later_checkpoints(self.run_dir, ckpt.step)  # before the logs are cut back

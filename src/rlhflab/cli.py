@@ -11,7 +11,8 @@ Commands:
 
 Every user-facing error is printed as one line `error: ...` with exit code 2. A run stopped by
 SIGTERM / SIGINT writes a committed checkpoint and exits with 128 + the signal number (143 / 130);
-`rlhflab train CONFIG --resume` continues it.
+`rlhflab train CONFIG --resume` continues it. A run whose health check fails under
+`health.on_fail: stop` writes a committed checkpoint and exits with 3 (docs/health.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import os
 import sys
 
-from rlhflab.errors import ConfigError, Interrupted, RlhfLabError
+from rlhflab.errors import ConfigError, HealthStop, Interrupted, RlhfLabError
 
 EXIT_USER_ERROR = 2
 
@@ -155,6 +156,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         answer_format=args.answer_format,
         reward=args.reward,
         batch_size=args.batch_size,
+        system=args.system,
+        extractor=args.extractor,
+        threads=args.threads,
+        show=args.show,
+        gguf_file=args.gguf_file,
+        print_fn=lambda line: print(line, file=sys.stderr),
     )
     print(_dumps(results))
     return 0
@@ -325,9 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--answer-format", choices=["plain", "tags"], default="plain")
+    p.add_argument(
+        "--answer-format",
+        choices=["plain", "tags", "last_number", "last_line", "boxed"],
+        default="plain",
+        help="how the answer is read from a completion (default plain: the whole text)",
+    )
+    p.add_argument("--extractor", default=None, help="user extractor 'module:function'")
     p.add_argument("--reward", choices=["binary", "partial"], default="binary")
     p.add_argument("--batch-size", type=_positive_int, default=256)
+    p.add_argument("--system", default=None, help="system prompt (as task.system in training)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
+    p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("quickstart", help="tiny model → SFT → GRPO → held-out eval, with a report")
@@ -436,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except Interrupted as exc:
         _say(f"interrupted: {exc}; continue with --resume")
+        return exc.exit_code
+    except HealthStop as exc:
+        print(
+            f"health: {exc}; stopped (health.on_fail: stop), checkpoint {exc.checkpoint}",
+            file=sys.stderr,
+        )
         return exc.exit_code
     except RlhfLabError as exc:
         from rlhflab.runs import redact

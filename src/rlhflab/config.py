@@ -58,7 +58,7 @@ class BuildConfig(Strict):
     """Build a small model from scratch with a tokenizer trained on the task text."""
 
     size: str = "base"  # a key of rlhflab.models.build.SIZE_PRESETS
-    arch: Literal["qwen3", "llama"] = "qwen3"
+    arch: Literal["qwen3", "llama", "gpt"] = "qwen3"  # gpt: rlhflab.models.gpt (from scratch)
     vocab_size: int = Field(1024, ge=263)  # byte-level BPE: 256 bytes + 7 special tokens
     max_position_embeddings: int = Field(512, ge=16)
     tokenizer_texts: int = Field(20000, ge=100)  # task strings to train the tokenizer on
@@ -93,9 +93,24 @@ class TaskConfig(Strict):
     n_train: int = Field(20000, ge=1)
     n_heldout: int = Field(500, ge=1)
     seed: int = Field(0, ge=0, le=SEED_MAX)
-    answer_format: Literal["tags", "plain"] = "plain"
+    # how the answer is read from a completion (rlhflab.rewards.verifier.extract_answer):
+    # the whole text, the last <answer>..</answer>, the last number, the last line, the last \boxed{}
+    answer_format: Literal["tags", "plain", "last_number", "last_line", "boxed"] = "plain"
+    extractor: str | None = None  # "module:function" (text -> answer or None); overrides the above
     reward: Literal["binary", "partial"] = "binary"
     system: str | None = None
+
+    @field_validator("extractor")
+    @classmethod
+    def _loadable(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            from rlhflab.rewards.verifier import load_extractor
+
+            try:
+                load_extractor(spec)
+            except ConfigError as exc:
+                raise ValueError(str(exc).removeprefix("task.extractor: ")) from None
+        return spec
 
 
 class PromptDataConfig(Strict):
@@ -208,7 +223,10 @@ class RunConfig(Strict):
 class CheckpointConfig(Strict):
     """Atomic, verified checkpoints for exact resume (see rlhflab/checkpoint.py)."""
 
-    every: int = Field(50, ge=0)  # optimizer steps between checkpoints; 0: only at the end
+    # optimizer steps between checkpoints (and one at the end); 0: none, except when a stop
+    # signal or a health stop ends the run (a real model's checkpoint with AdamW state is ~12
+    # bytes per parameter: 1.6 GB for 135 M parameters)
+    every: int = Field(50, ge=0)
     keep_last: int | None = Field(2, ge=1)  # committed checkpoints kept; None keeps all
 
 
@@ -248,6 +266,53 @@ class ParallelConfig(Strict):
     timeout_s: float = Field(600.0, gt=0)  # a collective waiting longer fails the job
 
 
+class HealthConfig(Strict):
+    """`health`: live checks of the run (rlhflab.health; meanings and thresholds in docs/health.md).
+
+    on_fail: "warn" prints one line the first time a check fails and counts later failures;
+    "stop" also ends the run after that step with a committed checkpoint and exit code 3.
+    Sustained checks fail after `patience` steps in a row; trend checks look at `window` steps.
+    """
+
+    enabled: bool = True
+    on_fail: Literal["warn", "stop"] = "warn"
+    skip: list[str] = Field(default_factory=list)  # check names to leave out
+    patience: int = Field(3, ge=1)
+    window: int = Field(20, ge=2)
+    sample_every: int = Field(10, ge=0)  # sampled softmax-sum check every N steps; 0: never
+    prob_sum_tol: float = Field(1e-3, gt=0)
+    logp_tol: float = Field(1e-4, ge=0)
+    logp_mismatch_max: float = Field(0.05, gt=0)  # mean |sampler logp - trainer logp| per token
+    ratio_tol: float = Field(1e-3, gt=0)
+    grad_norm_min: float = Field(1e-8, ge=0)
+    grad_norm_max: float = Field(1e4, gt=0)
+    param_change_min: float = Field(1e-10, ge=0)  # relative parameter change per step
+    loss_change_min: float = Field(1e-6, ge=0)
+    reward_change_min: float = Field(1e-6, ge=0)
+    entropy_min: float = Field(1e-3, ge=0)  # nats per token
+    entropy_max_frac: float = Field(0.95, gt=0)  # of ln(vocab size)
+    kl_max: float = Field(1.0, gt=0)  # nats per token
+    clip_frac_max: float = Field(0.3, gt=0)
+    truncation_max: float = Field(0.5, ge=0, le=1)
+    empty_max: float = Field(0.5, ge=0, le=1)
+    repeat_max: float = Field(0.5, ge=0, le=1)
+    identical_max: float = Field(0.5, ge=0, le=1)
+    nonprintable_max: float = Field(0.5, ge=0, le=1)
+    hacking_drop: float = Field(0.05, ge=0)  # held-out accuracy drop (and reward rise) that counts
+
+    @field_validator("skip")
+    @classmethod
+    def _known_checks(cls, names: list[str]) -> list[str]:
+        from rlhflab.health import CHECK_NAMES
+
+        for name in names:
+            if name not in CHECK_NAMES:
+                close = difflib.get_close_matches(name, CHECK_NAMES, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(f"unknown health check '{name}'{hint}")
+        return names
+
+
 class TrainerConfig(Strict):
     """Sections every trainer family shares; the family's own sections follow them."""
 
@@ -260,6 +325,7 @@ class TrainerConfig(Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
 
 # ---------------------------------------------------------------------------------------------

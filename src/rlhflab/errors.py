@@ -60,3 +60,19 @@ class Interrupted(Exception):
     def exit_code(self) -> int:
         """128 + the signal number (130 SIGINT, 143 SIGTERM)."""
         return 128 + self.signum
+
+
+EXIT_HEALTH = 3  # exit code of `rlhflab` when a health check failed under health.on_fail: stop
+
+
+class HealthStop(Exception):
+    """A health check failed under `health.on_fail: stop` (rlhflab.health); raised after the
+    step's committed checkpoint (`checkpoint`). The CLI exits with EXIT_HEALTH (3); `--resume`
+    continues from the checkpoint (with the check fixed, skipped or `on_fail: warn`)."""
+
+    exit_code = EXIT_HEALTH
+
+    def __init__(self, name: str, step: int, detail: str) -> None:
+        self.name, self.step, self.detail = name, step, detail
+        self.checkpoint: Path | None = None
+        super().__init__(f"health check '{name}' failed at step {step}: {detail}")

@@ -100,6 +100,7 @@ def run_quickstart(
         "sft_run": sft_results["run_dir"],
         "grpo_run": rl_results["run_dir"],
         "model_dir": rl_results["model_dir"],
+        "health": {"sft": sft_results["health"], "grpo": rl_results["health"]},
     }
     write_json_atomic(run_dir / "final_results.json", results)
     write_text_atomic(run_dir / "report.md", _report(results, run_dir))
@@ -124,6 +125,10 @@ def _report(r: dict, run_dir: Path) -> str:
         "",
         f"RL gain: **{r['rl_gain_points']:+.1f} points**. Total wall-clock {r['wall_s']:.0f} s.",
         "",
+        "## Health checks",
+        "",
+        *_health_lines(r["health"]),
+        "",
         "## Curves",
         "",
         f"![reward]({grpo}/plots/reward.png) ![accuracy]({grpo}/plots/accuracy.png)",
@@ -139,3 +144,18 @@ def _report(r: dict, run_dir: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _health_lines(health: dict) -> list[str]:
+    """One line per stage: all checks passed, or each failed check with its first step and count."""
+    lines = []
+    for stage, h in health.items():
+        if h["ok"]:
+            lines.append(f"- {stage}: all {len(h['checked'])} checks passed (docs/health.md)")
+        else:
+            failed = ", ".join(
+                f"`{name}` (first at step {f['first_step']}, {f['count']} steps)"
+                for name, f in h["failed"].items()
+            )
+            lines.append(f"- {stage}: **failed** {failed} (docs/health.md)")
+    return lines

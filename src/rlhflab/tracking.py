@@ -163,6 +163,19 @@ class Tracker:
         if self.progress is not None:
             self.progress.console.print(message)
 
+    def warn(self, message: str) -> None:
+        """A warning line: on the console above the progress bar, or on stderr when the console
+        sink is off (warnings are never silent). Data-parallel ranks other than 0 stay quiet:
+        their checks see the same global metrics."""
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.console.print(message, markup=False)
+        else:
+            import sys
+
+            print(message, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         """Stop the progress bar and close every sink."""
         if self.progress is not None:

@@ -18,8 +18,12 @@ def test_render_prompt(tiny_tokenizer):
 def test_format_completion():
     assert format_completion("42", answer_format="tags") == "<answer>42</answer>"
     assert format_completion("42", answer_format="plain") == "42"
+    assert format_completion("42", answer_format="boxed") == "\\boxed{42}"
+    assert format_completion("42", answer_format="last_number") == "42"
     with pytest.raises(
-        ConfigError, match=r"^answer_format: must be one of tags, plain, got 'xml'$"
+        ConfigError,
+        match=r"^answer_format: must be one of tags, plain, last_number, last_line, boxed, "
+        r"got 'xml'$",
     ):
         format_completion("42", answer_format="xml")
 

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from rlhflab.errors import ConfigError, ModelError
 
-AnswerFormat = Literal["tags", "plain"]
-ANSWER_FORMATS: tuple[str, ...] = ("tags", "plain")
+AnswerFormat = Literal["tags", "plain", "last_number", "last_line", "boxed"]
+ANSWER_FORMATS: tuple[str, ...] = ("tags", "plain", "last_number", "last_line", "boxed")
 
 
 def check_answer_format(answer_format: str) -> str:
@@ -78,12 +78,17 @@ def render_prompt(tokenizer: Any, question: str, *, system: str | None = None) -
 
 
 def format_completion(answer: str, *, answer_format: AnswerFormat) -> str:
-    """The target completion text for `answer`: "<answer>42</answer>" (tags) or "42" (plain).
+    """The target completion text for `answer`: "<answer>42</answer>" (tags), "\\boxed{42}"
+    (boxed) or "42" (plain, last_number, last_line: the bare answer is its own last number/line).
 
     No eos in the text (see `encode_completion`). `rlhflab.rewards.extract_answer` inverts this.
     """
     check_answer_format(answer_format)
-    return f"<answer>{answer}</answer>" if answer_format == "tags" else answer
+    if answer_format == "tags":
+        return f"<answer>{answer}</answer>"
+    if answer_format == "boxed":
+        return f"\\boxed{{{answer}}}"
+    return answer
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:

@@ -126,3 +126,30 @@ def evaluate(
             result["pass@1_scores"], result["pass@k_scores"] = p1, pk
     model.train(was_training)
     return result
+
+
+def majority_baseline(train: list, heldout: list, verifier) -> dict:
+    """The accuracy of answering every held-out problem with the most common training answer.
+
+    An SFT model that learnt only the majority answer scores this much (79% of letter_counting
+    answers are "1"): print it beside every accuracy. The answer is scored by `verifier` as the
+    bare answer text, so partial credit and answer formats are treated like a model's.
+
+    Args:
+        train: Problems whose answers define the majority (the training split).
+        heldout: Problems to score it on.
+    Returns:
+        {"majority_answer": str | None, "majority_accuracy": float, "majority_accuracy_stderr":
+        float}; accuracy 0 with answer None when no training answer exists.
+    """
+    from collections import Counter
+
+    answers = Counter(str(p.answer).strip() for p in train if p.answer is not None)
+    if not answers or not heldout:
+        return {"majority_answer": None, "majority_accuracy": 0.0, "majority_accuracy_stderr": 0.0}
+    answer = answers.most_common(1)[0][0]
+    n_scored, n_errors, n_no = verifier.n_scored, verifier.n_errors, verifier.n_no_answer
+    scores = [float(verifier.score_answer(answer, p)) for p in heldout]
+    verifier.n_scored, verifier.n_errors, verifier.n_no_answer = n_scored, n_errors, n_no
+    acc, se = mean_and_stderr(scores)
+    return {"majority_answer": answer, "majority_accuracy": acc, "majority_accuracy_stderr": se}

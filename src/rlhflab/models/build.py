@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from rlhflab.errors import ConfigError
+from rlhflab.models.gpt import GPTConfig, GPTForCausalLM
 
 SIZE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(
@@ -64,6 +65,7 @@ SIZE_PRESETS: dict[str, dict[str, int]] = {
 ARCHITECTURES: dict[str, tuple[type, type]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "gpt": (GPTConfig, GPTForCausalLM),  # rlhflab.models.gpt, written from scratch
 }
 
 
@@ -82,7 +84,8 @@ def build_model(
         tokenizer: gives the vocabulary size (`len(tokenizer)`, which counts added tokens) and the
             pad/eos/bos ids written into the model config and generation config.
         size: a key of `SIZE_PRESETS`.
-        arch: "qwen3" (`Qwen3ForCausalLM`: q/k RMSNorm) or "llama" (`LlamaForCausalLM`).
+        arch: "qwen3" (`Qwen3ForCausalLM`: q/k RMSNorm), "llama" (`LlamaForCausalLM`) or "gpt"
+            (`rlhflab.models.gpt.GPTForCausalLM`: GPT-2 shape, learned positions, 4× GELU MLP).
         max_position_embeddings: longest sequence (tokens) the model is meant for (RoPE).
         seed: `torch.manual_seed(seed)` before initialisation; the same seed gives the same weights.
         tie_word_embeddings: share the input embedding and the output projection.
@@ -104,15 +107,19 @@ def build_model(
         )
     preset = SIZE_PRESETS[size]
     config_cls, model_cls = ARCHITECTURES[arch]
+    shape = dict(preset)
+    if arch == "gpt":  # multi-head attention (no kv-head grouping), MLP fixed at 4 × hidden
+        shape = {k: preset[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")}
+    else:
+        shape["head_dim"] = preset["hidden_size"] // preset["num_attention_heads"]
     config = config_cls(
         vocab_size=len(tokenizer),
-        head_dim=preset["hidden_size"] // preset["num_attention_heads"],
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        **preset,
+        **shape,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
+import rlhflab.models.gpt  # noqa: F401  (registers model_type "rlhflab_gpt" with transformers)
 from rlhflab.errors import ConfigError, ModelError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -131,6 +132,8 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(resolved, **kwargs)
     except Exception as exc:
         raise _load_error("model", name_or_path, resolved, exc) from exc
+    if gguf_file is not None:
+        model = dequantised(model)
     try:
         model = model.to(device)
     except Exception as exc:
@@ -138,6 +141,43 @@ def load_model(
             f"cannot move model '{name_or_path}' to device {device!r}: {_one_line(exc)}"
         ) from exc
     return model
+
+
+def dequantised(model: PreTrainedModel) -> PreTrainedModel:
+    """A plain copy of a model that transformers loaded from GGUF, which saves as a normal HF dir.
+
+    transformers dequantises GGUF weights on load but keeps the model marked as quantized
+    (`config.quantization_config`, `hf_quantizer`), and `save_pretrained` then refuses it ("The
+    model is quantized with gguf and is not serializable"). This rebuilds the same class from the
+    config without `quantization_config` and loads the (already dequantised) state dict into it,
+    in the weights' dtype. Models that are not marked as quantized are returned unchanged.
+
+    Raises:
+        ModelError: the state dict does not fit the rebuilt model (names the first keys).
+    """
+    if getattr(model.config, "quantization_config", None) is None:
+        return model
+    raw = model.config.to_dict()
+    raw.pop("quantization_config", None)
+    config = model.config.__class__.from_dict(raw)
+    config._attn_implementation = model.config._attn_implementation
+    dtype = next(model.parameters()).dtype
+    plain = model.__class__(config).to(dtype)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    missing = [k for k in missing if k not in _tied_keys(plain)]
+    if missing or unexpected:
+        raise ModelError(
+            f"GGUF weights do not fit {type(plain).__name__}: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    plain.tie_weights()
+    plain.generation_config = model.generation_config
+    return plain.eval()
+
+
+def _tied_keys(model: PreTrainedModel) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return set(tied) if model.config.tie_word_embeddings else set()
 
 
 def load_tokenizer(

@@ -75,13 +75,11 @@ def correctness(*, texts: list[str], problems: list, verifier) -> Tensor:
 
 
 def format_reward(*, texts: list[str], verifier) -> Tensor:
-    """1.0 where an answer can be extracted in the task's answer_format (tags present and non-empty
-    for "tags"; any non-blank text for "plain"), else 0.0."""
-    from rlhflab.rewards.verifier import extract_answer
-
+    """1.0 where an answer can be extracted in the task's answer_format or by its extractor (tags
+    present and non-empty for "tags"; any non-blank text for "plain"; a number for
+    "last_number"; ...), else 0.0."""
     return torch.tensor(
-        [float(extract_answer(t, answer_format=verifier.answer_format) is not None) for t in texts],
-        dtype=torch.float32,
+        [float(verifier.extract(t) is not None) for t in texts], dtype=torch.float32
     )
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 #: model_type values whose causal-LM logits are a plain linear head on the backbone output and
 #: whose attention takes a custom 4-D mask and explicit position ids.
-PACKABLE = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+PACKABLE = frozenset({"llama", "qwen2", "qwen3", "mistral", "rlhflab_gpt"})
 
 #: Pack only when it removes at least this fraction of the grid (else the padded layout is as
 #: cheap and its kernels see a plain causal mask).

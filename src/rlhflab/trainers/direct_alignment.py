@@ -55,6 +55,7 @@ from rlhflab.data.preference import (
 from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.errors import ConfigError, DataError
 from rlhflab.fingerprint import data_fingerprint
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
@@ -269,7 +270,7 @@ def train(cfg: DPOConfig) -> dict:
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
     )
     pad = tokenizer.pad_token_id
-    verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
+    verifier = Verifier(answer_format=t.answer_format, reward=t.reward, extractor=t.extractor)
     # Held-out score: the task's verifier, or a prompt dataset's text-computable rewards.
     scorer = verifier
     if cfg.prompts.source == "dataset" and verifiable:
@@ -362,6 +363,7 @@ def train(cfg: DPOConfig) -> dict:
         run_dir, cfg, headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy")
     )
     samples = SampleWriter(run_dir, enabled=distributed.is_main())
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  ({len(rows)} training rows, {len(held_rows)} held-out pairs, "
         f"dropped: {sum(drops.values()) if drops else 0}, truncated: {trunc}, "
@@ -421,7 +423,7 @@ def train(cfg: DPOConfig) -> dict:
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
         generators={"sampler": generator},
-        stateful={"data": stream, "nan": guard},
+        stateful={"data": stream, "nan": guard, "health": health},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
@@ -551,6 +553,7 @@ def train(cfg: DPOConfig) -> dict:
                 "perf/step_s": dt,
                 "perf/tokens_per_s": n_tokens / dt,
             }
+            metrics.update(health.check(step, metrics))
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             if cfg.eval.pref_every and step % cfg.eval.pref_every == 0 and step < cfg.train.steps:
@@ -577,7 +580,9 @@ def train(cfg: DPOConfig) -> dict:
                     system,
                 )
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close, samples.close))
+            checkpointer.end_step(
+                step, stop, state, on_stop=(tracker.close, samples.close), halt=health.halt()
+            )
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -608,6 +613,7 @@ def train(cfg: DPOConfig) -> dict:
         "heldout_n": final_eval.get("n", 0),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
         "reference_pass_s": round(t_ref, 2),
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,

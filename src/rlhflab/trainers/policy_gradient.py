@@ -43,6 +43,7 @@ from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.errors import ConfigError
 from rlhflab.fingerprint import data_fingerprint
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
@@ -107,7 +108,7 @@ def train(cfg: PGConfig) -> dict:
                             field="rollout.max_new_tokens")  # fmt: skip
     limit = context_length(model) - cfg.rollout.max_new_tokens
     check_lengths([len(p) for p in prompts], limit, what="prompt", field=f"{splits.source} train")
-    verifier = Verifier(answer_format=t.answer_format, reward=t.reward)
+    verifier = Verifier(answer_format=t.answer_format, reward=t.reward, extractor=t.extractor)
     check_reward_model_paths(cfg.reward.components)
     # Held-out score: the task's verifier, or a dataset's text-computable rewards.
     scorer = verifier if cfg.data.source == "task" else TextRewardScorer(cfg.reward.components)
@@ -166,15 +167,18 @@ def train(cfg: PGConfig) -> dict:
         run_dir, cfg, headline=("rollout/reward_mean", "policy/kl", "eval/accuracy")
     )
     samples = SampleWriter(run_dir, enabled=distributed.is_main())
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  (train prompts {len(prompts)}, held-out {len(heldout)}, "
         f"held-out dropped as seen in training: {splits.n_heldout_overlap_dropped})"
     )
 
     def run_eval(step: int) -> dict:
-        return heldout_eval(
+        res = heldout_eval(
             cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype, system=system
         )
+        health.observe_eval(step, res)
+        return res
 
     def draw(chosen: list[int]) -> ScoredBatch:
         """Phases 1-2 for the given prompts (the global list): sample group_size completions each,
@@ -235,7 +239,7 @@ def train(cfg: PGConfig) -> dict:
         optimizers={"optimizer": optimizer, "value_optimizer": value_optimizer},
         schedulers={"scheduler": scheduler, "value_scheduler": value_scheduler},
         generators={"sampler": sampler_rng, "shuffle": shuffle_rng},
-        stateful={"prompts": prompt_stream, "nan": guard},
+        stateful={"prompts": prompt_stream, "nan": guard, "health": health},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
@@ -462,6 +466,17 @@ def train(cfg: PGConfig) -> dict:
                     horizon=cfg.kl.horizon,
                     n_steps=batch_size,
                 )
+            metrics.update(
+                health.check(
+                    step,
+                    metrics,
+                    rollout=rollout,
+                    adv=adv,
+                    texts=batch.texts,
+                    group_size=group_size,
+                    correct=batch.components.get("correctness"),
+                )
+            )
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             if step % cfg.tracking.samples_every == 0 or step == 1:
@@ -481,7 +496,9 @@ def train(cfg: PGConfig) -> dict:
             if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close, samples.close))
+            checkpointer.end_step(
+                step, stop, state, on_stop=(tracker.close, samples.close), halt=health.halt()
+            )
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -507,6 +524,7 @@ def train(cfg: PGConfig) -> dict:
         "heldout_metric": "accuracy" if cfg.data.source == "task" else "reward",
         "prompt_source": splits.source,
         "verifier_errors": verifier.n_errors,
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,

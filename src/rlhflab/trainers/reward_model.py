@@ -38,6 +38,7 @@ from rlhflab.data.reward_data import (
 from rlhflab.data.tasks import make_splits
 from rlhflab.errors import ConfigError, DataError
 from rlhflab.fingerprint import data_fingerprint
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.reward_model import (
     IGNORE_INDEX,
     bradley_terry,
@@ -132,6 +133,7 @@ def train(cfg: RMConfig) -> dict:
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "rm/accuracy"))
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  ({len(train_items)} train / {len(eval_items)} held-out "
         f"{cfg.kind} examples; data: {data_counts})"
@@ -151,7 +153,7 @@ def train(cfg: RMConfig) -> dict:
         modules={"model": model},
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
-        stateful={"data": stream, "nan": guard},
+        stateful={"data": stream, "nan": guard, "health": health},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
@@ -203,10 +205,11 @@ def train(cfg: RMConfig) -> dict:
             }
             if cfg.train.nan_policy == "skip":
                 metrics["train/nan_skips"] = guard.skipped
+            metrics.update(health.check(step, metrics))
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,))
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,), halt=health.halt())
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -241,7 +244,11 @@ def train(cfg: RMConfig) -> dict:
                 policy,
                 tokenizer,
                 splits.heldout[: cfg.eval.n_problems],
-                Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward),
+                Verifier(
+                    answer_format=cfg.task.answer_format,
+                    reward=cfg.task.reward,
+                    extractor=cfg.task.extractor,
+                ),
                 {cfg.kind: scorer},
                 ns=cfg.eval.best_of_n,
                 max_new_tokens=cfg.eval.max_new_tokens,
@@ -267,6 +274,7 @@ def train(cfg: RMConfig) -> dict:
         "data": data_counts,
         "eval": final_eval,
         "best_of_n": bon.get("curves") if bon else None,
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
@@ -311,7 +319,11 @@ def build_rm_data(cfg: RMConfig, tokenizer, lm, splits, device) -> tuple[list, l
         )
 
         policy = _policy(cfg, device)
-        verifier = Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward)
+        verifier = Verifier(
+            answer_format=cfg.task.answer_format,
+            reward=cfg.task.reward,
+            extractor=cfg.task.extractor,
+        )
         out, counts = [], {}
         for name, problems, seed in (
             ("train", splits.train[: d.n_prompts], cfg.seed),

@@ -24,6 +24,7 @@ from rlhflab.config import SFTConfig
 from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
 from rlhflab.data.tasks import make_splits
 from rlhflab.fingerprint import data_fingerprint
+from rlhflab.health import HealthMonitor
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.models.loading import context_length
 from rlhflab.plots import plot_run
@@ -94,7 +95,9 @@ def train(cfg: SFTConfig) -> dict:
     for f in features:
         n_prompt = sum(1 for label in f["labels"] if label == -100)
         pairs.append((f["input_ids"][:n_prompt], f["input_ids"][n_prompt:]))
-    verifier = Verifier(answer_format=cfg.task.answer_format, reward=cfg.task.reward)
+    verifier = Verifier(
+        answer_format=cfg.task.answer_format, reward=cfg.task.reward, extractor=cfg.task.extractor
+    )
     heldout = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
     _check_batch_split(cfg)
     model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
@@ -105,6 +108,7 @@ def train(cfg: SFTConfig) -> dict:
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "eval/accuracy"))
     tracker.print(f"run directory: {run_dir}  ({len(pairs)} examples, dropped: {drops or 0})")
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
 
     def run_eval(step: int) -> dict:
         return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
@@ -124,7 +128,7 @@ def train(cfg: SFTConfig) -> dict:
         modules={"model": model},
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
-        stateful={"data": stream, "nan": guard},
+        stateful={"data": stream, "nan": guard, "health": health},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
@@ -175,12 +179,13 @@ def train(cfg: SFTConfig) -> dict:
             }
             if cfg.train.nan_policy == "skip":
                 metrics["train/nan_skips"] = guard.skipped
+            metrics.update(health.check(step, metrics, sample=mb))
             if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
                 tracker.log(step, metrics)
             if heldout and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
             tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,))
+            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,), halt=health.halt())
             if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
                 tracker.print(f"stopping at step {step}: train.max_seconds reached")
                 break
@@ -203,6 +208,7 @@ def train(cfg: SFTConfig) -> dict:
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
+        "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "run_dir": str(run_dir),
         "model_dir": str(run_dir / "model") if cfg.run.save_model else None,

@@ -1,0 +1,600 @@
+"""Health checks, live: the RL debugging checklist, evaluated every step by every trainer.
+
+Each check has a name, a threshold in the `health` config section and a meaning documented in
+docs/health.md. The checks read what a trainer already has — its step metrics, the rollout, the
+advantages, the completion texts — plus one cheap sampled check (a forward pass over one sequence
+every `health.sample_every` steps) that the model's output distributions sum to 1.
+
+    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
+    ...
+    metrics.update(health.check(step, metrics, rollout=rollout, adv=adv, ...))
+    checkpointer.end_step(step, stop, state, halt=health.halt())
+    results["health"] = health.summary()
+
+`check` returns `health/<name>` = 1.0 for each check failing at this step (0.0 otherwise; checks
+without their inputs this step are left out). "Sustained" checks fail only after the condition
+held `health.patience` steps in a row (one all-equal-reward batch is not a problem; ten are);
+"immediate" checks fail at once (NaN, log-probs > 0, probabilities not summing to 1). The first
+failure of a check prints one warning line naming the value, the threshold and what to look at;
+later failures are counted and reported in the summary. With `health.on_fail: stop`, `halt()`
+returns a `HealthStop` after the first failure: the trainer commits a checkpoint and the CLI exits
+with code 3 (EXIT_HEALTH).
+
+The pure functions (`prob_sum_error`, `repetition`, `degeneracy`, `relative_change`) import only
+torch and the standard library; the monitor holds the little state the checks need (a sample of
+the parameters, short histories of loss and reward, held-out evaluations).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhflab.errors import EXIT_HEALTH, HealthStop
+
+__all__ = ["CHECKS", "EXIT_HEALTH", "HealthMonitor", "HealthStop", "degeneracy", "prob_sum_error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions
+# ---------------------------------------------------------------------------------------------
+
+
+def prob_sum_error(logits: Tensor) -> tuple[float, float]:
+    """How far softmax(logits) is from a probability distribution, at each position.
+
+    Args:
+        logits: (N, V) any float dtype; computed in float32 as the trainer's log-softmax is.
+    Returns:
+        (max over positions of |Σ_v p_v − 1|, max over positions and tokens of log p_v). A valid
+        distribution gives ~1e-7 and ≤ 0; NaN/inf logits give NaN (which every threshold fails).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    err = (logp.exp().sum(-1) - 1.0).abs()  # (N,)
+    if not torch.isfinite(logp).all():
+        return float("nan"), float("nan")
+    return float(err.max()), float(logp.max())
+
+
+@torch.no_grad()
+def sampled_distribution(model, input_ids: Tensor, attention_mask: Tensor, n_positions: int = 16):
+    """`prob_sum_error` of `model`'s output at up to `n_positions` real positions of ONE sequence.
+
+    Args:
+        model: a causal LM returning `.logits` (1, L, V).
+        input_ids, attention_mask: (L,) long: the sequence (left or right padding allowed).
+        n_positions: evenly spaced real positions checked (the forward pass covers all of them).
+    Returns:
+        (prob_sum_err, logp_max) as `prob_sum_error`.
+    """
+    keep = attention_mask.bool()
+    ids = input_ids[keep].unsqueeze(0)  # (1, L') real tokens only
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids).logits[0]  # (L', V)
+    finally:
+        model.train(was_training)
+    idx = torch.linspace(0, logits.size(0) - 1, min(n_positions, logits.size(0))).long()
+    return prob_sum_error(logits[idx.to(logits.device)])
+
+
+def repetition(ids: list[int], n: int = 3) -> float:
+    """1 − distinct n-grams / n-grams of one completion: 0 without repeats, → 1 for "a a a a ...".
+
+    Completions with fewer than 2n tokens count as 0 (too short to call repetitive).
+    """
+    if len(ids) < 2 * n:
+        return 0.0
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams)
+
+
+def degeneracy(
+    completion_ids: Tensor,
+    mask: Tensor,
+    texts: list[str],
+    group_size: int,
+    correct: Tensor | None = None,
+    *,
+    ngram: int = 3,
+    repeat_threshold: float = 0.5,
+) -> dict[str, float]:
+    """Fractions of degenerate completions in a rollout batch (group-contiguous rows).
+
+    Args:
+        completion_ids, mask: (B, T) token ids and 0/1 completion mask.
+        texts: B decoded completions.
+        group_size: G, completions per prompt (B = n_groups · G).
+        correct: (B,) optional; a group of identical completions counts only if not all correct
+            (a model that has solved a prompt rightly answers it the same way every time).
+        ngram, repeat_threshold: a completion is repetitive when `repetition(ids, ngram)` exceeds
+            the threshold.
+    Returns:
+        {"empty": share of completions that are empty or whitespace,
+         "repetition": share that are repetitive,
+         "identical_group": share of groups (G > 1) whose G texts are all equal (and not all correct),
+         "nonprintable": share with a character that is neither printable nor whitespace}
+    """
+    b = len(texts)
+    lengths = mask.sum(1).long().tolist()  # (B,)
+    ids = completion_ids.tolist()
+    out = {
+        "empty": sum(not t.strip() for t in texts) / b,
+        "repetition": sum(
+            repetition(ids[i][: lengths[i]], ngram) > repeat_threshold for i in range(b)
+        )
+        / b,
+        "nonprintable": sum(any(not (c.isprintable() or c.isspace()) for c in t) for t in texts)
+        / b,
+    }
+    if group_size > 1 and b % group_size == 0:
+        n_groups, same = b // group_size, 0
+        for g in range(n_groups):
+            rows = range(g * group_size, (g + 1) * group_size)
+            if len({texts[i] for i in rows}) == 1:
+                all_right = correct is not None and bool(
+                    (correct[g * group_size :][:group_size] == 1).all()
+                )
+                same += not all_right
+        out["identical_group"] = same / n_groups
+    return out
+
+
+def relative_change(before: Tensor, after: Tensor) -> float:
+    """‖after − before‖ / ‖before‖ (∞-safe: ‖before‖ = 0 gives ‖after − before‖)."""
+    diff = torch.linalg.vector_norm((after - before).double())
+    base = torch.linalg.vector_norm(before.double())
+    return float(diff / base) if base > 0 else float(diff)
+
+
+def _param_sample(model: torch.nn.Module, per_tensor: int = 1024) -> Tensor:
+    """Up to `per_tensor` evenly strided elements of every trainable parameter, concatenated."""
+    parts = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard under FSDP
+        flat = t.reshape(-1)
+        if flat.numel() == 0:
+            continue
+        stride = max(1, flat.numel() // per_tensor)
+        parts.append(flat[::stride][:per_tensor].float().cpu().clone())
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: `measure(view) -> value or None` (None: no input this step), `fails(value, cfg)`,
+    whether it is sustained (needs `patience` steps in a row) and what to look at."""
+
+    name: str
+    measure: Callable[[dict], float | None]
+    fails: Callable[[float, object], bool]
+    sustained: bool
+    threshold: Callable[[object], str]
+    hint: str
+
+
+def _get(key: str) -> Callable[[dict], float | None]:
+    return lambda v: v["metrics"].get(key)
+
+
+def _bad(x: float) -> bool:
+    return not math.isfinite(x)
+
+
+def _loss(v: dict) -> float | None:
+    m = v["metrics"]
+    return m.get("train/loss", m.get("policy/loss"))
+
+
+CHECKS: dict[str, Check] = {
+    c.name: c
+    for c in [
+        Check(
+            "nonfinite",
+            lambda v: (
+                0.0
+                if all(
+                    math.isfinite(float(x))
+                    for x in (_loss(v), v["metrics"].get("optim/grad_norm"))
+                    if x is not None
+                )
+                else float("nan")
+            ),
+            lambda x, c: _bad(x),
+            False,
+            lambda c: "finite",
+            "a NaN/inf loss or gradient norm (train.nan_policy skipped the step); lower optim.lr, "
+            "check the data for empty rows",
+        ),
+        Check(
+            "prob_sum",
+            lambda v: v.get("prob_sum_err"),
+            lambda x, c: _bad(x) or x > c.prob_sum_tol,
+            False,
+            lambda c: f"|sum p - 1| <= {c.prob_sum_tol:g}",
+            "the model's softmax does not sum to 1 (NaN/inf logits); look at the weights and "
+            "optim/grad_norm",
+        ),
+        Check(
+            "logp_positive",
+            lambda v: v.get("logp_max"),
+            lambda x, c: _bad(x) or x > c.logp_tol,
+            False,
+            lambda c: f"log p <= {c.logp_tol:g}",
+            "a log-probability above 0 is not a probability; check the log-softmax / temperature",
+        ),
+        Check(
+            "logp_mismatch",
+            _get("rollout/logp_diff"),
+            lambda x, c: _bad(x) or x > c.logp_mismatch_max,
+            True,
+            lambda c: f"<= {c.logp_mismatch_max:g} nats/token",
+            "the sampler's log-probs differ from the trainer's (training-inference mismatch): "
+            "precision, temperature, padding or position ids",
+        ),
+        Check(
+            "ratio_first_update",
+            _get("policy/ratio_mean"),
+            lambda x, c: _bad(x) or abs(x - 1.0) > c.ratio_tol,
+            False,
+            lambda c: f"|ratio - 1| <= {c.ratio_tol:g}",
+            "the first update of a batch is on-policy, so pi/pi_old must be 1; logp_old is stale",
+        ),
+        Check(
+            "grad_norm_zero",
+            _get("optim/grad_norm"),
+            lambda x, c: x < c.grad_norm_min,
+            True,
+            lambda c: f">= {c.grad_norm_min:g}",
+            "no gradient flows through log pi: all advantages zero, a saturated softmax "
+            "(learning rate far too high) or frozen parameters",
+        ),
+        Check(
+            "grad_norm_exploding",
+            _get("optim/grad_norm"),
+            lambda x, c: x > c.grad_norm_max,
+            False,
+            lambda c: f"<= {c.grad_norm_max:g}",
+            "the gradient norm exploded; lower optim.lr or set optim.max_grad_norm",
+        ),
+        Check(
+            "params_frozen",
+            lambda v: v.get("param_change"),
+            lambda x, c: x < c.param_change_min,
+            True,
+            lambda c: f"relative change >= {c.param_change_min:g}",
+            "the parameters did not change over an optimizer step: requires_grad, the optimizer's "
+            "parameter list, a zero learning rate, skipped steps",
+        ),
+        Check(
+            "loss_flat",
+            lambda v: v.get("loss_range"),
+            lambda x, c: x < c.loss_change_min,
+            False,
+            lambda c: f"range over window >= {c.loss_change_min:g}",
+            "the loss has not moved over health.window steps: nothing is being learned",
+        ),
+        Check(
+            "adv_zero",
+            lambda v: v.get("adv_max"),
+            lambda x, c: x < 1e-12,
+            True,
+            lambda c: "max |adv| > 0",
+            "every group has equal rewards, so every advantage is 0: the task is too hard or too "
+            "easy for the policy (rollout/accuracy), or the reward is constant",
+        ),
+        Check(
+            "reward_flat",
+            lambda v: v.get("reward_range"),
+            lambda x, c: x < c.reward_change_min,
+            False,
+            lambda c: f"range over window >= {c.reward_change_min:g}",
+            "the mean reward has not moved over health.window steps: samples.jsonl shows what the "
+            "policy writes",
+        ),
+        Check(
+            "entropy_collapse",
+            _get("policy/entropy"),
+            lambda x, c: x < c.entropy_min,
+            True,
+            lambda c: f">= {c.entropy_min:g} nats/token",
+            "the policy samples deterministically; exploration is gone (lower optim.lr, add KL)",
+        ),
+        Check(
+            "entropy_blowup",
+            lambda v: (
+                v["metrics"].get("policy/entropy") / v["log_vocab"]
+                if v.get("log_vocab") and "policy/entropy" in v["metrics"]
+                else None
+            ),
+            lambda x, c: _bad(x) or x > c.entropy_max_frac,
+            True,
+            lambda c: f"entropy / ln V <= {c.entropy_max_frac:g}",
+            "the policy is close to uniform over the vocabulary: untrained or destroyed",
+        ),
+        Check(
+            "kl_exploding",
+            _get("policy/kl"),
+            lambda x, c: _bad(x) or x > c.kl_max,
+            True,
+            lambda c: f"<= {c.kl_max:g} nats/token",
+            "the policy moved far from the reference; raise kl.coef or lower optim.lr",
+        ),
+        Check(
+            "clip_frac_high",
+            lambda v: (
+                v["metrics"]["update/clip_frac_low"] + v["metrics"]["update/clip_frac_high"]
+                if "update/clip_frac_low" in v["metrics"]
+                else None
+            ),
+            lambda x, c: x > c.clip_frac_max,
+            True,
+            lambda c: f"<= {c.clip_frac_max:g}",
+            "many tokens clipped: updates are too large (lower optim.lr, fewer epochs/minibatches)",
+        ),
+        Check(
+            "truncation_high",
+            _get("rollout/truncated_frac"),
+            lambda x, c: x > c.truncation_max,
+            True,
+            lambda c: f"<= {c.truncation_max:g}",
+            "most completions hit rollout.max_new_tokens without EOS",
+        ),
+        Check(
+            "empty_completions",
+            lambda v: v.get("degeneracy", {}).get("empty"),
+            lambda x, c: x > c.empty_max,
+            True,
+            lambda c: f"<= {c.empty_max:g}",
+            "most completions are empty (EOS first)",
+        ),
+        Check(
+            "repetition",
+            lambda v: v.get("degeneracy", {}).get("repetition"),
+            lambda x, c: x > c.repeat_max,
+            True,
+            lambda c: f"<= {c.repeat_max:g}",
+            "most completions repeat the same n-grams (a collapsed policy)",
+        ),
+        Check(
+            "identical_group",
+            lambda v: v.get("degeneracy", {}).get("identical_group"),
+            lambda x, c: x > c.identical_max,
+            True,
+            lambda c: f"<= {c.identical_max:g}",
+            "most groups sample one identical (and not correct) completion G times",
+        ),
+        Check(
+            "nonprintable",
+            lambda v: v.get("degeneracy", {}).get("nonprintable"),
+            lambda x, c: x > c.nonprintable_max,
+            True,
+            lambda c: f"<= {c.nonprintable_max:g}",
+            "most completions contain non-printable characters (byte garbage)",
+        ),
+        Check(
+            "reward_hacking",
+            lambda v: v.get("heldout_drop"),
+            lambda x, c: x > 0,
+            False,
+            lambda c: f"held-out drop <= max({c.hacking_drop:g}, 2 se) while reward rises",
+            "held-out accuracy fell while the training reward rose: over-optimisation or reward "
+            "hacking; read samples.jsonl",
+        ),
+    ]
+}
+CHECK_NAMES = tuple(CHECKS)
+_SEQ_LOGPS = ("logps/chosen", "logps/rejected", "logps/completion")  # means of summed log-probs
+
+
+# ---------------------------------------------------------------------------------------------
+# The monitor
+# ---------------------------------------------------------------------------------------------
+
+
+class HealthMonitor:
+    """Runs the checks once per optimizer step and keeps the record.
+
+    Args:
+        cfg: the `health` config section (HealthConfig).
+        model: the trained model (for the parameter-change and sampled distribution checks and
+            ln V); None leaves those checks out.
+        print_fn: where the warning lines go (the tracker's console).
+    """
+
+    def __init__(self, cfg, model: torch.nn.Module | None = None, *, print_fn=print) -> None:
+        self.cfg, self.model, self.print = cfg, model, print_fn
+        self.checks = (
+            [c for n, c in CHECKS.items() if n not in set(cfg.skip)] if cfg.enabled else []
+        )
+        self.streak = dict.fromkeys(CHECKS, 0)
+        self.failures: dict[str, dict] = {}  # name -> {first_step, count, value}
+        self.losses: deque[float] = deque(maxlen=cfg.window)
+        self.rewards: deque[float] = deque(maxlen=cfg.window)
+        self.evals: list[tuple[int, float, float, float | None]] = []  # step, acc, se, reward
+        self._params = _param_sample(model) if model is not None and self.checks else None
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.log_vocab = math.log(vocab) if vocab and vocab > 1 else None
+        self._halt: HealthStop | None = None
+        self._judged_evals: set[int] = set()  # eval steps already judged by reward_hacking
+
+    def observe_eval(self, step: int, result: dict) -> None:
+        """Record a held-out evaluation (keys accuracy, accuracy_stderr) for `reward_hacking`."""
+        if result.get("accuracy") is not None:
+            reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
+            self.evals.append(
+                (step, result["accuracy"], result.get("accuracy_stderr") or 0.0, reward)
+            )
+
+    def _heldout_drop(self) -> float | None:
+        """> 0 when the newest eval is below the best earlier one by more than max(hacking_drop,
+        2 combined standard errors) while the training reward rose by more than hacking_drop."""
+        if len(self.evals) < 2:
+            return None
+        *earlier, (_, acc, se, reward) = self.evals
+        _, best, best_se, best_reward = max(earlier, key=lambda e: e[1])
+        margin = max(self.cfg.hacking_drop, 2 * math.hypot(se, best_se))
+        rising = reward is not None and best_reward is not None
+        rising = rising and reward - best_reward > self.cfg.hacking_drop
+        return (best - acc - margin) if rising and best - acc > margin else 0.0
+
+    def check(
+        self,
+        step: int,
+        metrics: dict,
+        *,
+        rollout=None,
+        adv: Tensor | None = None,
+        texts: list[str] | None = None,
+        group_size: int | None = None,
+        correct: Tensor | None = None,
+        sample=None,
+    ) -> dict[str, float]:
+        """Run every enabled check on this step's data; returns {"health/<name>": 0.0 | 1.0}.
+
+        Args:
+            step: the optimizer step (1-based) just finished.
+            metrics: the step's metrics (train/loss or policy/loss, optim/grad_norm, policy/*,
+                rollout/*, update/*); checks whose metric is absent are skipped.
+            rollout: the step's Rollout (sampler logp, completion ids, mask), policy gradient only.
+            adv: advantages, (B,) or (B, T).
+            texts, group_size, correct: decoded completions, G, and (B,) correctness.
+            sample: a Rollout-like batch (input_ids, attention_mask) whose first row feeds the
+                sampled distribution check every `health.sample_every` steps; defaults to rollout.
+        """
+        if not self.checks:
+            return {}
+        cfg = self.cfg
+        view: dict = {"metrics": metrics, "log_vocab": self.log_vocab}
+        # The policy-gradient surrogate is ~0 on-policy by construction: only train/loss (SFT, RM,
+        # DPO) is expected to move; a policy's progress shows in its reward (reward_flat).
+        loss = metrics.get("train/loss")
+        if loss is not None and math.isfinite(float(loss)):
+            self.losses.append(float(loss))
+            if len(self.losses) == cfg.window:
+                view["loss_range"] = max(self.losses) - min(self.losses)
+        if "rollout/reward_mean" in metrics:
+            self.rewards.append(float(metrics["rollout/reward_mean"]))
+            if len(self.rewards) == cfg.window:
+                view["reward_range"] = max(self.rewards) - min(self.rewards)
+        if self._params is not None:
+            now = _param_sample(self.model)
+            view["param_change"] = relative_change(self._params, now)
+            self._params = now
+        if adv is not None:
+            view["adv_max"] = float(adv.abs().max()) if adv.numel() else 0.0
+        seq_logps = [metrics[k] for k in _SEQ_LOGPS if k in metrics]  # direct alignment
+        if seq_logps:
+            view["logp_max"] = max(float(x) for x in seq_logps)
+        if rollout is not None:
+            valid = rollout.mask.bool()
+            if valid.any():
+                view["logp_max"] = float(rollout.logp[valid].max())
+            if texts is not None and group_size:
+                view["degeneracy"] = degeneracy(
+                    rollout.completion_ids, rollout.mask, texts, group_size, correct
+                )
+        sample = sample if sample is not None else rollout
+        if (
+            sample is not None
+            and self.model is not None
+            and cfg.sample_every
+            and (step == 1 or step % cfg.sample_every == 0)
+            and hasattr(self.model, "lm_head")
+        ):
+            err, top = sampled_distribution(
+                self.model, sample.input_ids[0], sample.attention_mask[0]
+            )
+            view["prob_sum_err"] = err
+            view["logp_max"] = max(view.get("logp_max", -math.inf), top) if top == top else top
+        if self.evals and self.evals[-1][0] not in self._judged_evals:
+            view["heldout_drop"] = self._heldout_drop()
+            self._judged_evals.add(self.evals[-1][0])
+
+        out = {}
+        for c in self.checks:
+            value = c.measure(view)
+            if value is None:
+                continue
+            value = float(value)
+            bad = c.fails(value, cfg)
+            self.streak[c.name] = self.streak[c.name] + 1 if bad else 0
+            failing = bad and (not c.sustained or self.streak[c.name] >= cfg.patience)
+            out[f"health/{c.name}"] = float(failing)
+            if failing:
+                self._record(c, step, value)
+        first = next((c for c in self.checks if out.get(f"health/{c.name}")), None)
+        if first is not None and cfg.on_fail == "stop" and self._halt is None:
+            rec = self.failures[first.name]
+            detail = f"value {rec['value']:.4g} ({first.threshold(cfg)})"
+            self._halt = HealthStop(first.name, step, detail)
+        return out
+
+    def _record(self, c: Check, step: int, value: float) -> None:
+        rec = self.failures.get(c.name)
+        if rec is None:
+            self.failures[c.name] = {"first_step": step, "count": 1, "value": value}
+            self.print(
+                f"health: '{c.name}' failed at step {step}: value {value:.4g}, wanted "
+                f"{c.threshold(self.cfg)}. {c.hint} (docs/health.md; further failures counted)"
+            )
+        else:
+            rec["count"] += 1
+
+    #: checkpoints written before the health checks existed have no "health" entry
+    state_optional = True
+
+    def state(self) -> dict:
+        """The checks' memory as JSON, for checkpoints (the parameter sample is not stored: it is
+        re-taken from the restored weights, which are the weights it was taken from)."""
+        return {
+            "streak": self.streak,
+            "failures": self.failures,
+            "losses": list(self.losses),
+            "rewards": list(self.rewards),
+            "evals": self.evals,
+            "judged_evals": sorted(self._judged_evals),
+        }
+
+    def load(self, state: dict) -> None:
+        """Continue from a `state()` (called after the model's weights are restored)."""
+        self.streak = {**dict.fromkeys(CHECKS, 0), **state["streak"]}
+        self.failures = state["failures"]
+        self.losses.extend(state["losses"])
+        self.rewards.extend(state["rewards"])
+        self.evals = [tuple(e) for e in state["evals"]]
+        self._judged_evals = set(state["judged_evals"])
+        if self._params is not None:
+            self._params = _param_sample(self.model)
+
+    def halt(self) -> HealthStop | None:
+        """The HealthStop to raise after this step's checkpoint (on_fail "stop"), else None."""
+        return self._halt
+
+    def summary(self) -> dict:
+        """{"ok": bool, "failed": {name: {first_step, count, value}}, "checked": [names]} for
+        final_results.json; `count` is the number of steps the check failed. The final held-out
+        evaluation (after the last step) is judged here for `reward_hacking`."""
+        hacking = CHECKS["reward_hacking"]
+        drop = self._heldout_drop()
+        if hacking in self.checks and drop and self.evals[-1][0] not in self._judged_evals:
+            self._record(hacking, self.evals[-1][0], drop)
+        return {
+            "ok": not self.failures,
+            "failed": {k: dict(v) for k, v in self.failures.items()},
+            "checked": [c.name for c in self.checks],
+        }

@@ -1,0 +1,175 @@
+"""The pure health checks (rlhflab.health) against values derived by hand, and the monitor's
+patience, warning-once, stop and summary behaviour."""
+
+import math
+
+import pytest
+import torch
+
+from rlhflab.config import HealthConfig
+from rlhflab.health import (
+    CHECKS,
+    HealthMonitor,
+    degeneracy,
+    prob_sum_error,
+    relative_change,
+    repetition,
+    sampled_distribution,
+)
+
+
+def test_prob_sum_error_of_valid_logits():
+    # zeros over V=4: p = 1/4 each, Σp = 1, max log p = -ln 4
+    err, top = prob_sum_error(torch.zeros(3, 4))
+    assert err < 1e-6 and top == pytest.approx(-math.log(4), abs=1e-6)
+    err, top = prob_sum_error(torch.randn(5, 300) * 30)
+    assert err < 1e-5 and top <= 0.0
+
+
+def test_prob_sum_error_of_nan_logits_is_nan():
+    logits = torch.zeros(2, 4)
+    logits[1, 2] = float("nan")
+    err, top = prob_sum_error(logits)
+    assert math.isnan(err) and math.isnan(top)
+
+
+def test_sampled_distribution_on_a_model(tiny_model):
+    ids = torch.tensor([0, 0, 5, 6, 7, 8])
+    mask = torch.tensor([0, 0, 1, 1, 1, 1])  # left padding is dropped
+    err, top = sampled_distribution(tiny_model, ids, mask)
+    assert err < 1e-5 and top <= 0.0
+    assert tiny_model.training  # the check restores train mode
+
+
+def test_repetition_by_hand():
+    assert repetition([1, 2, 3, 4, 5, 6]) == 0.0
+    # 7 tokens "a": 5 trigrams, 1 distinct -> 1 - 1/5
+    assert repetition([9] * 7) == pytest.approx(0.8)
+    # 1 2 1 2 1 2: trigrams (121)(212)(121)(212): 2 distinct of 4
+    assert repetition([1, 2, 1, 2, 1, 2]) == pytest.approx(0.5)
+    assert repetition([9] * 5) == 0.0  # shorter than 2n: not judged
+
+
+def test_degeneracy_fractions_by_hand():
+    # 2 groups of 2. Row 0 empty, row 1 "\x00x" non-printable; rows 2-3 identical "ab"
+    texts = ["  ", "\x00x", "ab", "ab"]
+    ids = torch.tensor(
+        [[0, 0, 0, 0, 0, 0], [1, 2, 0, 0, 0, 0], [3, 3, 3, 3, 3, 3], [4, 5, 0, 0, 0, 0]]
+    )
+    mask = torch.tensor([[0.0] * 6, [1, 1, 0, 0, 0, 0], [1.0] * 6, [1, 1, 0, 0, 0, 0]])
+    d = degeneracy(ids, mask, texts, group_size=2)
+    assert d == {"empty": 0.25, "repetition": 0.25, "nonprintable": 0.25, "identical_group": 0.5}
+    # the identical group is all correct: not degenerate
+    d = degeneracy(ids, mask, texts, 2, correct=torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    assert d["identical_group"] == 0.0
+
+
+def test_relative_change():
+    a = torch.tensor([3.0, 4.0])
+    assert relative_change(a, a) == 0.0
+    assert relative_change(a, torch.tensor([3.0, 5.0])) == pytest.approx(1 / 5)
+
+
+def _monitor(printed, **cfg):
+    return HealthMonitor(HealthConfig(**cfg), None, print_fn=printed.append)
+
+
+def test_sustained_check_needs_patience_and_warns_once():
+    printed = []
+    h = _monitor(printed, patience=3)
+    zero = {"train/loss": 1.0, "optim/grad_norm": 0.0}
+    out = [
+        h.check(s, {**zero, "train/loss": float(s)})["health/grad_norm_zero"] for s in (1, 2, 3, 4)
+    ]
+    assert out == [0.0, 0.0, 1.0, 1.0]
+    assert h.check(5, {"train/loss": 5.0, "optim/grad_norm": 0.5})["health/grad_norm_zero"] == 0.0
+    assert len(printed) == 1 and "'grad_norm_zero' failed at step 3" in printed[0]
+    s = h.summary()
+    assert not s["ok"] and s["failed"]["grad_norm_zero"] == {
+        "first_step": 3,
+        "count": 2,
+        "value": 0.0,
+    }
+
+
+def test_immediate_check_and_stop():
+    printed = []
+    h = _monitor(printed, on_fail="stop")
+    assert h.halt() is None
+    out = h.check(1, {"train/loss": float("nan"), "optim/grad_norm": 1.0})
+    assert out["health/nonfinite"] == 1.0
+    assert h.halt() is not None and h.halt().name == "nonfinite" and h.halt().exit_code == 3
+
+
+def test_healthy_metrics_are_quiet():
+    printed = []
+    h = _monitor(printed, window=3)
+    for s in range(1, 10):
+        m = {
+            "policy/loss": 1e-9,  # ~0 on-policy by construction: never judged as "flat"
+            "optim/grad_norm": 0.3,
+            "policy/entropy": 0.7,
+            "policy/ratio_mean": 1.0,
+            "rollout/logp_diff": 1e-7,
+            "rollout/reward_mean": 0.4 + 0.01 * s,
+            "rollout/truncated_frac": 0.05,
+        }
+        out = h.check(s, m, adv=torch.tensor([0.5, -0.5]))
+        assert not any(out.values()), out
+    assert h.summary()["ok"] and printed == []
+
+
+def test_reward_and_loss_flat_over_window():
+    h = _monitor([], window=4)
+    outs = [h.check(s, {"train/loss": 2.0, "rollout/reward_mean": 0.0}) for s in range(1, 5)]
+    assert "health/loss_flat" not in outs[2] and outs[3]["health/loss_flat"] == 1.0
+    assert outs[3]["health/reward_flat"] == 1.0
+
+
+def test_reward_hacking_needs_a_drop_and_a_rising_reward():
+    h = _monitor([], window=2, hacking_drop=0.05)
+
+    def steps(first, reward):
+        for s in (first, first + 1):
+            h.check(s, {"rollout/reward_mean": reward})
+
+    h.observe_eval(0, {"accuracy": 0.5, "accuracy_stderr": 0.01})
+    steps(1, 0.3)
+    h.observe_eval(2, {"accuracy": 0.6, "accuracy_stderr": 0.01})  # the best, reward 0.3
+    steps(3, 0.5)
+    h.observe_eval(4, {"accuracy": 0.57, "accuracy_stderr": 0.01})  # drop 0.03 < 0.05: fine
+    assert h.check(5, {"rollout/reward_mean": 0.5})["health/reward_hacking"] == 0.0
+    h.observe_eval(6, {"accuracy": 0.4, "accuracy_stderr": 0.01})  # drop 0.2, reward +0.2
+    out = h.check(7, {"rollout/reward_mean": 0.5})
+    assert out["health/reward_hacking"] == 1.0
+    # the drop beyond the margin max(0.05, 2·sqrt(2)·0.01) = 0.05
+    assert h.summary()["failed"]["reward_hacking"]["value"] == pytest.approx(0.2 - 0.05)
+
+
+def test_accuracy_drop_with_falling_reward_is_not_hacking():
+    h = _monitor([], window=2)
+    h.observe_eval(0, {"accuracy": 0.6, "accuracy_stderr": 0.01})
+    for s in (1, 2):
+        h.check(s, {"rollout/reward_mean": 0.2})
+    h.observe_eval(2, {"accuracy": 0.3, "accuracy_stderr": 0.01})
+    assert h.check(3, {"rollout/reward_mean": 0.2})["health/reward_hacking"] == 0.0
+
+
+def test_skip_and_disable():
+    h = _monitor([], skip=["grad_norm_zero"], patience=1)
+    assert "health/grad_norm_zero" not in h.check(1, {"optim/grad_norm": 0.0})
+    assert _monitor([], enabled=False).check(1, {"optim/grad_norm": float("nan")}) == {}
+
+
+def test_every_check_is_documented():
+    doc = (__import__("pathlib").Path(__file__).parents[1] / "docs" / "health.md").read_text()
+    for name in CHECKS:
+        assert f"`{name}`" in doc, name
+
+
+def test_params_frozen_on_a_model(tiny_model):
+    h = HealthMonitor(HealthConfig(patience=1), tiny_model, print_fn=lambda _: None)
+    assert h.check(1, {})["health/params_frozen"] == 1.0  # nothing moved
+    with torch.no_grad():
+        next(tiny_model.parameters()).add_(1e-3)
+    assert h.check(2, {})["health/params_frozen"] == 0.0
