@@ -308,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-column", default="prompt", help="GSM8K: question, MATH: problem")
     p.add_argument("--prompt-format", choices=["auto", "hh_transcript"], default="auto")
     p.add_argument("--template", default=None, help="plain-text prompt template with {prompt}")
-    p.add_argument("--system", default=None, help="system turn for prompts without one")
+    p.add_argument(
+        "--system", default=None, help="system turn (task prompts, and dataset prompts without one)"
+    )
     p.add_argument(
         "--reward-fn",
         action="append",
@@ -341,7 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extractor", default=None, help="user extractor 'module:function'")
     p.add_argument("--reward", choices=["binary", "partial"], default="binary")
     p.add_argument("--batch-size", type=_positive_int, default=256)
-    p.add_argument("--system", default=None, help="system prompt (as task.system in training)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
     p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")

@@ -82,7 +82,9 @@ def test_lr_far_too_high_flagged_sft(tmp_path):
 
 def test_lr_far_too_high_flagged_grpo(tmp_path, sft_model_dir):
     res = run_config(_pg(tmp_path, sft_model_dir, steps=8, optim={"lr": 1e6}))
-    assert _failed(res)["grad_norm_zero"]["first_step"] == 4, _failed(res)
+    # patience 3: flagged at step 3 when step 1's own gradient was already 0 (it depends on
+    # the samples), else at step 4
+    assert _failed(res)["grad_norm_zero"]["first_step"] in (3, 4), _failed(res)
 
 
 def test_lr_far_too_high_flagged_dpo(tmp_path, sft_model_dir):
@@ -185,8 +187,8 @@ def test_all_equal_rewards_flagged(tmp_path, sft_model_dir, monkeypatch):
 
     real = pg.score_components
 
-    def constant(components, supplied):
-        rewards, comps = real(components, supplied)
+    def constant(components, supplied, **kw):
+        rewards, comps = real(components, supplied, **kw)
         return torch.ones_like(rewards), {k: torch.ones_like(v) for k, v in comps.items()}
 
     monkeypatch.setattr(pg, "score_components", constant)
