@@ -337,3 +337,30 @@ def test_bad_config_is_one_line_printed_once(base_model, tmp_path):
         "go to one rank)"
     ]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_quickstart_grpo_stage_under_torchrun(tmp_path):
+    """The quickstart's own GRPO stage (its preset, from its SFT model; a shorter budget) under
+    torchrun with 2 processes: held-out accuracy within the run's standard error of one process.
+    (The full 600-step stage is measured in the README.)"""
+    from rlhflab.quickstart import build_configs
+    from rlhflab.trainers import sft
+
+    sft_cfg, grpo_cfg = build_configs(fast=True, root=tmp_path / "sft")
+    sft_model = sft.train(sft_cfg)["model_dir"]
+    raw = grpo_cfg.model_dump(mode="json")
+    raw["model"]["name_or_path"] = sft_model
+    raw["train"]["steps"] = 40
+    raw["eval"].update({"every": 0, "n": 300})
+    raw["checkpoint"] = {"every": 0}
+    cfg = _write_cfg(tmp_path / "grpo.yaml", raw)
+    results = {}
+    for nproc in (1, 2):
+        root = tmp_path / f"grpo-{nproc}"
+        res = _rlhflab(nproc, ["train", str(cfg), f"run.root={root}"], timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        results[nproc] = json.loads((_run_dir(root) / "final_results.json").read_text())
+    one, two = results[1], results[2]
+    assert one["heldout_n"] == two["heldout_n"] == 300 and two["world_size"] == 2
+    assert one["heldout_accuracy_before"] == two["heldout_accuracy_before"]
+    assert abs(two["heldout_accuracy"] - one["heldout_accuracy"]) <= one["heldout_accuracy_stderr"]

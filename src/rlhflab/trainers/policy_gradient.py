@@ -467,11 +467,11 @@ def train(cfg: PGConfig) -> dict:
                     n_steps=batch_size,
                 )
             metrics.update(
-                health.check(
+                health.check(  # on the global batch: every rank sees the same
                     step,
                     metrics,
-                    rollout=rollout,
-                    adv=adv,
+                    rollout=batch.rollout,
+                    adv=distributed.gather_cat(adv),
                     texts=batch.texts,
                     group_size=group_size,
                     correct=batch.components.get("correctness"),
