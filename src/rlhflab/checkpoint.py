@@ -524,12 +524,13 @@ class Checkpointer:
         return final
 
     def _module_of(self, optimizer_name: str) -> torch.nn.Module | None:
-        """The module an optimizer trains ("optimizer" → "model", "value_optimizer" →
-        "value_model")."""
-        module = self.modules.get(optimizer_name.replace("optimizer", "model"))
-        if module is None and len(self.modules) == 1:
-            module = next(iter(self.modules.values()))
-        return module
+        """The module whose parameters the named optimizer updates (None: none of them), needed
+        to gather or scatter its state when the module is sharded."""
+        params = {id(p) for g in self.optimizers[optimizer_name].param_groups for p in g["params"]}
+        for module in self.modules.values():
+            if any(id(p) in params for p in module.parameters()):
+                return module
+        return None
 
     def _rng_state(self) -> dict:
         """This rank's RNG streams: tensors and JSON."""

@@ -160,22 +160,34 @@ def barrier() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def shard_bounds(n: int) -> tuple[int, int]:
+def check_split(n: int, field: str, what: str, why: str = "") -> None:
+    """A ConfigError naming `field` when a global batch of n `what` does not split evenly over
+    the ranks (every rank must run the same number of micro-batches). Called in set-up, before
+    any collective, so every rank fails the same way. `why` is appended in parentheses."""
+    if n % world_size():
+        note = f" ({why})" if why else ""
+        raise ConfigError(f"{field}: {n} {what} do not split over {world_size()} ranks{note}")
+
+
+def shard_bounds(n: int, *, even: bool = True) -> tuple[int, int]:
     """[start, end) of this rank's contiguous share of n global rows.
 
-    Raises: ValueError when n is not divisible by the world size (every rank takes the same
-    number of rows, so every rank runs the same number of micro-batches).
+    even=True: n must split evenly (training batches; see `check_split`). even=False: shares of
+    ceil(n / world_size) rows, the last ones shorter or empty — for work done under `gathered`
+    (sampling, evaluation, reference scoring), where ranks may run different numbers of passes.
+    Raises: ValueError when `even` and n does not split over the ranks.
     """
     w, r = world_size(), rank()
-    if n % w:
+    if even and n % w:
         raise ValueError(f"a global batch of {n} rows does not split over {w} ranks")
-    per = n // w
-    return r * per, (r + 1) * per
+    per = n // w if even else -(-n // w)
+    return min(r * per, n), min((r + 1) * per, n)
 
 
-def shard(rows: Sequence) -> list:
-    """This rank's contiguous share of a global batch (a list of rows in global order)."""
-    start, end = shard_bounds(len(rows))
+def shard(rows: Sequence, *, even: bool = True) -> list:
+    """This rank's contiguous share of a global batch (a list of rows in global order); `even`
+    as in `shard_bounds`."""
+    start, end = shard_bounds(len(rows), even=even)
     return list(rows[start:end])
 
 

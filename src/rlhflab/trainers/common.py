@@ -391,12 +391,11 @@ def heldout_eval(
     # Each rank evaluates a contiguous share of the problems with the full model; the per-problem
     # scores are gathered in order, so the numbers are those of one process on all of them.
     w, r = distributed.world_size(), distributed.rank()
-    per = -(-len(problems) // w)
     with distributed.gathered(model):
         res = evaluate(
             model,
             tokenizer,
-            problems[r * per : (r + 1) * per],
+            distributed.shard(problems, even=False),
             verifier,
             batch_size=cfg.eval.batch_size,
             max_new_tokens=cfg.eval.max_new_tokens,

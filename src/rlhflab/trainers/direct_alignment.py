@@ -53,7 +53,7 @@ from rlhflab.data.preference import (
     tokenize_pairs,
 )
 from rlhflab.data.prompts import load_prompt_source, render_row
-from rlhflab.errors import ConfigError, DataError
+from rlhflab.errors import DataError
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
@@ -159,9 +159,7 @@ def cache_reference(model, rows, pad_id, *, unpaired, chunk, autocast_dtype) -> 
     )
     # Each data-parallel rank scores a contiguous share of the rows; the values are gathered so
     # that every rank holds the whole cache (its rows change from step to step).
-    w, rank = distributed.world_size(), distributed.rank()
-    per = -(-len(rows) // w)
-    mine = rows[rank * per : (rank + 1) * per]
+    mine = distributed.shard(rows, even=False)
     for src, dst in keys:
         with distributed.gathered(model):
             values = reference_logps(
@@ -336,11 +334,7 @@ def train(cfg: DPOConfig) -> dict:
     held_rows = paired_rows(held_tok)
     check_context_fit(rows, context_length(model), what="data (training rows)")
     check_context_fit(held_rows, context_length(model), what="data (held-out pairs)")
-    if cfg.train.batch_size % distributed.world_size():
-        raise ConfigError(
-            f"train.batch_size: {cfg.train.batch_size} rows do not split over "
-            f"{distributed.world_size()} ranks"
-        )
+    distributed.check_split(cfg.train.batch_size, "train.batch_size", "rows")
     model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)

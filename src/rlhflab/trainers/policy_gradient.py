@@ -41,7 +41,6 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.prompts import load_prompt_source, render_row
-from rlhflab.errors import ConfigError
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.advantages import ADVANTAGES, whiten
@@ -114,11 +113,10 @@ def train(cfg: PGConfig) -> dict:
     scorer = verifier if cfg.data.source == "task" else TextRewardScorer(cfg.reward.components)
     # (No held-out eval when no reward can score text alone, e.g. a reward model only.)
     heldout = splits.heldout[: cfg.eval.n] if scorer is verifier or scorer.components else []
-    if cfg.rollout.prompts_per_step % distributed.world_size():
-        raise ConfigError(
-            f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} prompts do not split over "
-            f"{distributed.world_size()} ranks (whole groups go to one rank)"
-        )
+    distributed.check_split(
+        cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
+        why="whole groups go to one rank",
+    )  # fmt: skip
     ref_model = None
     if cfg.kl.coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -185,16 +183,28 @@ def train(cfg: PGConfig) -> dict:
         then score. Each data-parallel rank samples and scores a contiguous share of the groups
         (global rows `rows`: the draws do not depend on the split); the scored shares are then
         gathered, so every rank returns the same global batch."""
-        per = -(-len(chosen) // distributed.world_size())
-        g0 = distributed.rank() * per
-        mine = chosen[g0 : g0 + per]
+        g0, g1 = distributed.shard_bounds(len(chosen), even=False)
+        mine = chosen[g0:g1]
         if not mine:  # more ranks than prompts in a dynamic-sampling round's remainder
             draw_seed(sampler_rng, device)  # the draw `sample` would take: stay in step
             return ScoredBatch.gather(None, tokenizer.pad_token_id, device)
         problems = [splits.train[i] for i in mine for _ in range(group_size)]
         model.eval()
         with distributed.gathered(model):
-            rollout = _sample(mine, g0 * group_size, len(chosen) * group_size)
+            rollout = sample(
+                model,
+                [prompts[i] for i in mine for _ in range(group_size)],
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                top_k=cfg.rollout.top_k,
+                generator=sampler_rng,
+                autocast_dtype=autocast_dtype,
+                rows=list(range(g0 * group_size, g1 * group_size)),  # global rows: noise
+                n_rows=len(chosen) * group_size,
+            )
         model.train()
         texts = decode_completions(tokenizer, rollout)
         rewards, components = score_components(
@@ -213,22 +223,6 @@ def train(cfg: PGConfig) -> dict:
         components = {k: v.to(device) for k, v in components.items()}
         local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
         return ScoredBatch.gather(local, tokenizer.pad_token_id, device)
-
-    def _sample(mine: list[int], row0: int, n_rows: int):
-        return sample(
-            model,
-            [prompts[i] for i in mine for _ in range(group_size)],
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            generator=sampler_rng,
-            autocast_dtype=autocast_dtype,
-            rows=list(range(row0, row0 + len(mine) * group_size)),
-            n_rows=n_rows,
-        )
 
     # Checkpoints hold both models, optimizers and schedules, every RNG stream, the prompt
     # stream's position, the KL controller's coefficient and the counters.

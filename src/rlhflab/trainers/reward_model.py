@@ -36,7 +36,7 @@ from rlhflab.data.reward_data import (
     truncate_items,
 )
 from rlhflab.data.tasks import make_splits
-from rlhflab.errors import ConfigError, DataError
+from rlhflab.errors import DataError
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.reward_model import (
@@ -119,11 +119,7 @@ def train(cfg: RMConfig) -> dict:
     )
     del lm
     model.train()
-    if cfg.train.batch_size % distributed.world_size():
-        raise ConfigError(
-            f"train.batch_size: {cfg.train.batch_size} examples do not split over "
-            f"{distributed.world_size()} ranks"
-        )
+    distributed.check_split(cfg.train.batch_size, "train.batch_size", "examples")
     # one process: unchanged; under FSDP2 the backbone and the score head are sharded as two
     # roots, because the scorer calls them one after the other (rlhflab.models.reward)
     model = distributed.wrap(model, cfg.parallel, roots=[model.base_model, reward_head(model)])

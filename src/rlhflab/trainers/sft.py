@@ -99,7 +99,7 @@ def train(cfg: SFTConfig) -> dict:
         answer_format=cfg.task.answer_format, reward=cfg.task.reward, extractor=cfg.task.extractor
     )
     heldout = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
-    _check_batch_split(cfg)
+    distributed.check_split(cfg.train.batch_size, "train.batch_size", "rows")
     model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -218,14 +218,3 @@ def train(cfg: SFTConfig) -> dict:
         plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
         write_json_atomic(run_dir / "final_results.json", results)
     return results
-
-
-def _check_batch_split(cfg: SFTConfig) -> None:
-    """train.batch_size must split evenly over the data-parallel ranks."""
-    from rlhflab.errors import ConfigError
-
-    w = distributed.world_size()
-    if cfg.train.batch_size % w:
-        raise ConfigError(
-            f"train.batch_size: {cfg.train.batch_size} rows do not split over {w} ranks"
-        )
