@@ -38,7 +38,8 @@ Strategies (`parallel.strategy`):
   forward; the explicit all-reduce is correct whatever the forward path, and a rank may run any
   number of micro-batches.
 - "fsdp2": `torch.distributed.fsdp.fully_shard` on every decoder layer, then on the root
-  (ZeRO-3: parameters, gradients and optimizer state sharded), with a `MixedPrecisionPolicy`
+  (ZeRO-3, Rajbhandari et al. 2020, arXiv 1910.02054: parameters, gradients and optimizer state
+  sharded), with a `MixedPrecisionPolicy`
   (parameters in bf16 or fp32 for compute, gradients reduced in fp32) and optional CPU offload.
   The reduce-scatter sums (gradient divide factor 1). Forward and backward passes are
   collectives: every rank must run the same number of them, which the trainers ensure by giving
@@ -163,7 +164,8 @@ def barrier() -> None:
 def check_split(n: int, field: str, what: str, why: str = "") -> None:
     """A ConfigError naming `field` when a global batch of n `what` does not split evenly over
     the ranks (every rank must run the same number of micro-batches). Called in set-up, before
-    any collective, so every rank fails the same way. `why` is appended in parentheses."""
+    any collective, so every rank fails the same way. `why` is appended in parentheses.
+    Raises: ConfigError, e.g. "train.batch_size: 6 rows do not split over 4 ranks"."""
     if n % world_size():
         note = f" ({why})" if why else ""
         raise ConfigError(f"{field}: {n} {what} do not split over {world_size()} ranks{note}")
@@ -224,20 +226,21 @@ def _reduce(t: torch.Tensor, op) -> torch.Tensor:
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of `t` over ranks, in place; returned. A Python number is turned into a float64
-    tensor first (so denominators stay exact)."""
+    """Sum of `t` over ranks, in place; returned. `t`: any shape and dtype (kept), on this
+    rank's device (gloo: CPU). A Python number is turned into a 0-d float64 tensor first (so
+    denominators stay exact). With one process, `t` itself."""
     if not torch.is_tensor(t):
         t = torch.tensor(t, dtype=torch.float64)
     return _reduce(t, dist.ReduceOp.SUM if _on() else None)
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    """Element-wise max of `t` over ranks, in place; returned."""
+    """Element-wise max of `t` (any shape and dtype, kept) over ranks, in place; returned."""
     return _reduce(t, dist.ReduceOp.MAX if _on() else None)
 
 
 def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
-    """Element-wise min of `t` over ranks, in place; returned."""
+    """Element-wise min of `t` (any shape and dtype, kept) over ranks, in place; returned."""
     return _reduce(t, dist.ReduceOp.MIN if _on() else None)
 
 
@@ -329,9 +332,9 @@ def wrap(
         trainable: False for frozen models (reference): sharded the same way, no gradients.
         roots: under fsdp2, the parts sharded as separate FSDP roots instead of `model` itself
             (the reward model: backbone and score head, which the scorer calls one by one).
-    With one process, or strategy "none"/"ddp", the model is returned unchanged (ddp replicas
-    start equal because every rank builds or loads them from the same seed/file; `sync_grads`
-    keeps them equal). Under "fsdp2" each decoder layer and then the root are `fully_shard`ed.
+    With one process or strategy "none", the model is returned unchanged; under "ddp" rank 0's
+    parameters and buffers are broadcast so every replica starts equal (`sync_grads` keeps them
+    equal). Under "fsdp2" each decoder layer and then the root are `fully_shard`ed.
     """
     if not _talk():
         return model
@@ -419,7 +422,8 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
 def grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
     """Global L2 norm of the gradients before clipping (over all shards), clipping to `max_norm`
     when it is set. After `sync_grads` every replica holds the summed gradient, so the local
-    norm is the global one; FSDP2's DTensor gradients are reduced by `clip_grad_norm_`."""
+    norm is the global one; FSDP2's DTensor gradients are reduced by `clip_grad_norm_`.
+    Returns a 0-d float32 tensor (the same on every rank)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if is_sharded(model):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
@@ -539,7 +543,9 @@ def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> 
 
 
 def load_full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:
-    """Inverse of `full_optimizer_state` on every rank of an FSDP2 model."""
+    """Inverse of `full_optimizer_state` on every rank of an FSDP2 model (a collective).
+    Raises: KeyError / RuntimeError when the state does not fit the optimizer's parameters
+    (the checkpoint module turns these into one CheckpointError line)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
