@@ -321,15 +321,14 @@ def wrap(
     model: torch.nn.Module,
     parallel,
     *,
-    trainable: bool = True,
     roots: list[torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
     """Prepare a model (already on `device()`) for data parallelism; returns the same object.
 
     Args:
-        model: policy, reference, critic or reward model.
+        model: policy, reference, critic or reward model; a frozen model (the reference) is
+            sharded the same way and simply has no gradients or optimizer state.
         parallel: the `parallel` config section (strategy, mixed_precision, cpu_offload).
-        trainable: False for frozen models (reference): sharded the same way, no gradients.
         roots: under fsdp2, the parts sharded as separate FSDP roots instead of `model` itself
             (the reward model: backbone and score head, which the scorer calls one by one).
     With one process or strategy "none", the model is returned unchanged; under "ddp" rank 0's

@@ -133,7 +133,7 @@ def train(cfg: PGConfig) -> dict:
     # Data parallelism (one process: nothing changes): the policy, the frozen reference and the
     # critic are placed and sharded alike.
     model = distributed.wrap(model, cfg.parallel)
-    ref_model = distributed.wrap(ref_model, cfg.parallel, trainable=False) if ref_model else None
+    ref_model = distributed.wrap(ref_model, cfg.parallel) if ref_model else None
     value_model = distributed.wrap(value_model, cfg.parallel) if value_model else None
     advantage_fn = ADVANTAGES[cfg.loss.advantage]
     advantage_kwargs = dict(cfg.loss.advantage_args)
