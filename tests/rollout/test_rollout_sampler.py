@@ -94,3 +94,32 @@ def test_top_k_one_is_greedy(tiny_model, tiny_tokenizer):
     assert torch.equal(greedy.completion_ids, topk.completion_ids)
     tiny_p = _sample(tiny_model, tiny_tokenizer, PROMPTS, top_p=1e-6, eos_token_id=-1)
     assert torch.equal(greedy.completion_ids, tiny_p.completion_ids)
+
+
+def test_left_pad_to_a_given_width_and_too_narrow_refused():
+    ids, mask = left_pad([[5, 6], [7]], pad_id=0, width=4)
+    assert ids.tolist() == [[0, 0, 5, 6], [0, 0, 0, 7]]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
+    try:
+        left_pad([[5, 6, 7]], pad_id=0, width=2)
+    except ValueError as e:
+        assert "width 2" in str(e) and "longest sequence 3" in str(e)
+    else:
+        raise AssertionError("a width shorter than the longest sequence must be refused")
+
+
+def test_a_share_sampled_at_the_global_width_equals_those_rows_of_the_whole_batch(
+    tiny_model, tiny_tokenizer
+):
+    # What a data-parallel rank does: sample rows 2..3 of a 4-row global batch with the global
+    # batch's noise rows and prompt width. Prompts 2-3 alone are narrower (5) than the batch (7).
+    tiny_model.eval()
+    whole = _sample(tiny_model, tiny_tokenizer, PROMPTS, temperature=1.0)
+    width = max(len(p) for p in PROMPTS)
+    share = _sample(tiny_model, tiny_tokenizer, PROMPTS[2:], rows=[2, 3], n_rows=4, width=width)
+    assert share.prompt_ids.shape == (2, width)
+    assert torch.equal(share.prompt_ids, whole.prompt_ids[2:])
+    n = share.completion_ids.size(1)
+    assert torch.equal(share.completion_ids, whole.completion_ids[2:, :n])
+    assert torch.equal(share.mask, whole.mask[2:, :n]) and not whole.mask[2:, n:].any()
+    torch.testing.assert_close(share.logp, whole.logp[2:, :n], atol=1e-6, rtol=0)

@@ -80,9 +80,16 @@ class Rollout:
         )
 
 
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-pad token lists to a (B, P) long tensor and its 0/1 attention mask."""
-    width = max(len(s) for s in sequences)
+def left_pad(
+    sequences: list[list[int]], pad_id: int, width: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists to a (B, P) long tensor and its 0/1 attention mask.
+
+    P is the longest sequence, or `width` when given (it must be at least the longest)."""
+    longest = max(len(s) for s in sequences)
+    if width is not None and width < longest:
+        raise ValueError(f"left_pad: width {width} is shorter than the longest sequence {longest}")
+    width = longest if width is None else width
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
@@ -133,6 +140,7 @@ def sample(
     autocast_dtype: torch.dtype | None = None,
     rows: list[int] | None = None,
     n_rows: int | None = None,
+    width: int | None = None,
 ) -> Rollout:
     """Sample one completion per prompt, all prompts in one batch.
 
@@ -150,6 +158,10 @@ def sample(
         autocast_dtype: run forwards under torch.autocast with this dtype (e.g. bfloat16).
         rows: the global row index of each prompt (default 0..B-1); n_rows: the global batch
             size (default B). Row i is sampled with the noise of global row rows[i].
+        width: left-pad the prompts to this width P (default: the longest prompt). A rank that
+            samples a share of a global batch passes the global batch's longest prompt, so its
+            tensors have the shapes one process would use and the float arithmetic (attention
+            sums over the padded keys) runs in the same order.
 
     Returns:
         Rollout with completion tensors of width T' <= max_new_tokens (the longest completion).
@@ -166,7 +178,7 @@ def sample(
     noise_rng = None
     if not greedy:
         noise_rng = torch.Generator(device=device).manual_seed(draw_seed(generator, device))
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, width)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     batch = prompt_ids.size(0)
     temp = 1.0 if greedy else temperature

@@ -204,6 +204,7 @@ def train(cfg: PGConfig) -> dict:
                 autocast_dtype=autocast_dtype,
                 rows=list(range(g0 * group_size, g1 * group_size)),  # global rows: noise
                 n_rows=len(chosen) * group_size,
+                width=max(len(prompts[i]) for i in chosen),  # the global batch's prompt width
             )
         model.train()
         texts = decode_completions(tokenizer, rollout)
