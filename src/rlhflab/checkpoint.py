@@ -632,7 +632,10 @@ class Checkpointer:
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "to_json_file"):
             return
-        config.architectures = [type(model).__name__]  # what save_pretrained records
+        cls = type(model).__name__  # FSDP2 renames a sharded module's class FSDP<name>
+        if distributed.is_sharded(model):
+            cls = cls.removeprefix("FSDP")
+        config.architectures = [cls]  # what save_pretrained records
         self._write(tmp, "config.json", lambda p: config.to_json_file(str(p)))
         gen = getattr(model, "generation_config", None)
         if gen is not None and model.can_generate():
