@@ -64,6 +64,12 @@ def test_checkpoint_layout_and_manifest(finished):
         "state.json",
         "manifest.json",
         COMMITTED,
+        # a transformers model directory too (tests/test_checkpoint_hf.py)
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
     }
     assert not any(n.endswith((".pt", ".bin", ".pkl")) for n in names)  # no pickle
     assert ck.step == 6 and set(ck.manifest["versions"]) >= {"torch", "rlhflab", "transformers"}
@@ -177,8 +183,9 @@ def test_sigkill_during_checkpoint_write_resumes_from_previous(tmp_path):
     ref = run_config(config_from_dict(sft(tmp_path / "ref")))["run_dir"]
     (tmp_path / "runs").mkdir()
     raw = sft(tmp_path / "runs")
-    # A checkpoint of this SFT run is 6 files: the 8th file is the 2nd of the step-10 checkpoint.
-    assert run_cli(tmp_path, raw, fault="checkpoint_file@8=sigkill", check=False).returncode == -9
+    # A checkpoint of this SFT run is 11 files (model, config, generation config, 3 tokenizer
+    # files, optimizer, rng, state, manifest, COMMITTED): the 13th is the 2nd of step 10's.
+    assert run_cli(tmp_path, raw, fault="checkpoint_file@13=sigkill", check=False).returncode == -9
     run = run_dir_of(tmp_path / "runs", "sft")
     assert [p.name for p in committed_checkpoints(run)] == ["step-00000005"]
     assert list((run / "checkpoints").glob(".tmp-step-00000010-*"))

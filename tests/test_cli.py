@@ -27,6 +27,23 @@ def test_every_command_answers_help(command, capsys):
     assert "usage: rlhflab" in capsys.readouterr().out
 
 
+def test_version_is_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rlhflab {version('rlhflab')}"
+
+
+def test_compare_help_says_both_families(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "direct-alignment" in out and "comparison.md" in out
+    assert "policy-gradient only" not in out
+
+
 def _fails_cleanly(argv, capsys, root, expected):
     code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()

@@ -265,7 +265,9 @@ def test_damaged_metrics_are_refused_naming_file_and_line(tmp_path, base, damage
 
 
 def test_disk_full_during_checkpoint_is_one_line_and_resume_works(tmp_path, base, monkeypatch):
-    monkeypatch.setenv("RLHFLAB_FAULT", "checkpoint_file@8=enospc")  # 2nd file of step 4's
+    monkeypatch.setenv(
+        "RLHFLAB_FAULT", "checkpoint_file@13=enospc"
+    )  # 2nd file of step 4's (11 each)
     (tmp_path / "runs").mkdir()
     with pytest.raises(DiskFullError) as err:
         run_config(config_from_dict(sft(tmp_path / "runs")))

@@ -8,8 +8,19 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-<NNNNNNNN>/`:
     state.json                 step, optimizer param groups, LR-scheduler state, python and numpy
                                RNG states, the trainer's data position and counters, byte offsets
                                of metrics.jsonl / samples.jsonl, the resolved config
+    config.json                the model's transformers config (`architectures` names its class)
+    generation_config.json     its generation config (models that generate)
+    tokenizer files            tokenizer.json, tokenizer_config.json, ... (when the trainer has one)
     manifest.json              every file's size and sha256, library and torch versions, config hash
     COMMITTED                  written last: the sha256 of manifest.json
+
+The module named "model" is written as `model.safetensors` with the state-dict names
+`save_pretrained` uses, next to its config, generation config and tokenizer, so every step
+directory is also a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(
+"<run>/checkpoints/step-N")` loads a policy (SFT, policy-gradient, direct-alignment runs) and
+`AutoModelForSequenceClassification.from_pretrained(...)` a reward model, without rlhflab. These
+files are listed in the manifest like every other, so they are verified on load; resuming reads
+only the safetensors and JSON state, never them.
 
 Writing: everything goes into `checkpoints/.tmp-step-<N>-<pid>/`, each file fsynced, the directory
 renamed to `step-<N>` only after `COMMITTED` is on disk. A crash at any moment leaves either the
@@ -72,6 +83,7 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 FORMAT_VERSION = 1
 _PREFIX = "step-"
+_PT = {"format": "pt"}  # the safetensors metadata transformers' from_pretrained expects
 
 #: Config keys whose change does not alter what training computes: allowed on resume.
 HARMLESS_KEYS = (
@@ -449,6 +461,8 @@ class Checkpointer:
         every: save every N optimizer steps and at the end (0: only on a stop signal).
         keep_last: committed checkpoints kept (the newest and the resumed-from one always are).
         resumed_from: the checkpoint this run resumed from (protected from retention).
+        tokenizer: saved beside the weights (with the config of the module named "model"), so
+            that a checkpoint directory loads with transformers' `from_pretrained`.
 
     Global RNG streams (python `random`, numpy, torch CPU and CUDA) are always included.
     """
@@ -466,8 +480,10 @@ class Checkpointer:
         every: int = 0,
         keep_last: int | None = None,
         resumed_from: Checkpoint | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.tokenizer = tokenizer
         self.root = self.run_dir / CHECKPOINTS
         self.config = config
         self.modules = {k: v for k, v in modules.items() if v is not None}
@@ -552,10 +568,11 @@ class Checkpointer:
             for name, module in self.modules.items():
                 full = full_models[name]
                 if full is None:
-                    write = lambda p, m=module: save_model(m, str(p))  # noqa: E731
+                    write = lambda p, m=module: save_model(m, str(p), metadata=_PT)  # noqa: E731
                 else:
-                    write = lambda p, t=full: save_file(t, str(p))  # noqa: E731
+                    write = lambda p, t=full: save_file(t, str(p), metadata=_PT)  # noqa: E731
                 self._write(tmp, f"{name}.safetensors", write)
+            self._write_hf_files(tmp)
             opt_meta = {}
             for name, opt in self.optimizers.items():
                 tensors, opt_meta[name] = _optimizer_state(opt, full_optims[name])
@@ -606,6 +623,34 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def _write_hf_files(self, tmp: Path) -> None:
+        """config.json, generation_config.json and the tokenizer's files of the module named
+        "model" (when it is a transformers model), each written and fsynced like the tensors: the
+        checkpoint directory is then a `from_pretrained` directory."""
+        model = self.modules.get("model")
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "to_json_file"):
+            return
+        cls = type(model).__name__  # FSDP2 renames a sharded module's class FSDP<name>
+        if distributed.is_sharded(model):
+            cls = cls.removeprefix("FSDP")
+        config.architectures = [cls]  # what save_pretrained records
+        self._write(tmp, "config.json", lambda p: config.to_json_file(str(p)))
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and model.can_generate():
+            self._write(tmp, "generation_config.json", lambda p: gen.to_json_file(str(p)))
+        if self.tokenizer is None:
+            return
+        staging = self.root / f".tmp-tokenizer-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self.tokenizer.save_pretrained(str(staging))
+            for f in sorted(staging.iterdir()):
+                if f.is_file():
+                    self._write(tmp, f.name, lambda p, src=f: shutil.move(str(src), str(p)))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def end_step(self, step: int, stop: StopSignals, state_fn, on_stop=(), halt=None) -> None:
         """The end of optimizer step `step`: a periodic checkpoint when due; after a stop signal

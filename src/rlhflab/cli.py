@@ -4,7 +4,8 @@ Commands:
     train CONFIG [key.path=value ...]   run the trainer named by the config's `trainer` key
     eval MODEL --task NAME | --data P   held-out greedy accuracy and pass@k / mean reward
     quickstart [--fast]                 the main job: tiny model → SFT → GRPO → held-out eval
-    compare PRESET... [k=v ...]         several policy-gradient presets, same seeds: plot + table
+    compare PRESET... [k=v ...]         several presets (policy-gradient, direct alignment), same
+                                        task and seeds: plot + table
     pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
@@ -256,12 +257,26 @@ def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_version() -> str:
+    """The installed distribution's version (`importlib.metadata`); the source tree's
+    `rlhflab.__version__` when the package is not installed (run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlhflab")
+    except PackageNotFoundError:
+        from rlhflab import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every `rlhflab` subcommand (tests introspect it for `--help`)."""
     parser = _Parser(
         prog="rlhflab",
         description="LLM post-training for people who study RLHF.",
     )
+    parser.add_argument("--version", action="version", version=f"rlhflab {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train from a YAML preset with dotted overrides")
@@ -360,14 +375,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_quickstart)
 
     p = sub.add_parser(
-        "compare", help="run policy-gradient presets on the same seeds; plot + table"
+        "compare",
+        help="run presets (policy-gradient and/or direct-alignment) on the same task and seeds; "
+        "plot + table",
+        description="Run every preset on seeds 0..N-1 with the same overrides, then write "
+        "comparison.png (training signal: rollout reward or DPO margin, and held-out accuracy, "
+        "against step and wall-clock; mean over seeds with a min-max band), comparison.md (one "
+        "row per preset: family, composition, budget, accuracy, signal, time) and results.json "
+        "to <root>/compare-<ts>/. Policy-gradient and direct-alignment presets may be mixed.",
     )
     p.add_argument(
         "args",
         nargs="+",
         metavar="PRESET.yaml | key.path=value",
-        help="presets (e.g. configs/pg/grpo.yaml) then overrides applied to every preset "
-        "(put --seeds/--root before them)",
+        help="presets (e.g. configs/pg/grpo.yaml configs/dpo/dpo.yaml) then overrides applied to "
+        "every preset (put --seeds/--root before them)",
     )
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per preset (default 3)")
     p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")

@@ -181,15 +181,45 @@ class PrecisionConfig(Strict):
     threads: int | None = Field(None, ge=1)  # torch.set_num_threads; None: torch's default
 
 
+class WandbConfig(Strict):
+    """Weights & Biases run options (`tracking.wandb: {project: ..., tags: [...]}`; `true` takes
+    every default). An unset option is not passed to `wandb.init`, so wandb's own variables
+    apply: WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP, WANDB_TAGS, WANDB_NAME, WANDB_MODE..."""
+
+    project: str | None = None  # unset: $WANDB_PROJECT, else "rlhflab"
+    entity: str | None = None  # unset: $WANDB_ENTITY, else your default entity
+    group: str | None = None  # unset: $WANDB_RUN_GROUP
+    tags: list[str] | None = None  # unset: $WANDB_TAGS
+    name: str | None = None  # unset: $WANDB_NAME, else the run directory's name
+
+
+class TrackioConfig(Strict):
+    """trackio (local-first, wandb's API) run options; `true` takes every default."""
+
+    project: str | None = None  # unset: "rlhflab"
+    name: str | None = None  # unset: the run directory's name
+    group: str | None = None
+    space_id: str | None = None  # a Hugging Face Space to sync to (unset: local only)
+
+
 class TrackingConfig(Strict):
     """Where metrics go. The jsonl file is always written."""
 
     console: bool = True
-    wandb: bool = False
+    wandb: WandbConfig | None = None  # true (every default), the run's options, or false/None
+    trackio: TrackioConfig | None = None  # true (every default), the run's options, or false/None
     tensorboard: bool = False
     log_every: int = Field(1, ge=1)
     samples_every: int = Field(10, ge=1)  # write rollout samples every N steps
     samples_per_step: int = Field(4, ge=0)
+
+    @field_validator("wandb", "trackio", mode="before")
+    @classmethod
+    def _flag_or_options(cls, value: Any) -> Any:
+        # `wandb: true` is every default; `false` is off (None)
+        if value is True:
+            return {}
+        return None if value is False else value
 
 
 class RunConfig(Strict):

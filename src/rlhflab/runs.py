@@ -153,12 +153,14 @@ def write_yaml_atomic(path: Path, obj: Any) -> None:
 
 
 class SampleWriter:
-    """Appends rollout samples (prompt, completion, reward, ...) to `samples.jsonl`.
+    """Appends rollout samples (prompt, completion, reward, ...) to `samples.jsonl`, and hands
+    them to `tracker.log_samples` (a table in wandb / trackio) when a tracker is given.
 
     `enabled=False` (data-parallel ranks other than 0) writes nothing."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, tracker: Any = None) -> None:
         self.file = (Path(run_dir) / "samples.jsonl").open("a") if enabled else None
+        self.tracker = tracker
 
     def write(self, step: int, rows: list[dict]) -> None:
         """Append `rows`, each tagged with `step`."""
@@ -167,6 +169,8 @@ class SampleWriter:
         for row in rows:
             self.file.write(redact_json({"step": step, **row}) + "\n")
         self.file.flush()
+        if self.tracker is not None:
+            self.tracker.log_samples(step, rows)
 
     def close(self) -> None:
         """Close the file."""

@@ -1,14 +1,25 @@
 """One `.log(step, metrics)` for every sink: metrics.jsonl (always), the console, and optionally
-Weights & Biases or TensorBoard (imported lazily, only when enabled).
+Weights & Biases, trackio or TensorBoard (imported lazily, only when enabled).
 
 The console shows a progress bar with ETA and a few headline metrics; every metric of every step
 goes to `metrics.jsonl` as one JSON object per line: {"step": int, "time_s": float, ...}.
+
+wandb and trackio: the options of `tracking.wandb` / `tracking.trackio` (project, entity, group,
+tags, name) go to `init`; an option left unset is not passed, so wandb's own WANDB_* variables
+apply (`wandb_init_kwargs`). The run's id is saved in every checkpoint (`Tracker.state`), and a
+run resumed from a checkpoint continues the same wandb run (`init(id=..., resume="allow")`) and
+the same trackio run (same project and name, `resume="allow"`). wandb ignores values logged at a
+step lower than one it has seen, so the steps redone after resuming from an older checkpoint keep
+their first values there (metrics.jsonl is cut back and rewritten exactly). Rollout samples go to
+both as a table (`samples`) every `tracking.samples_every` steps, next to samples.jsonl.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +41,84 @@ def _jsonable(value: Any) -> Any:
 
 
 #: Optional sinks: config flag -> (module to import, pip extra that installs it).
-EXTRAS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
+EXTRAS = {
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+}
+
+#: Project used when neither the config nor the environment names one.
+DEFAULT_PROJECT = "rlhflab"
+
+
+def _options(value: Any) -> dict:
+    """A sink's options as a dict: True → {}, a pydantic section → its set fields, a dict → itself."""
+    if value is True or value is None:
+        return {}
+    if hasattr(value, "model_dump"):
+        return value.model_dump(exclude_none=True)
+    return {k: v for k, v in dict(value).items() if v is not None}
+
+
+def wandb_init_kwargs(
+    options: Any,
+    run_dir: Path,
+    config: dict | None,
+    *,
+    resume_id: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict:
+    """Keyword arguments of `wandb.init` for a run.
+
+    Args:
+        options: `tracking.wandb` (True, a `WandbConfig` or a dict with project / entity / group /
+            tags / name). A set option wins; an unset one is not passed, so wandb reads its own
+            variable (WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP, WANDB_TAGS, WANDB_NAME).
+            Without option and variable, project is "rlhflab" and name the run directory's name.
+        run_dir: the run directory (wandb's files go to `<run_dir>/wandb/`).
+        config: the resolved config (redacted) shown in the wandb run.
+        resume_id: the wandb run id saved in the checkpoint being resumed: `id` and
+            `resume="allow"` continue that run (unless WANDB_RUN_ID is set: the user's choice).
+        env: the environment (default `os.environ`).
+    """
+    env = os.environ if env is None else env
+    opts = _options(options)
+    kw: dict[str, Any] = {"config": config, "dir": str(run_dir)}
+    kw.update({k: opts[k] for k in ("project", "entity", "group", "tags", "name") if k in opts})
+    if "project" not in kw and not env.get("WANDB_PROJECT"):
+        kw["project"] = DEFAULT_PROJECT
+    if "name" not in kw and not env.get("WANDB_NAME"):
+        kw["name"] = Path(run_dir).name
+    if resume_id and not env.get("WANDB_RUN_ID"):
+        kw["id"], kw["resume"] = resume_id, "allow"
+    return kw
+
+
+def trackio_init_kwargs(
+    options: Any, run_dir: Path, config: dict | None, *, resume: dict | None = None
+) -> dict:
+    """Keyword arguments of `trackio.init`: project (default "rlhflab"), name (default the run
+    directory's name), group / space_id when set, the config; a resumed run (`resume`: the
+    project and name saved in the checkpoint) continues that run with `resume="allow"`."""
+    opts = _options(options)
+    kw: dict[str, Any] = {
+        "project": opts.get("project", DEFAULT_PROJECT),
+        "name": opts.get("name", Path(run_dir).name),
+        "config": config,
+    }
+    kw.update({k: opts[k] for k in ("group", "space_id") if k in opts})
+    if resume:
+        kw["project"], kw["name"], kw["resume"] = resume["project"], resume["name"], "allow"
+    return kw
+
+
+def _table(module, rows: list[dict]):
+    """`module.Table` (wandb's or trackio's) of sample rows: columns in first-seen order."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    data = [[_jsonable(row.get(c)) for c in columns] for row in rows]
+    return module.Table(columns=columns, data=data)
 
 
 def check_tracking_extras(tracking) -> None:
@@ -45,11 +133,20 @@ def check_tracking_extras(tracking) -> None:
     from rlhflab.errors import ConfigError
 
     for flag, (module, extra) in EXTRAS.items():
-        if getattr(tracking, flag) and importlib.util.find_spec(module) is None:
+        if getattr(tracking, flag) and _find_spec(importlib.util, module) is None:
             raise ConfigError(
                 f"tracking.{flag}: the {module} package is not installed "
                 f"(pip install 'rlhflab[{extra}]', or set tracking.{flag}=false)"
             )
+
+
+def _find_spec(util, module: str):
+    """`importlib.util.find_spec`, honouring a module set (or set to None) in sys.modules."""
+    import sys
+
+    if module in sys.modules:
+        return None if sys.modules[module] is None else True
+    return util.find_spec(module)
 
 
 class Tracker:
@@ -59,10 +156,20 @@ class Tracker:
         run_dir: the run directory (must exist).
         total_steps: for the progress bar's ETA.
         headline: metric keys shown next to the progress bar.
-        console_enabled / wandb / tensorboard: which sinks are on.
-        config: the resolved config (dict) handed to wandb.
+        console_enabled / tensorboard: which sinks are on.
+        wandb / trackio: off (False / None), on with defaults (True) or the sink's options
+            (`WandbConfig` / `TrackioConfig` or a dict; `wandb_init_kwargs`).
+        config: the resolved config (dict) handed to wandb / trackio.
         description: label of the progress bar.
+        resume_state: `state()` saved in the checkpoint a resumed run starts from: the same
+            wandb / trackio run continues.
+
+    As a checkpoint's stateful object (`state()` / `load()`) it saves the wandb run id and the
+    trackio project and name; `load` does nothing (they are read before `init`, from the
+    checkpoint, by `for_run`). Checkpoints written before this existed resume without it.
     """
+
+    state_optional = True  # checkpoints without a "tracker" entry still resume
 
     def __init__(
         self,
@@ -71,29 +178,43 @@ class Tracker:
         total_steps: int,
         headline: tuple[str, ...] = (),
         console_enabled: bool = True,
-        wandb: bool = False,
+        wandb: Any = False,
+        trackio: Any = False,
         tensorboard: bool = False,
         config: dict | None = None,
         description: str = "train",
         enabled: bool = True,
+        resume_state: dict | None = None,
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.progress = None
-        self._wandb = self._tb = None
+        self._wandb = self._tb = self._trackio = None
+        self._wandb_mod = self._wandb_id = None
+        self._trackio_run: dict | None = None
         if not enabled:  # a data-parallel rank other than 0: rank 0 writes and prints
             self.file = None
             return
         self.file = self.path.open("a")
         self.start = time.perf_counter()
         self.headline = headline
-        self._wandb = self._tb = None
+        resume_state = resume_state or {}
         if wandb:
             import wandb as wandb_mod
 
+            self._wandb_mod = wandb_mod
             self._wandb = wandb_mod.init(
-                project="rlhflab", name=Path(run_dir).name, config=config, dir=str(run_dir)
+                **wandb_init_kwargs(wandb, run_dir, config, resume_id=resume_state.get("wandb_id"))
             )
+            run_id = getattr(self._wandb, "id", None)
+            self._wandb_id = run_id if isinstance(run_id, str) else None
+        if trackio:
+            import trackio as trackio_mod
+
+            kw = trackio_init_kwargs(trackio, run_dir, config, resume=resume_state.get("trackio"))
+            trackio_mod.init(**kw)
+            self._trackio = trackio_mod
+            self._trackio_run = {"project": kw["project"], "name": kw["name"]}
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -113,25 +234,45 @@ class Tracker:
             )
             self.task = self.progress.add_task(description, total=total_steps, info="")
             self.progress.start()
+            _LIVE.append(self.progress)
 
     @classmethod
-    def for_run(cls, run_dir: Path, cfg, headline: tuple[str, ...]) -> Tracker:
+    def for_run(cls, run_dir: Path, cfg, headline: tuple[str, ...], ckpt=None) -> Tracker:
         """The tracker of a trainer run: `cfg.tracking` picks the sinks, `cfg.train.steps` sets
-        the progress bar's length, `cfg.run.name` labels it, the resolved config goes to wandb.
-        Under torchrun only rank 0's tracker writes or prints anything."""
+        the progress bar's length, `cfg.run.name` labels it, the resolved config goes to wandb /
+        trackio; `ckpt` (the checkpoint a resumed run starts from) names the wandb / trackio run
+        to continue. Under torchrun only rank 0's tracker writes or prints anything."""
         from rlhflab import distributed
 
+        resume_state = None
+        if ckpt is not None:
+            resume_state = ckpt.state.get("stateful", {}).get("tracker")
         return cls(
             run_dir,
             total_steps=cfg.train.steps,
             headline=headline,
             console_enabled=cfg.tracking.console,
             wandb=cfg.tracking.wandb,
+            trackio=cfg.tracking.trackio,
             tensorboard=cfg.tracking.tensorboard,
             config=redact_obj(cfg.model_dump(mode="json")),
             description=cfg.run.name,
             enabled=distributed.is_main(),
+            resume_state=resume_state,
         )
+
+    def state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run continues the same tracker runs: the
+        wandb run id and the trackio project and name (JSON; empty when those sinks are off)."""
+        out: dict[str, Any] = {}
+        if self._wandb_id is not None:
+            out["wandb_id"] = self._wandb_id
+        if self._trackio_run is not None:
+            out["trackio"] = dict(self._trackio_run)
+        return out
+
+    def load(self, state: dict) -> None:
+        """Nothing to restore after `init` (`for_run` hands the saved state to `init`)."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record the metrics of `step` (values: python or 0-d tensor numbers)."""
@@ -141,12 +282,26 @@ class Tracker:
         row.update({k: _jsonable(v) for k, v in metrics.items()})
         self.file.write(redact_json(row) + "\n")
         self.file.flush()
+        numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=step)
+            self._wandb.log(numbers, step=step)
+        if self._trackio is not None:
+            self._trackio.log(numbers, step=step)
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, int | float) and k != "step":
                     self._tb.add_scalar(k, v, step)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """Rollout samples of `step` (prompt, completion, reward, ...) as a table named
+        `samples` in wandb and trackio (samples.jsonl is `rlhflab.runs.SampleWriter`'s)."""
+        if not self.enabled or not rows:
+            return
+        rows = redact_obj(rows)
+        if self._wandb is not None:
+            self._wandb.log({"samples": _table(self._wandb_mod, rows)}, step=step)
+        if self._trackio is not None and hasattr(self._trackio, "Table"):
+            self._trackio.log({"samples": _table(self._trackio, rows)}, step=step)
 
     def advance(self, step: int, metrics: dict[str, Any]) -> None:
         """Move the progress bar to `step` and show the headline metrics."""
@@ -180,12 +335,88 @@ class Tracker:
         """Stop the progress bar and close every sink."""
         if self.progress is not None:
             self.progress.stop()
+            if self.progress in _LIVE:
+                _LIVE.remove(self.progress)
         if self.file is not None:
             self.file.close()
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
+        if self._trackio is not None:
+            self._trackio.finish()
+            self._trackio = None
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+
+
+#: The progress display of the running trainer's Tracker (phases add their bar to it).
+_LIVE: list[Progress] = []
+
+
+class _Bar:
+    """The handle `phase` yields: `advance(n)` moves its bar (nothing when there is none)."""
+
+    def __init__(self, progress: Progress | None = None, task: Any = None) -> None:
+        self._progress, self._task = progress, task
+
+    def advance(self, n: float = 1) -> None:
+        """Count `n` more items done."""
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+
+def progress_wanted() -> bool:
+    """Progress bars are drawn only on an interactive terminal (stderr is a TTY: never into a
+    log file or a captured test stream), on data-parallel rank 0, and unless RLHFLAB_PROGRESS=0."""
+    from rlhflab import distributed
+
+    if os.environ.get("RLHFLAB_PROGRESS", "1") == "0":
+        return False
+    return console.is_terminal and not console.is_dumb_terminal and distributed.is_main()
+
+
+@contextlib.contextmanager
+def phase(description: str, total: int | None = None):
+    """A transient progress bar for a long preparation phase (tokenizer training, drawing a big
+    task split, sampling verifiable pairs, a long evaluation): `with phase("eval", n) as bar:
+    ... bar.advance(k)`. `total` None: an indeterminate bar. Inside a training run the bar joins
+    the run's progress display (rich allows one live display) and is removed when the phase ends.
+    Nothing is drawn unless `progress_wanted()`."""
+    if not progress_wanted():
+        yield _Bar()
+        return
+    if _LIVE:
+        host = _LIVE[-1]
+        task = host.add_task(description, total=total, info="")
+        try:
+            yield _Bar(host, task)
+        finally:
+            host.remove_task(task)
+        return
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    with progress:
+        yield _Bar(progress, progress.add_task(description, total=total))
+
+
+def progress(items, description: str, total: int | None = None):
+    """`items`, advancing a `phase` bar by one per item (`total` defaults to `len(items)`):
+    `for batch in progress(batches, "eval (500 problems)"): ...`."""
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)
+    with phase(description, total) as bar:
+        for item in items:
+            yield item
+            bar.advance()
 
 
 def read_metrics(path: Path) -> list[dict]:

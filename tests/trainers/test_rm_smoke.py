@@ -313,3 +313,42 @@ def test_rm_retokenize_equals_token_scoring_and_two_labelled_rms(tmp_path, backb
     train_q = {r.question for r in splits.train}
     assert all(q in train_q for q in written)
     assert not set(written) & {r.question for r in splits.heldout}
+
+
+def test_rm_trained_with_pad_eos_tokenizer_scores_the_same_in_transformers(
+    tmp_path, tiny_tokenizer
+):
+    """A backbone whose tokenizer has no pad token (load_tokenizer pads with eos): the RM run's
+    final model and its step checkpoint score like rlhflab in plain transformers."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhflab.models.build import build_model, save_pretrained
+    from rlhflab.rewards.reward_model import RewardModelScorer
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    lm = build_model(tok, size="tiny", max_position_embeddings=128)
+    tok.pad_token = None
+    save_pretrained(lm, tok, tmp_path / "lm")
+    rows = [{"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i + 2)}
+            for i in range(16)]  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    data = {"source": "preference", "path": str(tmp_path / "pairs.jsonl"), "format": "pairs"}
+    model = {"name_or_path": str(tmp_path / "lm")}
+    res = run_config(_rm_cfg(tmp_path, "preference", data, model=model, checkpoint={"every": 3}))
+    step = Path(res["run_dir"]) / "checkpoints" / "step-00000003"
+    text = "What is 4 + 1?5"
+    scorer = RewardModelScorer.from_pretrained(res["model_dir"], kind="preference")
+    assert scorer.tokenizer.pad_token_id != scorer.tokenizer.eos_token_id
+    ids = scorer.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ours = scorer.score([ids[:4]], [[*ids[4:], scorer.tokenizer.eos_token_id]])
+    for path in (res["model_dir"], step):
+        hf_tok = AutoTokenizer.from_pretrained(path)
+        hf_rm = AutoModelForSequenceClassification.from_pretrained(path).eval()
+        assert hf_rm.config.pad_token_id == hf_tok.pad_token_id != hf_tok.eos_token_id
+        batch = hf_tok([text + hf_tok.eos_token, "1 + 1"], padding=True, return_tensors="pt",
+                       add_special_tokens=False)  # fmt: skip
+        with torch.no_grad():
+            theirs = hf_rm(**batch).logits[0, 0]
+        torch.testing.assert_close(theirs, ours[0], rtol=0, atol=1e-5)

@@ -202,8 +202,15 @@ def problems_from_dataset(
     dataset: Any, name: str, start: int = 0, stop: int | None = None
 ) -> list[Problem]:
     """`Problem`s for items `start..stop-1` of a reasoning_gym dataset (default: all of it)."""
+    from rlhflab.tracking import phase
+
     stop = len(dataset) if stop is None else stop
-    return [_problem(dataset[i], dataset, name) for i in range(start, stop)]
+    out = []
+    with phase(f"{name}: items", stop - start) as bar:
+        for i in range(start, stop):
+            out.append(_problem(dataset[i], dataset, name))
+            bar.advance()
+    return out
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.prompts import render_row
 from rlhflab.rollout.sampler import decode_completions, sample
+from rlhflab.tracking import progress
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -75,7 +76,8 @@ def evaluate(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     scores: list[float] = []
     texts: list[str] = []
-    for start in range(0, len(prompts), batch_size):
+    batches = range(0, len(prompts), batch_size)
+    for start in progress(batches, f"eval ({len(prompts)} problems)"):
         chunk = prompts[start : start + batch_size]
         ro = sample(
             model,
@@ -95,7 +97,8 @@ def evaluate(
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
         per_prompt = max(1, batch_size // k)
         p1, pk = [], []
-        for start in range(0, len(prompts), per_prompt):
+        batches = range(0, len(prompts), per_prompt)
+        for start in progress(batches, f"pass@{k} ({len(prompts)} problems x {k})"):
             chunk_problems = problems[start : start + per_prompt]
             chunk = [p for p in prompts[start : start + per_prompt] for _ in range(k)]
             ro = sample(

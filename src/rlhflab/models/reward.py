@@ -14,6 +14,19 @@ token when pad == eos and a sequence ends in eos. Instead:
 The last real token is found from the attention mask alone, and positions count real tokens only,
 so the score does not depend on the padding side, the batch neighbours or the pad id.
 
+Scoring the same in plain transformers. `*ForSequenceClassification.forward` pools at the last
+token that is not `config.pad_token_id`. With pad == eos (what `load_tokenizer` sets for tokenizers
+without a pad token: the Llama and SmolLM families) a sequence ending in eos is pooled one token
+early, so the saved RM scores differently there than in rlhflab. We cannot change transformers'
+pooling without custom model code (`trust_remote_code`), and pooling like transformers in rlhflab
+would make the score of a completion depend on whether it ends in eos. So a reward model gets a
+pad token of its own (`ensure_distinct_pad`): a new special token `<|pad|>` that never occurs in
+text, its embedding row zero (it is only ever read at padded positions, which the mask hides).
+Then both poolings pick the same token, in a single sequence and in a padded batch, and
+`AutoModelForSequenceClassification.from_pretrained(dir)` with the saved tokenizer scores as
+rlhflab does. The RM trainer does this before training, so step checkpoints and the final model
+agree; `save_reward_model` does it for a model built elsewhere.
+
 Heads: C = 1 for a preference RM and ORM (a logit of P(correct)), C = 2 or 3 for a PRM (classes at
 step separators, see `rlhflab.losses.reward_model`).
 """
@@ -80,6 +93,44 @@ def reward_model_from_causal_lm(
         torch.nn.init.zeros_(head.bias)
     dtype = next(causal_lm.parameters()).dtype
     return rm.to(device=next(causal_lm.parameters()).device, dtype=dtype)
+
+
+#: The pad token added to a reward model's tokenizer whose pad is its eos (`ensure_distinct_pad`).
+RM_PAD_TOKEN = "<|pad|>"
+
+
+def ensure_distinct_pad(model: PreTrainedModel, tokenizer) -> bool:
+    """Give `tokenizer` and the reward model `model` a pad token distinct from eos, when they
+    have none: so transformers' own pooling (last token that is not `config.pad_token_id`) picks
+    the same token as rlhflab's (last attended token), also for sequences ending in eos.
+
+    A new special token (`RM_PAD_TOKEN`, or `<|rlhflab_pad|>` if the vocabulary already holds
+    that string as a text token) is added to the tokenizer; when its id is beyond the embedding
+    matrix, the embeddings grow by the rows needed, new rows zero (deterministic, no RNG drawn).
+    `config.pad_token_id` is set to it. Existing token ids and every score are unchanged.
+    Mutates both in place. Returns True when something changed (False: pad already distinct).
+
+    Raises:
+        ModelError: the tokenizer has no eos token and no pad token.
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if pad is not None and pad != eos:
+        model.config.pad_token_id = pad
+        return False
+    if eos is None:
+        raise ModelError("reward model tokenizer: has neither a pad token nor an eos token")
+    name = RM_PAD_TOKEN if RM_PAD_TOKEN not in tokenizer.get_vocab() else "<|rlhflab_pad|>"
+    tokenizer.add_special_tokens({"pad_token": name})
+    pad = tokenizer.pad_token_id
+    emb = model.get_input_embeddings()
+    rows = emb.weight.size(0)
+    if pad >= rows:
+        with torch.random.fork_rng(devices=[]):  # resize initialises rows: keep RNG streams
+            model.resize_token_embeddings(pad + 1, mean_resizing=False)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[rows:] = 0
+    model.config.pad_token_id = pad
+    return True
 
 
 def load_reward_model(
@@ -207,11 +258,23 @@ def save_reward_model(
     model: PreTrainedModel, tokenizer, path: str | os.PathLike[str], state_dict: dict | None = None
 ) -> None:
     """`save_pretrained` the model (its config names the *ForSequenceClassification class) and
-    tokenizer; `AutoModelForSequenceClassification.from_pretrained(path)` reads it back.
-    `state_dict` replaces the model's own (a full state gathered from sharded parameters)."""
+    tokenizer; `AutoModelForSequenceClassification.from_pretrained(path)` reads it back and, with
+    the saved tokenizer, scores as rlhflab does: a tokenizer whose pad is its eos first gets a
+    pad token of its own (`ensure_distinct_pad`, which mutates model and tokenizer).
+    `state_dict` replaces the model's own (a full state gathered from sharded parameters; the
+    pad must then already be distinct, as the RM trainer makes it before sharding).
+
+    Raises:
+        ModelError: `state_dict` given with a tokenizer whose pad is its eos.
+    """
     os.makedirs(path, exist_ok=True)
-    if tokenizer is not None and model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer is not None:
+        if state_dict is not None and tokenizer.pad_token_id in (None, tokenizer.eos_token_id):
+            raise ModelError(
+                "save_reward_model: the tokenizer's pad is its eos; call ensure_distinct_pad "
+                "before sharding the model"
+            )
+        ensure_distinct_pad(model, tokenizer)
     model.save_pretrained(path, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

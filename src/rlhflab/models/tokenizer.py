@@ -113,7 +113,10 @@ def train_tokenizer(
         initial_alphabet=alphabet,
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer)
+    from rlhflab.tracking import phase
+
+    with phase(f"tokenizer (vocab {vocab_size})"):
+        tok.train_from_iterator(texts, trainer)
     # The trainer registers every reserved token as special; mark the answer tags non-special so
     # `skip_special_tokens=True` keeps them. Round-trip through JSON so the backend's own
     # special-token set agrees with the flags.

@@ -63,7 +63,7 @@ from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
 from rlhflab.runs import SampleWriter, write_json_atomic
-from rlhflab.tracking import Tracker, read_metrics
+from rlhflab.tracking import Tracker, progress, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
@@ -193,7 +193,8 @@ def verifiable_pairs(
     # Every data-parallel rank samples every prompt with the same draws (the generators are in
     # step), so all ranks build the same pairs; under FSDP2 the parameters are gathered once.
     with distributed.gathered(model):
-        for s in range(0, len(flat), chunk):
+        pieces = range(0, len(flat), chunk)
+        for s in progress(pieces, f"sampling pairs ({len(problems)} prompts x {K})"):
             ro = sample(
                 model,
                 flat[s : s + chunk],
@@ -354,9 +355,12 @@ def train(cfg: DPOConfig) -> dict:
     # -- 2. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(
-        run_dir, cfg, headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy")
+        run_dir,
+        cfg,
+        headline=("train/loss", "dpo/accuracy", "eval/pref_accuracy", "eval/accuracy"),
+        ckpt=ckpt,
     )
-    samples = SampleWriter(run_dir, enabled=distributed.is_main())
+    samples = SampleWriter(run_dir, enabled=distributed.is_main(), tracker=tracker)
     health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  ({len(rows)} training rows, {len(held_rows)} held-out pairs, "
@@ -417,10 +421,11 @@ def train(cfg: DPOConfig) -> dict:
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
         generators={"sampler": generator},
-        stateful={"data": stream, "nan": guard, "health": health},
+        stateful={"data": stream, "nan": guard, "health": health, "tracker": tracker},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
+        tokenizer=tokenizer,
     )
 
     def state() -> dict:

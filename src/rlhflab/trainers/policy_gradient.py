@@ -162,9 +162,9 @@ def train(cfg: PGConfig) -> dict:
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
     tracker = Tracker.for_run(
-        run_dir, cfg, headline=("rollout/reward_mean", "policy/kl", "eval/accuracy")
+        run_dir, cfg, headline=("rollout/reward_mean", "policy/kl", "eval/accuracy"), ckpt=ckpt
     )
-    samples = SampleWriter(run_dir, enabled=distributed.is_main())
+    samples = SampleWriter(run_dir, enabled=distributed.is_main(), tracker=tracker)
     health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  (train prompts {len(prompts)}, held-out {len(heldout)}, "
@@ -234,10 +234,11 @@ def train(cfg: PGConfig) -> dict:
         optimizers={"optimizer": optimizer, "value_optimizer": value_optimizer},
         schedulers={"scheduler": scheduler, "value_scheduler": value_scheduler},
         generators={"sampler": sampler_rng, "shuffle": shuffle_rng},
-        stateful={"prompts": prompt_stream, "nan": guard, "health": health},
+        stateful={"prompts": prompt_stream, "nan": guard, "health": health, "tracker": tracker},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
+        tokenizer=tokenizer,
     )
 
     def state() -> dict:

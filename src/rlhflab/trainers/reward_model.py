@@ -49,6 +49,7 @@ from rlhflab.losses.reward_model import (
 from rlhflab.models.loading import context_length
 from rlhflab.models.reward import (
     completion_token_logits,
+    ensure_distinct_pad,
     reward_head,
     reward_model_from_causal_lm,
     save_reward_model,
@@ -117,6 +118,7 @@ def train(cfg: RMConfig) -> dict:
     model = reward_model_from_causal_lm(
         lm, num_labels=num_labels, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id
     )
+    ensure_distinct_pad(model, tokenizer)  # pad == eos: plain transformers would pool elsewhere
     del lm
     model.train()
     distributed.check_split(cfg.train.batch_size, "train.batch_size", "examples")
@@ -128,7 +130,7 @@ def train(cfg: RMConfig) -> dict:
 
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
-    tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "rm/accuracy"))
+    tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "rm/accuracy"), ckpt=ckpt)
     health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
     tracker.print(
         f"run directory: {run_dir}  ({len(train_items)} train / {len(eval_items)} held-out "
@@ -149,10 +151,11 @@ def train(cfg: RMConfig) -> dict:
         modules={"model": model},
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
-        stateful={"data": stream, "nan": guard, "health": health},
+        stateful={"data": stream, "nan": guard, "health": health, "tracker": tracker},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
+        tokenizer=tokenizer,
     )
 
     def state() -> dict:

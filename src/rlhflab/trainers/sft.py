@@ -106,7 +106,7 @@ def train(cfg: SFTConfig) -> dict:
 
     # -- 1. Run directory (a resumed run continues in its own).
     run_dir = open_run(cfg, ckpt)
-    tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "eval/accuracy"))
+    tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "eval/accuracy"), ckpt=ckpt)
     tracker.print(f"run directory: {run_dir}  ({len(pairs)} examples, dropped: {drops or 0})")
     health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
 
@@ -128,10 +128,11 @@ def train(cfg: SFTConfig) -> dict:
         modules={"model": model},
         optimizers={"optimizer": optimizer},
         schedulers={"scheduler": scheduler},
-        stateful={"data": stream, "nan": guard, "health": health},
+        stateful={"data": stream, "nan": guard, "health": health, "tracker": tracker},
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resumed_from=ckpt,
+        tokenizer=tokenizer,
     )
 
     def state() -> dict:
