@@ -155,7 +155,7 @@ def _check_messages(value: Any, field: str) -> list[dict[str, str]]:
                 "wrong_type", f"field '{f}' must be an object with 'role' and 'content'"
             )
         for key in ("role", "content"):
-            if key not in msg:
+            if msg.get(key) is None:
                 raise _RowError("missing_field", f"field '{f}.{key}' is missing")
             if not isinstance(msg[key], str):
                 raise _RowError(
@@ -228,6 +228,8 @@ def _parse_row(row: Any, tokenizer: Any, assistant_turns: str = "all") -> SFTExa
             "not_an_object",
             "expected a JSON object with 'text', 'messages' or 'prompt' and 'completion'",
         )
+    # Arrow sources (parquet, Hub) give every column to every row: a null is an absent field.
+    row = {k: v for k, v in row.items() if v is not None}
     if "text" in row:
         others = [k for k in ("messages", "prompt", "completion") if k in row]
         if others:
