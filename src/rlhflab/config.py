@@ -795,7 +795,8 @@ class DPODataConfig(Strict):
     """Preference pairs from a file / hub dataset, or verifiable pairs sampled from the policy.
 
     source "file": `path` (hub id, dataset directory or .json/.jsonl/.parquet/.csv) in `format`
-    ("auto": detected from the rows; see rlhflab.data.preference); `heldout_pairs` of them (after a seeded shuffle) are held out.
+    ("auto": detected from the rows; see rlhflab.data.preference); `heldout_pairs` of them (after
+    a seeded shuffle) are held out.
     source "verifiable": per round, `verifiable.n_prompts` task prompts, K samples each from the
     current policy, best vs worst by the task's verifier (see VerifiablePairsConfig).
     """

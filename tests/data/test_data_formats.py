@@ -146,6 +146,24 @@ def test_truncation_keeps_whole_trained_prefix(tiny_tokenizer):
     assert _trained_runs(tok, cut) == first_runs[:1]
 
 
+def test_chatml_style_template_newline_after_eos_is_context(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    )
+    examples, _ = load_sft_jsonl(FIX / "sft_multiturn.jsonl", tok)
+    (row,) = tokenize_sft(tok, examples[:1], max_len=64)
+    assert _trained_runs(tok, row) == ["2<|end|>", "4<|end|>"]
+    full = render_messages(tok, MULTI, add_generation_prompt=False)
+    assert full.endswith("4<|end|>\n")
+    assert tok.decode(row["input_ids"], skip_special_tokens=False) == full[:-1]
+    c2 = encode_prompt(tok, "\n<|user|>\nAnd 2 + 2?<|end|>\n<|assistant|>\n")
+    a2 = encode_completion(tok, "4")
+    assert row["input_ids"][-len(c2 + a2) :] == c2 + a2
+    assert row["labels"][-len(c2 + a2) :] == [IGNORE_INDEX] * len(c2) + a2
+
+
 def test_template_that_rewrites_earlier_turns_is_an_error(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
     # Renders earlier assistant turns without their content (as templates that strip reasoning
