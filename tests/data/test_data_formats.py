@@ -124,6 +124,20 @@ def test_messages_train_every_assistant_turn_token_by_token(tiny_tokenizer):
     assert _trained_runs(tok, rows[2]) == ["7<|end|>", "14<|end|>", "13<|end|>"]
 
 
+def test_ultrachat_row_prompt_column_is_informative(tiny_tokenizer, tmp_path):
+    from datasets import Dataset
+
+    row = {"prompt": "1 + 1?", "prompt_id": "ab12", "messages": MULTI[1:]}
+    Dataset.from_list([row]).to_parquet(tmp_path / "ultrachat.parquet")
+    (ex,), _ = load_sft_data(tmp_path / "ultrachat.parquet", tiny_tokenizer)
+    assert ex.prompt == render_messages(tiny_tokenizer, MULTI[1:-1]) and ex.completion == "4"
+    assert len(ex.trained_spans) == 1
+    path = tmp_path / "both.jsonl"
+    path.write_text(json.dumps({"messages": MULTI, "completion": "4"}) + "\n")
+    with pytest.raises(DataError, match=r"line 1: has both 'messages' and 'completion'; use one"):
+        load_sft_jsonl(path, tiny_tokenizer)
+
+
 def test_messages_last_turn_only(tiny_tokenizer):
     tok = tiny_tokenizer
     examples, _ = load_sft_jsonl(FIX / "sft_multiturn.jsonl", tok, assistant_turns="last")

@@ -7,7 +7,9 @@ Multi-turn conversations also train their earlier assistant turns (`SFTExample.t
 and language-modelling rows train every token.
 
 Row formats (TRL's dataset types; standard vs conversational is told apart per row by the value
-type: a string, or a list of `{"role", "content"}` messages). Other keys in a row are ignored.
+type: a string, or a list of `{"role", "content"}` messages). Other keys in a row are ignored,
+and so is a `prompt` beside `text` or `messages` when there is no `completion` (ultrachat_200k's
+rows carry one).
 
     {"text": "The sky is blue."}                                   language modelling
     {"messages": [{"role": "user", "content": "2+2?"},
@@ -230,8 +232,10 @@ def _parse_row(row: Any, tokenizer: Any, assistant_turns: str = "all") -> SFTExa
         )
     # Arrow sources (parquet, Hub) give every column to every row: a null is an absent field.
     row = {k: v for k, v in row.items() if v is not None}
+    # A `prompt` column beside `text` or `messages` but without `completion` is informative only
+    # (HuggingFaceH4/ultrachat_200k carries one), as in TRL.
     if "text" in row:
-        others = [k for k in ("messages", "prompt", "completion") if k in row]
+        others = [k for k in ("messages", "completion") if k in row]
         if others:
             raise _RowError("wrong_type", f"has both 'text' and '{others[0]}'; use one format")
         text = row["text"]
@@ -243,10 +247,8 @@ def _parse_row(row: Any, tokenizer: Any, assistant_turns: str = "all") -> SFTExa
             raise _RowError("empty_completion", "field 'text' is empty")
         return SFTExample(prompt="", completion=text)
     if "messages" in row:
-        if "prompt" in row or "completion" in row:
-            raise _RowError(
-                "wrong_type", "has both 'messages' and 'prompt'/'completion'; use one format"
-            )
+        if "completion" in row:
+            raise _RowError("wrong_type", "has both 'messages' and 'completion'; use one format")
         messages = _check_messages(row["messages"], "messages")
         last = len(messages) - 1
         if messages[-1]["role"] != "assistant":
