@@ -11,6 +11,7 @@ import pytest
 from rlhflab.data.formatting import encode_completion, encode_prompt, render_messages
 from rlhflab.data.preference import (
     PreferencePair,
+    UnpairedExample,
     detect_preference_format,
     load_preference_data,
     parse_rows,
@@ -350,3 +351,13 @@ def test_auto_detection_errors_and_no_silent_switch():
     pairs, drops = parse_rows([7, *rows[:1]], "auto", on_invalid="drop")
     assert pairs == [PreferencePair([{"role": "user", "content": "p"}], "a", "b")]
     assert drops["not_an_object"] == 1
+
+
+def test_conversational_unpaired_and_explicit_pairs_detected():
+    user = [{"role": "user", "content": "2 + 2?"}]
+    kto = {"prompt": user, "completion": [{"role": "assistant", "content": "4"}], "label": 1}
+    (ex,), _ = parse_rows([kto], "auto")
+    assert ex == UnpairedExample(user, "4", True)
+    conv = {"prompt": user, "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}
+    assert detect_preference_format(conv) == "pairs"
+    assert parse_rows([conv], "auto")[0] == [PreferencePair(user, "4", "5")]
