@@ -364,16 +364,24 @@ class TrainerConfig(Strict):
 
 
 class SFTDataConfig(Strict):
-    """SFT pairs from the task (question -> answer) or from a local JSONL file."""
+    """SFT examples from the task (question -> answer) or from a dataset.
 
-    source: Literal["task", "jsonl"] = "task"
-    path: str | None = None  # jsonl: `messages` or `prompt`/`completion` rows
+    source "dataset" (alias "jsonl"): `path` is a local .jsonl/.json/.parquet/.csv file, a local
+    dataset directory or a Hub id (`split`), with `text`, `messages` or `prompt`/`completion` rows
+    (rlhflab.data.sft). `assistant_turns`: which assistant turns of `messages` rows are trained,
+    "all" (TRL's assistant_only_loss) or "last".
+    """
+
+    source: Literal["task", "dataset", "jsonl"] = "task"
+    path: str | None = None
+    split: str = "train"  # of a dataset directory or Hub id
+    assistant_turns: Literal["all", "last"] = "all"
     on_invalid: Literal["error", "drop"] = "error"
 
     @model_validator(mode="after")
     def _path_for_jsonl(self) -> SFTDataConfig:
-        if self.source == "jsonl" and not self.path:
-            raise ValueError("data.path is required when data.source is 'jsonl'")
+        if self.source != "task" and not self.path:
+            raise ValueError(f"data.path is required when data.source is '{self.source}'")
         return self
 
 
@@ -816,15 +824,16 @@ def dump_config(cfg: BaseModel) -> str:
 class DPODataConfig(Strict):
     """Preference pairs from a file / hub dataset, or verifiable pairs sampled from the policy.
 
-    source "file": `path` (hub id or .json/.jsonl/.parquet) in `format` (see
-    rlhflab.data.preference); `heldout_pairs` of them (after a seeded shuffle) are held out.
+    source "file": `path` (hub id, dataset directory or .json/.jsonl/.parquet/.csv) in `format`
+    ("auto": detected from the rows; see rlhflab.data.preference); `heldout_pairs` of them (after
+    a seeded shuffle) are held out.
     source "verifiable": per round, `verifiable.n_prompts` task prompts, K samples each from the
     current policy, best vs worst by the task's verifier (see VerifiablePairsConfig).
     """
 
     source: Literal["file", "verifiable"] = "verifiable"
     path: str | None = None
-    format: Literal["ultrafeedback", "hh_rlhf", "pairs", "unpaired"] = "pairs"
+    format: Literal["auto", "implicit", "ultrafeedback", "hh_rlhf", "pairs", "unpaired"] = "auto"
     split: str = "train"
     max_rows: int | None = Field(None, ge=1)
     on_invalid: Literal["error", "drop"] = "error"
@@ -962,7 +971,8 @@ class RMDataConfig(Strict):
     task_samples      the policy `data.policy` samples `samples_per_prompt` completions for
                       `n_prompts` task prompts; the verifier labels them (pairs / outcomes / steps)
     worked_solutions  arithmetic worked solutions with planted errors (orm / prm; no policy)
-    preference        a preference dataset (`path`, `format`: ultrafeedback, hh_rlhf, pairs)
+    preference        a preference dataset (`path`, `format`: auto, implicit, ultrafeedback,
+                      hh_rlhf, pairs)
     prm800k           PRM800K rows (`path`: file or hub id)
     """
 
@@ -975,7 +985,7 @@ class RMDataConfig(Strict):
     max_pairs_per_prompt: int = Field(4, ge=1)
     error_frac: float = Field(0.5, ge=0, le=1)  # worked_solutions: share with a planted error
     path: str | None = None
-    format: Literal["ultrafeedback", "hh_rlhf", "pairs"] = "pairs"
+    format: Literal["auto", "implicit", "ultrafeedback", "hh_rlhf", "pairs"] = "auto"
     split: str = "train"
     max_rows: int | None = Field(None, ge=1)
     heldout_frac: float = Field(0.1, ge=0, lt=1)  # preference / prm800k: rows held out for eval

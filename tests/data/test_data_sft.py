@@ -82,7 +82,7 @@ def test_error_mode_names_file_and_first_bad_line(tiny_tokenizer):
         load_sft_jsonl(PROMPT_COMPLETION, tiny_tokenizer)
     assert str(info.value) == (
         f"data.path: {PROMPT_COMPLETION} line 3: field 'completion' is missing "
-        "(expected 'messages' or 'prompt' and 'completion')"
+        "(expected 'text', 'messages' or 'prompt' and 'completion')"
     )
 
 
@@ -90,7 +90,10 @@ def test_error_mode_names_file_and_first_bad_line(tiny_tokenizer):
     ("row", "message"),
     [
         ({"prompt": "hi", "completion": " "}, "field 'completion' is empty"),
-        ({"prompt": "hi", "completion": 1}, "field 'completion' must be a string, got int"),
+        (
+            {"prompt": "hi", "completion": 1},
+            "field 'completion' must be a string or a list of messages, got int",
+        ),
         (
             {"prompt": 3, "completion": "x"},
             "field 'prompt' must be a string or a list of messages, got int",

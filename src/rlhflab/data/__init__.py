@@ -2,7 +2,8 @@
 
 * `tasks` — `Problem`, `make_task_dataset`, `make_splits` (leak-free held-out sets).
 * `formatting` — the one prompt/completion boundary shared by SFT, RL, DPO and eval.
-* `sft` — SFT examples from problems or JSONL, and their tokenization with prompt-masked labels.
+* `sft` — SFT examples from problems or dataset files (TRL's text / messages / prompt-completion
+  rows), and their tokenization with prompt-masked labels.
 
 Importing this package does not import reasoning_gym or transformers.
 """
@@ -16,6 +17,7 @@ from rlhflab.data.formatting import (
 )
 from rlhflab.data.sft import (
     SFTExample,
+    load_sft_data,
     load_sft_jsonl,
     sft_examples_from_problems,
     tokenize_sft,
@@ -29,6 +31,7 @@ __all__ = [
     "encode_completion",
     "encode_prompt",
     "format_completion",
+    "load_sft_data",
     "load_sft_jsonl",
     "make_splits",
     "make_task_dataset",

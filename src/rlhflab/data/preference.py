@@ -1,23 +1,33 @@
 """Preference data: pairs (prompt, chosen, rejected) and unpaired (prompt, completion, label) rows.
 
-Formats read by `load_preference_data` (through `datasets.load_dataset`: a hub id, or a local
-.json / .jsonl / .parquet file), one row each:
+Formats read by `load_preference_data` (through `datasets.load_dataset`: a hub id, a local dataset
+directory, or a local .json / .jsonl / .parquet / .csv file), one row each. TRL's dataset types;
+standard (strings) vs conversational (lists of `{"role", "content"}`) is told by the value type:
 
-* ``ultrafeedback`` — HuggingFaceH4/ultrafeedback_binarized: `chosen` and `rejected` are full
-  conversations (lists of `{"role", "content"}` ending with the assistant's answer); `prompt` (str)
-  is optional and only informative. The messages both conversations share are the prompt.
+* ``auto`` (the default) — detected from the first row's fields: `label` → unpaired; `prompt`
+  with `chosen`/`rejected` → pairs (or implicit when `chosen` is a whole conversation, as in
+  UltraFeedback); `chosen`/`rejected` alone → hh_rlhf for "\n\nHuman:" transcripts, else
+  implicit. Every row is then parsed in the detected format (a row in another format is an error
+  naming its field, not a silent switch).
+* ``implicit`` — implicit prompt, TRL's `{"chosen", "rejected"}`. Conversational: both are full
+  conversations; the messages both share are the prompt (each side must end with exactly one
+  differing assistant turn); a `prompt` column is only informative. Standard: both are strings;
+  the prompt is their longest common prefix cut back to a word boundary (`split_shared_text`)
+  and is used as raw text (no chat template), as TRL does. ``ultrafeedback`` is an alias
+  (HuggingFaceH4/ultrafeedback_binarized).
 * ``hh_rlhf`` — Anthropic/hh-rlhf: `chosen` and `rejected` are transcripts
-  ``"\\n\\nHuman: …\\n\\nAssistant: …"`` (multi-turn allowed). Both are split into messages
+  ``"\n\nHuman: …\n\nAssistant: …"`` (multi-turn allowed). Both are split into messages
   (Human → user, Assistant → assistant, contents stripped); the shared prefix is the prompt and
   each side must end with exactly one differing assistant turn.
-* ``pairs`` — generic: `prompt` is user text (str) or a list of messages; `chosen` / `rejected`
-  are strings, one assistant message, or a full conversation that starts with the prompt.
+* ``pairs`` — explicit prompt: `prompt` is user text (str) or a list of messages; `chosen` /
+  `rejected` are strings, one assistant message, or a full conversation that starts with the prompt.
 * ``unpaired`` — KTO: `prompt` (str or messages), `completion` (str or one assistant message),
   `label` (bool: desirable or not; 0/1 accepted).
 
-Hub ids and .parquet files go through `datasets.load_dataset`; local .json/.jsonl files are read
-with the json module, row by row, because Arrow coerces columns to one type (a malformed row would
-be silently changed or make the whole file fail without naming the row).
+Hub ids, directories and .parquet files go through `datasets.load_dataset`; local .json/.jsonl
+files are read with the json module and .csv files with the csv module (every value is text), row
+by row, because Arrow and pandas coerce columns to one type (a malformed row would be silently
+changed — a completion "4" read as 4.0 — or make the whole file fail without naming the row).
 
 Every loader returns `(rows, drop_counts)`. Invalid rows raise a `DataError` naming the source,
 the row (counted from 0) and the field — "data.path: hh.jsonl row 3: field 'chosen' …" — or, with
@@ -25,12 +35,14 @@ the row (counted from 0) and the field — "data.path: hh.jsonl row 3: field 'ch
 
 A `PreferencePair.prompt` is a list of chat messages (rendered later with the tokenizer's chat
 template, `render_prompt_text`) or a string that is *already rendered* (verifiable pairs built from
-task prompts). Completions carry no eos; `tokenize_pairs` appends it through `encode_completion`,
-so pairs are scored on exactly the prompt/completion boundary SFT and the sampler use.
+task prompts; the raw text prompt of an implicit string pair). Completions carry no eos;
+`tokenize_pairs` appends it through `encode_completion`, so pairs are scored on exactly the
+prompt/completion boundary SFT and the sampler use.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -45,8 +57,15 @@ from rlhflab.errors import ConfigError, DataError
 logger = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
-PreferenceFormat = Literal["ultrafeedback", "hh_rlhf", "pairs", "unpaired"]
-PREFERENCE_FORMATS: tuple[str, ...] = ("ultrafeedback", "hh_rlhf", "pairs", "unpaired")
+PreferenceFormat = Literal["auto", "implicit", "ultrafeedback", "hh_rlhf", "pairs", "unpaired"]
+PREFERENCE_FORMATS: tuple[str, ...] = (
+    "auto",
+    "implicit",
+    "ultrafeedback",
+    "hh_rlhf",
+    "pairs",
+    "unpaired",
+)
 
 #: Reasons a row can be invalid; keys of the drop counts.
 DROP_REASONS: tuple[str, ...] = (
@@ -230,6 +249,54 @@ def parse_ultrafeedback_row(row: Any) -> PreferencePair:
     )
 
 
+def split_shared_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """Split two texts with an implicit shared prompt into (prompt, chosen, rejected) completions.
+
+    The prompt is the longest common prefix of the two strings, cut back to the last position
+    where both texts start a whitespace run after a non-space character; the completions start
+    with that whitespace. "The sky is blue." / "The sky is green." → ("The sky is", " blue.",
+    " green."); "The cat sat" / "The car sat" → ("The", " cat sat", " car sat"). TRL's
+    `extract_prompt` cuts at the first differing character and moves one preceding space into the
+    completions (so BPE sees " blue" as in pre-training); cutting at a shared word boundary also
+    keeps a word from being split between prompt and completion. Both completions are non-empty.
+
+    Raises:
+        RowError: "identical" when the texts are equal; "no_shared_prompt" when no such boundary
+            exists (no shared word before the first difference).
+    """
+    if chosen == rejected:
+        raise RowError("identical", "fields 'chosen' and 'rejected' are identical")
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    for j in range(min(n, len(chosen) - 1, len(rejected) - 1), 0, -1):
+        if chosen[j].isspace() and rejected[j].isspace() and not chosen[j - 1].isspace():
+            return chosen[:j], chosen[j:], rejected[j:]
+    raise RowError(
+        "no_shared_prompt",
+        "fields 'chosen' and 'rejected' share no prompt (no common prefix ending at a word "
+        "boundary before they differ)",
+    )
+
+
+def parse_implicit_row(row: Any) -> PreferencePair:
+    """One implicit-prompt row {chosen, rejected} → PreferencePair: two conversations sharing their
+    leading messages (the prompt; UltraFeedback-binarized), or two strings sharing a text prefix
+    (`split_shared_text`; the prompt stays raw text). A `prompt` column is ignored.
+
+    Raises RowError naming the field when a field is missing, malformed or of mixed type."""
+    chosen, rejected = _get(row, "chosen"), _get(row, "rejected")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        prompt, c, r = split_shared_text(chosen, rejected)
+        return PreferencePair(prompt, c, r)
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        raise RowError(
+            "wrong_type",
+            "fields 'chosen' and 'rejected' must both be strings or both lists of messages",
+        )
+    return parse_ultrafeedback_row(row)
+
+
 def parse_hh_row(row: Any) -> PreferencePair:
     """One HH-RLHF row (`chosen`/`rejected` "\\n\\nHuman: … \\n\\nAssistant: …" transcripts; the
     shared prefix is the prompt) → PreferencePair. Raises DataError naming the field."""
@@ -280,18 +347,39 @@ def parse_unpaired_row(row: Any) -> UnpairedExample:
 
 
 ROW_PARSERS = {
-    "ultrafeedback": parse_ultrafeedback_row,
+    "implicit": parse_implicit_row,
+    "ultrafeedback": parse_implicit_row,  # alias: UltraFeedback-binarized is the implicit format
     "hh_rlhf": parse_hh_row,
     "pairs": parse_pairs_row,
     "unpaired": parse_unpaired_row,
 }
 
 
+def detect_preference_format(row: Any) -> str | None:
+    """The format of one row from its fields and value types (module docstring, ``auto``); None
+    when the row is not an object or has none of the preference fields."""
+    if not isinstance(row, dict):
+        return None
+    if "label" in row and "completion" in row:
+        return "unpaired"
+    if "chosen" not in row or "rejected" not in row:
+        return None
+    chosen = row["chosen"]
+    if row.get("prompt") is not None:
+        conversation = isinstance(chosen, list) and any(
+            isinstance(m, dict) and m.get("role") != "assistant" for m in chosen
+        )
+        return "implicit" if conversation else "pairs"
+    if isinstance(chosen, str) and _HH_TURN.match(chosen):
+        return "hh_rlhf"
+    return "implicit"
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------
 
-_LOCAL_BUILDERS = (".json", ".jsonl", ".parquet")
+_LOCAL_BUILDERS = (".json", ".jsonl", ".parquet", ".csv")
 
 
 def _load_rows(path: str, split: str, field: str) -> Iterable[Any]:
@@ -303,19 +391,30 @@ def _load_rows(path: str, split: str, field: str) -> Iterable[Any]:
         if ext in _LOCAL_BUILDERS:
             if not os.path.isfile(path):
                 raise DataError(f"{field}: file not found: {path}")
-            if ext != ".parquet":
+            if ext in (".json", ".jsonl"):
                 # Not through Arrow: it needs one type per column and silently coerces or rejects
                 # a file whose rows disagree, so a malformed row could not be named.
                 return _read_json_rows(path, field)
+            if ext == ".csv":
+                # Not through pandas either: it would read a completion "4" as the float 4.0.
+                return _read_csv_rows(path)
             return datasets.load_dataset("parquet", data_files=path, split="train")
         if os.path.exists(path) and not os.path.isdir(path):
-            raise DataError(f"{field}: {path}: expected a .json, .jsonl or .parquet file")
+            raise DataError(f"{field}: {path}: expected a .json, .jsonl, .parquet or .csv file")
         return datasets.load_dataset(path, split=split)
     except DataError:
         raise
     except Exception as exc:
         msg = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise DataError(f"{field}: cannot load {path!r} (split {split!r}): {msg}") from None
+
+
+def _read_csv_rows(path: str) -> list[dict[str, str]]:
+    """Rows of a .csv file with a header line; every value is text (CSV has no types)."""
+    import csv
+
+    with open(path, encoding="utf-8", newline="") as fh:
+        return list(csv.DictReader(fh))
 
 
 def _read_json_rows(path: str, field: str) -> list[Any]:
@@ -355,9 +454,27 @@ def parse_rows(
 ) -> tuple[list, dict[str, int]]:
     """Parse already loaded rows (dicts) with the parser of `fmt`.
 
+    `fmt="auto"` detects the format from the first row that has preference fields
+    (`detect_preference_format`) and parses every row in it.
+
     Returns `(examples, drop_counts)`; raises DataError "<source> row i: …" on the first invalid
-    row when on_invalid == "error", and when no row is valid.
+    row when on_invalid == "error", when no row is valid, and ("auto") when no row has
+    preference fields.
     """
+    if fmt == "auto":
+        head, rest = [], iter(rows)
+        for row in rest:  # the first row with preference fields decides
+            head.append(row)
+            fmt = detect_preference_format(row) or "auto"
+            if fmt != "auto":
+                break
+        rows = itertools.chain(head, rest)
+        if fmt == "auto":
+            raise DataError(
+                f"{source}: cannot detect the preference format: no row has 'chosen' and "
+                "'rejected' (optionally 'prompt'), or 'prompt', 'completion' and 'label'"
+            )
+        logger.info("%s: detected preference format %r", source, fmt)
     if fmt not in ROW_PARSERS:
         raise ConfigError(
             f"data.format: must be one of {', '.join(PREFERENCE_FORMATS)}, got {fmt!r}"
@@ -388,7 +505,7 @@ def parse_rows(
 
 def load_preference_data(
     path: str,
-    fmt: str,
+    fmt: str = "auto",
     *,
     split: str = "train",
     on_invalid: str = "error",
@@ -398,9 +515,9 @@ def load_preference_data(
     """Load preference pairs (or unpaired KTO rows for fmt="unpaired") from a file or the hub.
 
     Args:
-        path: local .json/.jsonl/.parquet file, or a hub dataset id (e.g.
-            "HuggingFaceH4/ultrafeedback_binarized" with split "train_prefs").
-        fmt: one of PREFERENCE_FORMATS (module docstring).
+        path: local .json/.jsonl/.parquet/.csv file, a local dataset directory, or a hub dataset
+            id (e.g. "HuggingFaceH4/ultrafeedback_binarized" with split "train_prefs").
+        fmt: one of PREFERENCE_FORMATS (module docstring); "auto" detects it from the rows.
         split: hub split (ignored for local files, which are one split).
         on_invalid: "error" or "drop" (per-reason counts in the second return value).
         max_rows: stop after this many valid rows.
@@ -408,6 +525,11 @@ def load_preference_data(
 
     Returns:
         (list of PreferencePair — or UnpairedExample for "unpaired" —, drop counts by reason).
+
+    Raises:
+        ConfigError: unknown `fmt` or `on_invalid`.
+        DataError: missing file, unreadable dataset, undetectable format, an invalid row
+            (on_invalid "error"), or no valid row.
     """
     rows = _load_rows(path, split, field)
     return parse_rows(

@@ -48,6 +48,7 @@ from rlhflab.data.formatting import encode_prompt, format_completion
 from rlhflab.data.preference import (
     PreferencePair,
     TokenizedPair,
+    UnpairedExample,
     load_preference_data,
     pairs_from_scored_samples,
     tokenize_pairs,
@@ -294,6 +295,7 @@ def train(cfg: DPOConfig) -> dict:
             system=system,
         )  # fmt: skip
 
+    file_unpaired = False  # a preference file of unpaired (KTO) rows
     if verifiable:
         heldout_pairs, data_counts["heldout"] = verifiable_pairs(
             model, tokenizer, splits.heldout[: cfg.data.heldout_pairs], verifier, v, t,
@@ -311,12 +313,16 @@ def train(cfg: DPOConfig) -> dict:
             max_rows=cfg.data.max_rows,
         )
         rng.shuffle(examples)
+        file_unpaired = isinstance(examples[0], UnpairedExample)  # format "unpaired" or detected
+        if file_unpaired and not unpaired:
+            raise DataError(f"data.path: {cfg.data.path} holds unpaired rows (prompt, completion, "
+                            f"label): they need loss.name 'kto', not '{cfg.loss.name}'")  # fmt: skip
         n_held = cfg.data.heldout_pairs
-        if cfg.data.format != "unpaired" and n_held >= len(examples):
+        if not file_unpaired and n_held >= len(examples):
             raise DataError(f"data.heldout_pairs ({n_held}) must be smaller than the "
                             f"{len(examples)} pairs of {cfg.data.path}")  # fmt: skip
-        heldout_pairs = [] if cfg.data.format == "unpaired" else examples[:n_held]
-        train_pairs = examples if cfg.data.format == "unpaired" else examples[n_held:]
+        heldout_pairs = [] if file_unpaired else examples[:n_held]
+        train_pairs = examples if file_unpaired else examples[n_held:]
     if not train_pairs:
         raise DataError(
             f"data: no training pairs ({data_counts.get('round_1', {})}); with verifiable pairs "
@@ -324,7 +330,7 @@ def train(cfg: DPOConfig) -> dict:
         )
 
     def build_rows(pairs) -> tuple[list[dict], dict]:
-        if cfg.data.format == "unpaired" and not verifiable:
+        if file_unpaired:
             rows, counts = _tokenize_unpaired(tokenizer, pairs, tok_kw)
             return _with_mismatched(rows, rng), counts
         tokenized, counts = tokenize_pairs(tokenizer, pairs, **tok_kw)

@@ -381,11 +381,18 @@ def build_rm_data(cfg: RMConfig, tokenizer, lm, splits, device) -> tuple[list, l
             out.append(items)
         return out[0], out[1], counts
     if d.source == "preference":
-        from rlhflab.data.preference import load_preference_data, tokenize_pairs
+        from rlhflab.data.preference import (
+            UnpairedExample,
+            load_preference_data,
+            tokenize_pairs,
+        )
 
         pairs, drops = load_preference_data(
             d.path, d.format, split=d.split, on_invalid=d.on_invalid, max_rows=d.max_rows
         )
+        if isinstance(pairs[0], UnpairedExample):
+            raise DataError(f"data.path: {d.path} holds unpaired rows (prompt, completion, "
+                            "label); a preference reward model needs chosen/rejected pairs")  # fmt: skip
         items, tcounts = tokenize_pairs(tokenizer, pairs)
         return (*_split_rows(items, d.heldout_frac), {"dropped": drops, **tcounts})
     # prm800k

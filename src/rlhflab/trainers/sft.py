@@ -2,10 +2,12 @@
 
     loss = − Σ_{i,t} mask_{i,t} · log π_θ(y_{i,t} | x_i, y_{i,<t}) / N_tokens
 
-N_tokens counts the completion tokens of the whole optimizer step (all micro-batches), so k
+N_tokens counts the trained tokens of the whole optimizer step (all micro-batches), so k
 micro-batches give exactly the gradient of one batch. Prompt tokens carry no loss. Pairs come
-from a reasoning_gym task (question → answer in the configured answer format) or a local JSONL
-file (`messages` or `prompt`/`completion` rows).
+from a reasoning_gym task (question → answer in the configured answer format) or a dataset
+(`text`, `messages` or `prompt`/`completion` rows; rlhflab.data.sft). A multi-turn `messages`
+row trains every assistant turn (data.assistant_turns "all"): mask is 0 on the user turns between
+them; a `text` row trains every token.
 
 Phases: 0 set-up and validation (nothing written yet) → 1 run directory → 2 training steps →
 3 held-out evaluation → 4 save model, plots, final_results.json.
@@ -21,7 +23,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
-from rlhflab.data.sft import load_sft_jsonl, sft_examples_from_problems, tokenize_sft
+from rlhflab.data.sft import load_sft_data, sft_examples_from_problems, split_features, tokenize_sft
 from rlhflab.data.tasks import make_splits
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
@@ -86,15 +88,20 @@ def train(cfg: SFTConfig) -> dict:
         )
         drops: dict[str, int] = {}
     else:
-        examples, drops = load_sft_jsonl(cfg.data.path, tokenizer, on_invalid=cfg.data.on_invalid)
+        examples, drops = load_sft_data(
+            cfg.data.path,
+            tokenizer,
+            split=cfg.data.split,
+            on_invalid=cfg.data.on_invalid,
+            assistant_turns=cfg.data.assistant_turns,
+        )
     max_len = min(cfg.train.max_len, context_length(model))
     features = tokenize_sft(
         tokenizer, examples, max_len=max_len, on_invalid=cfg.data.on_invalid, drops=drops
     )
-    pairs = []  # (prompt ids, completion ids)
-    for f in features:
-        n_prompt = sum(1 for label in f["labels"] if label == -100)
-        pairs.append((f["input_ids"][:n_prompt], f["input_ids"][n_prompt:]))
+    # (prompt ids, completion ids, loss mask): the prompt ends before the first trained token;
+    # the mask is 0 on the untrained context of later turns inside the completion.
+    pairs = [split_features(f) for f in features]
     verifier = Verifier(
         answer_format=cfg.task.answer_format, reward=cfg.task.reward, extractor=cfg.task.extractor
     )
@@ -117,7 +124,9 @@ def train(cfg: SFTConfig) -> dict:
     #       drawn in one global order; each data-parallel rank trains on its contiguous share.
     #       Checkpoints hold model, optimizer, schedule, RNGs and the data position (`order`).
     stream = ShuffledStream(
-        len(pairs), random.Random(cfg.seed), fingerprint=data_fingerprint(pairs),
+        len(pairs), random.Random(cfg.seed),
+        # single-turn rows keep the (prompt, completion) fingerprint of earlier versions
+        fingerprint=data_fingerprint([p[:2] if all(p[2]) else p for p in pairs]),
         allow_change=cfg.run.allow_config_change,
     )  # fmt: skip
     last_loss = float("nan")
@@ -145,9 +154,9 @@ def train(cfg: SFTConfig) -> dict:
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             batch_idx = stream.take(cfg.train.batch_size)  # the global batch
-            # Denominator: completion tokens of the whole global step (all ranks, all
+            # Denominator: trained tokens of the whole global step (all ranks, all
             # micro-batches), counted once before the micro-batches.
-            num_tokens = sum(len(pairs[i][1]) for i in batch_idx)
+            num_tokens = sum(sum(pairs[i][2]) for i in batch_idx)
             local_idx = distributed.shard(batch_idx)
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros(())
@@ -157,8 +166,11 @@ def train(cfg: SFTConfig) -> dict:
                     [pairs[i][0] for i in idx], [pairs[i][1] for i in idx], tokenizer.pad_token_id
                 )
                 mb = mb.to(device)
+                loss_mask = mb.mask.clone()  # (B, T): 1 on trained completion tokens
+                for r, i in enumerate(idx):
+                    loss_mask[r, : len(pairs[i][2])] = torch.tensor(pairs[i][2])
                 logp, _ = completion_logps(model, mb, autocast_dtype=autocast_dtype)
-                loss = aggregate(-logp, mb.mask, "token_mean", num_tokens=num_tokens)
+                loss = aggregate(-logp, loss_mask, "token_mean", num_tokens=num_tokens)
                 loss = faults.corrupt("loss", step, loss)
                 loss.backward()
                 step_loss += loss.detach().cpu()
