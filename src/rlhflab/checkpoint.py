@@ -2,7 +2,9 @@
 
 A checkpoint is a directory `<run_dir>/checkpoints/step-<NNNNNNNN>/`:
 
-    model.safetensors          weights of every trained module (`<name>.safetensors`)
+    model.safetensors          weights of every trained module (`<name>.safetensors`); of a LoRA
+                               model only its trainable tensors (adapters, a head), the frozen base
+                               being rebuilt from the config (`rlhflab.models.lora`)
     optimizer.safetensors      optimizer tensors (`<name>.safetensors`: exp_avg, exp_avg_sq, step)
     rng.safetensors            torch CPU / CUDA RNG states and the trainer's torch.Generators
     state.json                 step, optimizer param groups, LR-scheduler state, python and numpy
@@ -64,6 +66,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from rlhflab import distributed, faults
 from rlhflab.errors import CheckpointError, ConfigError, DiskFullError, Interrupted
+from rlhflab.models.lora import is_lora, load_trainable_state, trainable_state
 from rlhflab.runs import is_run_of, redact_json, redact_obj, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
@@ -82,6 +85,7 @@ HARMLESS_KEYS = (
     "run.resume",
     "run.allow_config_change",
     "run.save_model",
+    "model.lora.save",
     "run.root",
     "precision.threads",
     "train.max_seconds",
@@ -551,7 +555,10 @@ class Checkpointer:
         try:
             for name, module in self.modules.items():
                 full = full_models[name]
-                if full is None:
+                if is_lora(module):  # the adapters (and a head trained beside them) only
+                    tensors = trainable_state(module, full)
+                    write = lambda p, t=tensors: save_file(t, str(p))  # noqa: E731
+                elif full is None:
                     write = lambda p, m=module: save_model(m, str(p))  # noqa: E731
                 else:
                     write = lambda p, t=full: save_file(t, str(p))  # noqa: E731
@@ -669,7 +676,9 @@ class Checkpointer:
             )
         try:
             for name, module in self.modules.items():
-                if distributed.is_sharded(module):
+                if is_lora(module):  # the base is rebuilt from the config; adapters load here
+                    load_trainable_state(module, load_file(str(path / f"{name}.safetensors")))
+                elif distributed.is_sharded(module):
                     full = load_file(str(path / f"{name}.safetensors"))
                     distributed.load_full_model_state(module, full)
                 else:

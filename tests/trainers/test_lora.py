@@ -1,0 +1,284 @@
+"""LoRA (`model.lora`, rlhflab.models.lora) in the trainers, on a tiny Qwen3-shape model.
+
+What is checked, and against what:
+    * a LoRA GRPO step and a LoRA DPO step change the adapters (lora_A / lora_B) and leave every
+      other tensor bitwise equal to the base checkpoint;
+    * the optimizer holds exactly the adapters (parameters and state);
+    * the reference policy (`Reference`, and DPO's cached reference) is the base model: log-probs
+      equal a freshly loaded base model's, before and after training, with no second copy;
+    * a LoRA checkpoint holds the adapters only, and a run killed with SIGKILL and resumed ends
+      with bitwise the same adapters and metrics as an uninterrupted run;
+    * the adapter directory loads with `PeftModel.from_pretrained(base, dir)` and the merged
+      directory with `AutoModelForCausalLM.from_pretrained(dir)`, both with the trained logits.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhflab.config import LoRAConfig, config_from_dict
+from rlhflab.errors import ConfigError
+from rlhflab.trainers import run_config
+
+pytest.importorskip("peft")
+
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "n_train": 40,
+    "n_heldout": 8,
+    "seed": 0,
+    "answer_format": "plain",
+    "reward": "binary",
+}
+LORA = {"r": 4, "alpha": 8.0}
+# A reward that varies between the samples of a tiny random model, so that group advantages are
+# not all zero and a step has a gradient.
+REWARD_FN = """
+def digit_count(prompts, completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+"""
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny random base model saved as a Hugging Face directory."""
+    from rlhflab.models.build import build_model, save_pretrained
+
+    path = tmp_path_factory.mktemp("base") / "model"
+    model = build_model(tiny_tokenizer, size="tiny", max_position_embeddings=128, seed=0)
+    save_pretrained(model, tiny_tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reward_fn(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    path.write_text(REWARD_FN)
+    return f"{path}:digit_count"
+
+
+def load_base(base_dir):
+    from rlhflab.models.loading import load_model
+
+    return load_model(str(base_dir))
+
+
+def load_tokenizer(path):
+    from rlhflab.models.loading import load_tokenizer
+
+    return load_tokenizer(str(path))
+
+
+def grpo_raw(root, base_dir, reward_fn, *, name="grpo", steps=1, save="adapter", **extra):
+    return {
+        "trainer": "policy_gradient",
+        "model": {"name_or_path": str(base_dir), "lora": {**LORA, "save": save}},
+        "task": TASK,
+        "precision": {"threads": 1},
+        "tracking": {"console": False, "samples_every": 2},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+        "reward": {"components": [{"function": reward_fn}]},
+        "loss": {"advantage": "group_zscore", "surrogate": "ppo_clip"},
+        "kl": {"coef": 0.05},
+        "train": {"steps": steps, "micro_batch_size": 4, "update_epochs": 2, "minibatches": 2},
+        "optim": {"lr": 1e-2, "warmup_steps": 1, "schedule": "linear"},
+        "eval": {"n": 4, "max_new_tokens": 4},
+        "run": {"name": name, "root": str(root)},
+        **extra,
+    }
+
+
+def dpo_raw(root, base_dir, *, name="dpo", steps=1, save="adapter", **extra):
+    return {
+        "trainer": "direct_alignment",
+        "model": {"name_or_path": str(base_dir), "lora": {**LORA, "save": save}},
+        "task": TASK,
+        "precision": {"threads": 1},
+        "tracking": {"console": False, "samples_every": 2},
+        "data": {"source": "verifiable", "heldout_pairs": 4},
+        "verifiable": {
+            "n_prompts": 8,
+            "samples_per_prompt": 2,
+            "chosen": "gold",
+            "max_new_tokens": 4,
+        },
+        "loss": {"name": "dpo", "args": {"beta": 0.1}},
+        "train": {"steps": steps, "batch_size": 4, "micro_batch_size": 2},
+        "optim": {"lr": 1e-2},
+        "eval": {"n": 4, "max_new_tokens": 4, "pref_every": 0},
+        "run": {"name": name, "root": str(root)},
+        **extra,
+    }
+
+
+def run_captured(monkeypatch, module, raw):
+    """Run a trainer in-process; returns (results, the trained model object, its optimizer)."""
+    from rlhflab.trainers import common
+
+    seen = {}
+    save, make_opt = module.save_final_model, module.make_optimizer
+
+    def capture_save(model, tokenizer, path, lora=None):
+        seen["model"], seen["tokenizer"] = model, tokenizer
+        save(model, tokenizer, path, lora)
+
+    def capture_opt(model, optim):
+        seen.setdefault("optimizer", make_opt(model, optim))
+        return seen["optimizer"]
+
+    monkeypatch.setattr(module, "save_final_model", capture_save)
+    monkeypatch.setattr(module, "make_optimizer", capture_opt)
+    assert module.save_final_model is not common.save_final_model
+    res = run_config(config_from_dict(raw))
+    return res, seen["model"], seen["optimizer"]
+
+
+def adapter_names(model) -> set[str]:
+    return {n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
+def assert_only_adapters_changed(model, base_dir):
+    """Every non-adapter tensor bitwise equal to the base checkpoint's; every lora_B moved away
+    from its zero initialisation."""
+    base = load_base(base_dir).state_dict()
+    names = adapter_names(model)
+    assert names, "no adapters were injected"
+    trained = model.state_dict()
+    for key, value in trained.items():
+        if ".lora_" in key:
+            continue
+        plain = key.replace(".base_layer.", ".")
+        assert torch.equal(value, base[plain]), key
+    assert {k.replace(".base_layer.", ".") for k in trained if ".lora_" not in k} == set(base)
+    lora_b = [p for n, p in model.named_parameters() if ".lora_B." in n]
+    assert all(p.abs().sum() > 0 for p in lora_b)  # B starts at exactly 0
+
+
+def assert_optimizer_holds_adapters_only(model, optimizer):
+    params = dict(model.named_parameters())
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert held == {id(params[n]) for n in adapter_names(model)}
+    assert {id(p) for p in optimizer.state} == held
+    assert all(p.requires_grad == (n in adapter_names(model)) for n, p in params.items())
+
+
+def batch(tokenizer):
+    """A fixed (prompt, completion) rollout to score."""
+    from rlhflab.rollout.sampler import pack
+
+    prompts = [tokenizer.encode("3 + 4 ="), tokenizer.encode("12 + 5 = ?")]
+    completions = [tokenizer.encode(" 7"), tokenizer.encode(" 17 ok")]
+    return pack(prompts, completions, tokenizer.pad_token_id)
+
+
+def logps(model, rollout):
+    from rlhflab.rollout.sampler import completion_logps
+
+    with torch.no_grad():
+        return completion_logps(model, rollout)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_apply_lora_starts_at_the_base_model_and_disabling_is_exact(tiny_model, tiny_tokenizer):
+    from rlhflab.models.lora import adapters_disabled, apply_lora, block_linear_names
+
+    ro = batch(tiny_tokenizer)
+    before = logps(tiny_model, ro)
+    # all-linear: the 7 projections of each of the 2 blocks, not the (tied) LM head
+    targets = block_linear_names(tiny_model)
+    assert len(targets) == 14 and all(".layers." in n for n in targets)
+    apply_lora(tiny_model, LoRAConfig(**LORA))
+    assert adapter_names(tiny_model) == {
+        f"{t}.lora_{ab}.default.weight" for t in targets for ab in "AB"
+    }
+    assert torch.equal(logps(tiny_model, ro), before)  # B = 0: the base model exactly
+    with torch.no_grad():
+        for n, p in tiny_model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+    moved = logps(tiny_model, ro)
+    assert (moved - before).abs().max() > 1e-3
+    with adapters_disabled(tiny_model):
+        assert torch.equal(logps(tiny_model, ro), before)
+    assert torch.equal(logps(tiny_model, ro), moved)  # re-enabled on exit
+    assert {n for n, p in tiny_model.named_parameters() if p.requires_grad} == adapter_names(
+        tiny_model
+    )
+
+
+def test_merged_state_is_w_plus_scaled_ba(tiny_model):
+    """W' = W + (alpha / r) · B A on one layer, by hand."""
+    from rlhflab.models.lora import apply_lora, merged_state
+
+    w = tiny_model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    apply_lora(tiny_model, LoRAConfig(r=2, alpha=6.0, target_modules=["q_proj"]))
+    q = tiny_model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        q.lora_B["default"].weight.normal_()
+    a, b = q.lora_A["default"].weight, q.lora_B["default"].weight
+    merged = merged_state(tiny_model)
+    expected = w + 3.0 * (b @ a)  # alpha / r = 6 / 2
+    torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], expected)
+    assert not any(".lora_" in k or ".base_layer." in k for k in merged)
+    assert set(merged) == set(tiny_model.state_dict()) - {
+        k for k in tiny_model.state_dict() if ".lora_" in k or ".base_layer." in k
+    } | {k.replace(".base_layer.", ".") for k in tiny_model.state_dict() if ".base_layer." in k}
+
+
+def test_bad_target_modules_are_one_line_config_errors(tiny_model):
+    from rlhflab.models.lora import apply_lora
+
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: .*nope"):
+        apply_lora(tiny_model, LoRAConfig(target_modules=["nope"]))
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: .*Embedding"):
+        apply_lora(tiny_model, LoRAConfig(target_modules=["embed_tokens"]))
+
+
+def test_lora_config_is_typed():
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank"):
+        config_from_dict({"trainer": "sft", "model": {"build": {}, "lora": {"rank": 8}}})
+    with pytest.raises(ConfigError, match=r"model\.lora\.save"):
+        config_from_dict({"trainer": "sft", "model": {"build": {}, "lora": {"save": "both"}}})
+    with pytest.raises(ConfigError, match=r"model\.lora\.save"):
+        config_from_dict(
+            {
+                "trainer": "reward_model",
+                "model": {"build": {}, "lora": {"save": "adapter"}},
+                "data": {"source": "preference", "path": "x.jsonl"},
+            }
+        )
+
+
+def test_grpo_step_trains_adapters_only_and_saves_a_peft_adapter(
+    tmp_path, monkeypatch, base_dir, reward_fn
+):
+    from peft import PeftModel
+
+    from rlhflab.trainers import policy_gradient
+
+    raw = grpo_raw(tmp_path, base_dir, reward_fn, checkpoint={"every": 1})
+    res, model, optimizer = run_captured(monkeypatch, policy_gradient, raw)
+    assert res["steps"] == 1
+    assert_only_adapters_changed(model, base_dir)
+    assert_optimizer_holds_adapters_only(model, optimizer)
+
+    # The checkpoint holds the adapters and their AdamW moments only.
+    ckpt = tmp_path.glob("grpo-*/checkpoints/step-00000001").__next__()
+    assert set(load_file(str(ckpt / "model.safetensors"))) == adapter_names(model)
+    moments = load_file(str(ckpt / "optimizer.safetensors"))
+    assert len(moments) == 3 * len(adapter_names(model))  # exp_avg, exp_avg_sq, step
+
+    # The adapter directory: PeftModel.from_pretrained on the base gives the trained logits.
+    model.eval()
+    ids = batch(load_tokenizer(res["model_dir"])).input_ids
+    peft_model = PeftModel.from_pretrained(load_base(base_dir), res["model_dir"]).eval()
+    with torch.no_grad():
+        assert (peft_model(ids).logits - model(ids).logits).abs().max() < 1e-6
+    saved = json.loads((tmp_path.glob("grpo-*/model/adapter_config.json").__next__()).read_text())
+    assert (saved["r"], saved["lora_alpha"]) == (4, 8.0)
+    assert saved["base_model_name_or_path"] == str(base_dir)
