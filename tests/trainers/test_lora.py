@@ -13,6 +13,8 @@ What is checked, and against what:
 """
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,31 +256,147 @@ def test_lora_config_is_typed():
         )
 
 
-def test_grpo_step_trains_adapters_only_and_saves_a_peft_adapter(
-    tmp_path, monkeypatch, base_dir, reward_fn
-):
-    from peft import PeftModel
-
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, base_dir, reward_fn):
+    """One LoRA GRPO step (KL to the reference on), checkpointed, saved as an adapter."""
     from rlhflab.trainers import policy_gradient
 
-    raw = grpo_raw(tmp_path, base_dir, reward_fn, checkpoint={"every": 1})
-    res, model, optimizer = run_captured(monkeypatch, policy_gradient, raw)
+    root = tmp_path_factory.mktemp("grpo")
+    raw = grpo_raw(root, base_dir, reward_fn, checkpoint={"every": 1})
+    with pytest.MonkeyPatch.context() as mp:
+        return run_captured(mp, policy_gradient, raw)
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory, base_dir):
+    """One LoRA DPO step on verifiable pairs, saved merged."""
+    from rlhflab.trainers import direct_alignment
+
+    root = tmp_path_factory.mktemp("dpo")
+    with pytest.MonkeyPatch.context() as mp:
+        return run_captured(mp, direct_alignment, dpo_raw(root, base_dir, save="merged"))
+
+
+@pytest.mark.parametrize("run", ["grpo_run", "dpo_run"])
+def test_a_step_changes_only_the_adapters(run, request, base_dir):
+    res, model, optimizer = request.getfixturevalue(run)
     assert res["steps"] == 1
     assert_only_adapters_changed(model, base_dir)
     assert_optimizer_holds_adapters_only(model, optimizer)
 
-    # The checkpoint holds the adapters and their AdamW moments only.
-    ckpt = tmp_path.glob("grpo-*/checkpoints/step-00000001").__next__()
-    assert set(load_file(str(ckpt / "model.safetensors"))) == adapter_names(model)
-    moments = load_file(str(ckpt / "optimizer.safetensors"))
-    assert len(moments) == 3 * len(adapter_names(model))  # exp_avg, exp_avg_sq, step
 
-    # The adapter directory: PeftModel.from_pretrained on the base gives the trained logits.
+def test_dpo_reference_is_the_initial_policy(dpo_run):
+    """At step 1 the LoRA policy equals π_ref (B = 0), so every pair's DPO loss is ln 2."""
+    res, _, _ = dpo_run
+    lines = Path(res["run_dir"], "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    (first,) = [r for r in rows if "train/loss" in r]
+    assert abs(first["train/loss"] - math.log(2)) < 1e-6
+
+
+@pytest.mark.parametrize("run", ["grpo_run", "dpo_run"])
+def test_reference_logps_are_the_base_models(run, request, base_dir, tiny_tokenizer):
+    """π_ref of a LoRA run (`Reference.scoring`, `adapters_disabled`) after a step equals a base
+    model loaded afresh from the original weights, and holds no second copy of them."""
+    from rlhflab.models.lora import adapters_disabled
+    from rlhflab.trainers.common import Reference
+
+    _, model, _ = request.getfixturevalue(run)
+    model.eval()
+    ro = batch(tiny_tokenizer)
+    base = logps(load_base(base_dir).eval(), ro)
+    trained = logps(model, ro)
+    assert (trained - base).abs().max() > 1e-4  # the step moved the policy
+    reference = Reference(model, parallel=None)
+    assert reference.copy is None  # no second copy of the weights
+    with reference.scoring() as ref_model:
+        assert ref_model is model
+        assert torch.equal(logps(ref_model, ro), base)
+    with adapters_disabled(model):
+        assert torch.equal(logps(model, ro), base)
+    assert torch.equal(logps(model, ro), trained)  # adapters back on
+
+
+def test_full_fine_tune_reference_is_a_frozen_copy(tiny_model, tiny_tokenizer):
+    from rlhflab.config import ParallelConfig
+    from rlhflab.trainers.common import Reference
+
+    reference = Reference(tiny_model, ParallelConfig())
+    assert reference.copy is not None and reference.copy is not tiny_model
+    assert not any(p.requires_grad for p in reference.copy.parameters())
+    ro = batch(tiny_tokenizer)
+    with reference.scoring() as ref_model:
+        assert torch.equal(logps(ref_model, ro), logps(tiny_model, ro))
+
+
+def test_lora_checkpoint_holds_the_adapters_only(grpo_run):
+    res, model, _ = grpo_run
+    ckpt = f"{res['run_dir']}/checkpoints/step-00000001"
+    saved = load_file(f"{ckpt}/model.safetensors")
+    assert set(saved) == adapter_names(model)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(saved[n], params[n].detach()) for n in saved)
+    moments = load_file(f"{ckpt}/optimizer.safetensors")
+    assert len(moments) == 3 * len(saved)  # exp_avg, exp_avg_sq, step of each adapter
+
+
+def test_saved_adapter_loads_with_peft_and_gives_the_trained_logits(grpo_run, base_dir):
+    from peft import PeftModel
+
+    res, model, _ = grpo_run
     model.eval()
     ids = batch(load_tokenizer(res["model_dir"])).input_ids
     peft_model = PeftModel.from_pretrained(load_base(base_dir), res["model_dir"]).eval()
     with torch.no_grad():
         assert (peft_model(ids).logits - model(ids).logits).abs().max() < 1e-6
-    saved = json.loads((tmp_path.glob("grpo-*/model/adapter_config.json").__next__()).read_text())
+    saved = json.loads(Path(res["model_dir"], "adapter_config.json").read_text())
     assert (saved["r"], saved["lora_alpha"]) == (4, 8.0)
     assert saved["base_model_name_or_path"] == str(base_dir)
+
+
+@pytest.mark.parametrize("run", ["grpo_run", "dpo_run"])
+def test_merged_save_gives_the_trained_logits(run, request, tmp_path):
+    """`model.lora.save: merged` (the DPO run's own `<run>/model`; the GRPO model saved merged
+    here by the same function) is a plain model with the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhflab.trainers.common import save_final_model
+
+    res, model, _ = request.getfixturevalue(run)
+    path = res["model_dir"]
+    if run == "grpo_run":
+        path = tmp_path / "merged"
+        save_final_model(model, load_tokenizer(res["model_dir"]), path, LoRAConfig(save="merged"))
+    plain = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert not any(".lora_" in n or "base_layer" in n for n in plain.state_dict())
+    model.eval()
+    ids = batch(load_tokenizer(path)).input_ids
+    with torch.no_grad():
+        diff = (plain(ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-5, diff
+
+
+def test_lora_grpo_stopped_mid_run_resumes_exactly(tmp_path, monkeypatch, base_dir, reward_fn):
+    """SIGTERM after step 2 (step 3 is finished and checkpointed, then the run stops), then
+    `run.resume`: the same metrics, samples and, bit for bit, the same final adapters as an
+    uninterrupted run; the frozen base is rebuilt from the config, the adapters come from the
+    checkpoint. (In-process; the SIGKILL variants of tests/test_checkpoint_resume.py exercise
+    the same restore path for full fine-tuning.)"""
+    from test_checkpoint_resume import assert_same_run, run_dir_of
+
+    from rlhflab.errors import Interrupted
+
+    def raw(root, **run):
+        cfg = grpo_raw(root, base_dir, reward_fn, steps=5, checkpoint={"every": 2})
+        cfg["run"].update(run)
+        return config_from_dict(cfg)
+
+    ref = run_config(raw(tmp_path / "ref"))["run_dir"]
+    monkeypatch.setenv("RLHFLAB_FAULT", "step_end@2=sigterm")
+    with pytest.raises(Interrupted):
+        run_config(raw(tmp_path / "runs"))
+    monkeypatch.delenv("RLHFLAB_FAULT")
+    run_dir = run_dir_of(tmp_path / "runs", "grpo")
+    assert (run_dir / "checkpoints/step-00000003/model.safetensors").exists()
+    run_config(raw(tmp_path / "runs", resume=str(run_dir)))
+    assert_same_run(ref, run_dir, "model/adapter_model.safetensors")
