@@ -400,3 +400,87 @@ def test_lora_grpo_stopped_mid_run_resumes_exactly(tmp_path, monkeypatch, base_d
     assert (run_dir / "checkpoints/step-00000003/model.safetensors").exists()
     run_config(raw(tmp_path / "runs", resume=str(run_dir)))
     assert_same_run(ref, run_dir, "model/adapter_model.safetensors")
+
+
+def test_ppo_critic_shares_the_frozen_base_and_has_its_own_adapter(tiny_model):
+    from rlhflab.models.lora import apply_lora, trainable_names
+    from rlhflab.models.value import ValueModel
+
+    apply_lora(tiny_model, LoRAConfig(**LORA))
+    critic = ValueModel.from_policy(tiny_model)
+    policy_params = dict(tiny_model.model.named_parameters())
+    for name, p in critic.backbone.named_parameters():
+        if p.requires_grad:  # its own adapters: copies, not the policy's tensors
+            assert ".lora_" in name and p is not policy_params[name]
+            assert torch.equal(p, policy_params[name])
+        else:  # the frozen base: the policy's tensors themselves (in memory once)
+            assert p is policy_params[name], name
+    assert set(trainable_names(critic)) == {
+        f"backbone.{n}" for n in policy_params if ".lora_" in n
+    } | {"head.weight", "head.bias"}
+
+
+def test_lora_ppo_saves_a_plain_value_model_and_adapter_checkpoints(tmp_path, base_dir, reward_fn):
+    from rlhflab.models.value import ValueModel
+
+    raw = grpo_raw(tmp_path, base_dir, reward_fn, name="ppo", steps=2, save="merged")
+    raw["rollout"] = {"prompts_per_step": 4, "group_size": 1, "max_new_tokens": 6}
+    raw["loss"] = {
+        "advantage": "gae",
+        "advantage_args": {"gamma": 1.0, "lam": 0.95},
+        "surrogate": "ppo_clip",
+        "aggregation": "token_mean",
+    }
+    raw["kl"] = {"coef": 0.05, "estimator": "k1", "placement": "reward_token"}
+    raw["value"] = {"optim": {"lr": 1e-2}}
+    raw["checkpoint"] = {"every": 2}
+    res = run_config(config_from_dict(raw))
+    run = Path(res["run_dir"])
+    critic = load_file(str(run / "checkpoints/step-00000002/value_model.safetensors"))
+    assert {k for k in critic if ".lora_" not in k} == {"head.weight", "head.bias"}
+    assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in critic.items())
+    value_model = ValueModel.load(run / "value_model")  # a plain backbone + head
+    assert not any(".lora_" in n for n in value_model.state_dict())
+    assert torch.equal(value_model.head.weight, critic["head.weight"])
+
+
+def test_lora_sft_and_reward_model_runs(tmp_path, base_dir):
+    """SFT: the merged model differs from the base only by the LoRA layers' weights. Reward
+    model: adapters and the score head are trained and checkpointed; the merged RM loads."""
+    from test_checkpoint_resume import rm_raw
+    from transformers import AutoModelForSequenceClassification
+
+    sft = {
+        "trainer": "sft",
+        "model": {"name_or_path": str(base_dir), "lora": LORA},
+        "task": TASK,
+        "precision": {"threads": 1},
+        "train": {"steps": 2, "batch_size": 8, "micro_batch_size": 4, "max_len": 48},
+        "optim": {"lr": 1e-2},
+        "eval": {"n": 2, "max_new_tokens": 4},
+        "tracking": {"console": False},
+        "run": {"name": "sft", "root": str(tmp_path)},
+    }
+    res = run_config(config_from_dict(sft))
+    merged, base = (
+        load_file(f"{res['model_dir']}/model.safetensors"),
+        load_file(f"{base_dir}/model.safetensors"),
+    )
+    assert set(merged) == set(base)
+    changed = {k for k in base if not torch.equal(merged[k], base[k])}
+    assert changed and all(".layers." in k and k.endswith("proj.weight") for k in changed)
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": f"{i} + 1 =", "chosen": str(i + 1), "rejected": str(i + 3)} for i in range(8)
+    ]
+    pairs.write_text("\n".join(json.dumps(r) for r in rows))
+    raw = rm_raw(tmp_path / "rm", base_dir, pairs)
+    raw["model"]["lora"] = LORA
+    raw["train"]["steps"] = 2
+    raw["checkpoint"] = {"every": 2}
+    res = run_config(config_from_dict(raw))
+    ckpt = load_file(f"{res['run_dir']}/checkpoints/step-00000002/model.safetensors")
+    assert {k for k in ckpt if ".lora_" not in k} == {"score.weight"}
+    rm = AutoModelForSequenceClassification.from_pretrained(res["model_dir"])
+    assert torch.equal(rm.score.weight, ckpt["score.weight"])
