@@ -349,6 +349,10 @@ def test_saved_adapter_loads_with_peft_and_gives_the_trained_logits(grpo_run, ba
     peft_model = PeftModel.from_pretrained(load_base(base_dir), res["model_dir"]).eval()
     with torch.no_grad():
         assert (peft_model(ids).logits - model(ids).logits).abs().max() < 1e-6
+    # rlhflab's own loader (`rlhflab eval`) reads it too: transformers loads base + adapter
+    loaded = load_base(res["model_dir"]).eval()
+    with torch.no_grad():
+        assert (loaded(ids).logits - model(ids).logits).abs().max() < 1e-6
     saved = json.loads(Path(res["model_dir"], "adapter_config.json").read_text())
     assert (saved["r"], saved["lora_alpha"]) == (4, 8.0)
     assert saved["base_model_name_or_path"] == str(base_dir)
@@ -484,3 +488,18 @@ def test_lora_sft_and_reward_model_runs(tmp_path, base_dir):
     assert {k for k in ckpt if ".lora_" not in k} == {"score.weight"}
     rm = AutoModelForSequenceClassification.from_pretrained(res["model_dir"])
     assert torch.equal(rm.score.weight, ckpt["score.weight"])
+
+
+def test_adapters_are_float32_on_a_bfloat16_base(tiny_model, tiny_tokenizer):
+    from rlhflab.models.lora import adapters_disabled, apply_lora
+
+    model = tiny_model.to(torch.bfloat16)
+    ro = batch(tiny_tokenizer)
+    before = logps(model, ro)
+    apply_lora(model, LoRAConfig(**LORA))
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(d == torch.float32 for n, d in dtypes.items() if ".lora_" in n)
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if ".lora_" not in n)
+    assert torch.equal(logps(model, ro), before)
+    with adapters_disabled(model):
+        assert torch.equal(logps(model, ro), before)

@@ -28,7 +28,7 @@ peft is imported only here and only when `model.lora` is set (`pip install 'rlhf
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -82,8 +82,9 @@ def apply_lora(
 
     Returns:
         The same object, with `lora_A` / `lora_B` (A Kaiming-uniform, B = 0, so the output is
-        unchanged) on the targeted linear layers; `requires_grad` is True exactly for the
-        adapters and `keep_trainable`.
+        unchanged; float32 whatever the base's dtype, so their AdamW state is float32 too) on
+        the targeted linear layers; `requires_grad` is True exactly for the adapters and
+        `keep_trainable`.
 
     Raises:
         ConfigError: peft is not installed; `target_modules` matches no module or a module that
@@ -123,6 +124,8 @@ def apply_lora(
     keep = {id(p) for m in keep_trainable for p in m.parameters()}
     for name, p in model.named_parameters():
         p.requires_grad_(_is_adapter(name) or id(p) in keep)
+        if _is_adapter(name) and p.dtype != torch.float32:  # fp32 adapters on a bf16/fp16 base
+            p.data = p.data.float()  # (peft casts the layer input to them and the output back)
     return model
 
 
@@ -274,14 +277,11 @@ def save_adapter(model: nn.Module, tokenizer, path: str | os.PathLike[str], full
     save_file(tensors, str(Path(path) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = model.peft_config[ADAPTER]
     base = getattr(getattr(model, "config", None), "_name_or_path", None)
-    config.base_model_name_or_path = base or None
-    config.task_type = config.task_type or "CAUSAL_LM"
-    config.inference_mode = True
+    config = dataclasses.replace(  # a copy: the live model's config is left as it is
+        config,
+        base_model_name_or_path=base or None,
+        task_type=config.task_type or "CAUSAL_LM",
+        inference_mode=True,
+    )
     config.save_pretrained(str(path))
     tokenizer.save_pretrained(path)
-
-
-def adapter_info(path: str | os.PathLike[str]) -> dict | None:
-    """The adapter_config.json of a directory (None when it is not an adapter directory)."""
-    f = Path(path) / ADAPTER_CONFIG
-    return json.loads(f.read_text()) if f.is_file() else None
