@@ -6,7 +6,7 @@ What is checked, and against what:
     * the optimizer holds exactly the adapters (parameters and state);
     * the reference policy (`Reference`, and DPO's cached reference) is the base model: log-probs
       equal a freshly loaded base model's, before and after training, with no second copy;
-    * a LoRA checkpoint holds the adapters only, and a run killed with SIGKILL and resumed ends
+    * a LoRA checkpoint holds the adapters only, and a run stopped by SIGTERM and resumed ends
       with bitwise the same adapters and metrics as an uninterrupted run;
     * the adapter directory loads with `PeftModel.from_pretrained(base, dir)` and the merged
       directory with `AutoModelForCausalLM.from_pretrained(dir)`, both with the trained logits.
