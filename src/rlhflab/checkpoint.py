@@ -2,7 +2,9 @@
 
 A checkpoint is a directory `<run_dir>/checkpoints/step-<NNNNNNNN>/`:
 
-    model.safetensors          weights of every trained module (`<name>.safetensors`)
+    model.safetensors          weights of every trained module (`<name>.safetensors`); of a LoRA
+                               model only its trainable tensors (adapters, a head), the frozen base
+                               being rebuilt from the config (`rlhflab.models.lora`)
     optimizer.safetensors      optimizer tensors (`<name>.safetensors`: exp_avg, exp_avg_sq, step)
     rng.safetensors            torch CPU / CUDA RNG states and the trainer's torch.Generators
     state.json                 step, optimizer param groups, LR-scheduler state, python and numpy
@@ -75,6 +77,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from rlhflab import distributed, faults
 from rlhflab.errors import CheckpointError, ConfigError, DiskFullError, Interrupted
+from rlhflab.models.lora import is_lora, load_trainable_state, trainable_state
 from rlhflab.runs import is_run_of, redact_json, redact_obj, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
@@ -94,6 +97,7 @@ HARMLESS_KEYS = (
     "run.resume",
     "run.allow_config_change",
     "run.save_model",
+    "model.lora.save",
     "run.root",
     "precision.threads",
     "train.max_seconds",
@@ -567,12 +571,15 @@ class Checkpointer:
         try:
             for name, module in self.modules.items():
                 full = full_models[name]
-                if full is None:
+                if is_lora(module):  # the adapters (and a head trained beside them) only
+                    tensors = trainable_state(module, full)
+                    write = lambda p, t=tensors: save_file(t, str(p), metadata=_PT)  # noqa: E731
+                elif full is None:
                     write = lambda p, m=module: save_model(m, str(p), metadata=_PT)  # noqa: E731
                 else:
                     write = lambda p, t=full: save_file(t, str(p), metadata=_PT)  # noqa: E731
                 self._write(tmp, f"{name}.safetensors", write)
-            self._write_hf_files(tmp)
+            self._write_hf_files(tmp, full_models.get("model"))
             opt_meta = {}
             for name, opt in self.optimizers.items():
                 tensors, opt_meta[name] = _optimizer_state(opt, full_optims[name])
@@ -624,13 +631,23 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _write_hf_files(self, tmp: Path) -> None:
-        """config.json, generation_config.json and the tokenizer's files of the module named
-        "model" (when it is a transformers model), each written and fsynced like the tensors: the
-        checkpoint directory is then a `from_pretrained` directory."""
+    def _write_hf_files(self, tmp: Path, full: dict[str, torch.Tensor] | None = None) -> None:
+        """The files that make the checkpoint directory loadable without rlhflab, each written
+        and fsynced like the tensors: for a full model, config.json, generation_config.json and
+        the tokenizer's files (a `from_pretrained` directory); for a LoRA model, whose
+        model.safetensors holds only the adapters, peft's adapter_config.json and
+        adapter_model.safetensors and the tokenizer (a `PeftModel.from_pretrained(base, dir)`
+        directory) — never a config.json that would load the base with missing weights.
+        `full`: the model's gathered state dict under FSDP2 (None: the module's own)."""
         model = self.modules.get("model")
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "to_json_file"):
+            return
+        if is_lora(model):
+            if self.tokenizer is not None:
+                from rlhflab.models.lora import save_adapter
+
+                self._write_dir(tmp, lambda d: save_adapter(model, self.tokenizer, d, full))
             return
         cls = type(model).__name__  # FSDP2 renames a sharded module's class FSDP<name>
         if distributed.is_sharded(model):
@@ -640,12 +657,17 @@ class Checkpointer:
         gen = getattr(model, "generation_config", None)
         if gen is not None and model.can_generate():
             self._write(tmp, "generation_config.json", lambda p: gen.to_json_file(str(p)))
-        if self.tokenizer is None:
-            return
-        staging = self.root / f".tmp-tokenizer-{os.getpid()}"
+        if self.tokenizer is not None:
+            self._write_dir(tmp, lambda d: self.tokenizer.save_pretrained(str(d)))
+
+    def _write_dir(self, tmp: Path, fill) -> None:
+        """Let `fill(directory)` write files (a library's save_pretrained) into a staging
+        directory, then move each into the checkpoint through `_write` (fsynced, in the
+        manifest)."""
+        staging = self.root / f".tmp-staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            self.tokenizer.save_pretrained(str(staging))
+            fill(staging)
             for f in sorted(staging.iterdir()):
                 if f.is_file():
                     self._write(tmp, f.name, lambda p, src=f: shutil.move(str(src), str(p)))
@@ -714,7 +736,9 @@ class Checkpointer:
             )
         try:
             for name, module in self.modules.items():
-                if distributed.is_sharded(module):
+                if is_lora(module):  # the base is rebuilt from the config; adapters load here
+                    load_trainable_state(module, load_file(str(path / f"{name}.safetensors")))
+                elif distributed.is_sharded(module):
                     full = load_file(str(path / f"{name}.safetensors"))
                     distributed.load_full_model_state(module, full)
                 else:

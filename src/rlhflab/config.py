@@ -64,6 +64,31 @@ class BuildConfig(Strict):
     tokenizer_texts: int = Field(20000, ge=100)  # task strings to train the tokenizer on
 
 
+class LoRAConfig(Strict):
+    """`model.lora`: train low-rank adapters instead of the full weights (peft's `LoraConfig`;
+    Hu et al. 2021, arXiv 2106.09685): W x + (alpha / r) · B A x, with A (r, in) and B (out, r),
+    B = 0 at the start. The base weights stay frozen; the reference policy is the base with the
+    adapters disabled (no second copy); checkpoints hold the adapters only. Glue in
+    `rlhflab.models.lora`."""
+
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # module names (suffixes) that get adapters; "all-linear": every nn.Linear in the transformer
+    # blocks (not the LM head, nor a reward or value head)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # final `<run>/model`: "merged" (a plain HF model: rlhflab eval, from_pretrained) or
+    # "adapter" (adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained)
+    save: Literal["merged", "adapter"] = "merged"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module (or 'all-linear')")
+        return value
+
+
 class ModelConfig(Strict):
     """Which causal LM to train: a hub id / local path, or a model built from scratch."""
 
@@ -77,6 +102,7 @@ class ModelConfig(Strict):
     # memory of a training step drops to the layer inputs (0.38x a naive step with a 49k
     # vocabulary in bench/RESULTS.md) for about one extra forward of compute.
     gradient_checkpointing: bool = False
+    lora: LoRAConfig | None = None  # None: full fine-tuning
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -1048,6 +1074,11 @@ class RMConfig(TrainerConfig):
             raise ValueError(f"data.path is required when data.source is {src!r}")
         if src == "task_samples" and not (self.data.policy or self.model.name_or_path):
             raise ValueError("data.policy (or model.name_or_path) is needed to sample task data")
+        if self.model.lora is not None and self.model.lora.save == "adapter":
+            raise ValueError(
+                "model.lora.save: a reward model is saved merged (its score head is "
+                "trained in full), not as an adapter directory"
+            )
         return self
 
 

@@ -482,24 +482,28 @@ def full_model_state(
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def load_full_model_state(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+def load_full_model_state(
+    model: torch.nn.Module, sd: dict[str, torch.Tensor], *, strict: bool = True
+) -> None:
     """Load a full (unsharded) state dict, as written from `full_model_state`, into an FSDP2
     model on every rank; tied names are filled from the saved one. Raises RuntimeError / KeyError
-    when names or shapes do not fit."""
+    when names or shapes do not fit. `strict=False` loads a part (a LoRA model's adapters; the
+    caller checks the names) and leaves the other parameters as they are."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     sd = dict(sd)
     for group in _tied_groups(model):
         kept = sorted(group)[0]
         for name in group:
-            sd.setdefault(name, sd[kept])
-    set_model_state_dict(model, sd, options=_sd_options_load())
+            if strict or kept in sd:
+                sd.setdefault(name, sd[kept])
+    set_model_state_dict(model, sd, options=_sd_options_load(strict))
 
 
-def _sd_options_load():
+def _sd_options_load(strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, strict=True)
+    return StateDictOptions(full_state_dict=True, strict=strict)
 
 
 def _output_embedding_names(model: torch.nn.Module) -> set[str]:

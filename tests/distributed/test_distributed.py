@@ -284,6 +284,21 @@ def test_two_ranks_equal_one_process(family, strategy, base_model, pairs_file, t
     assert json.loads((two / "final_results.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("family", ["dpo", "grpo"])
+def test_lora_two_ranks_equal_one_process(family, strategy, base_model, tmp_path):
+    """`model.lora`: adapter gradients, metrics and weights (checkpointed adapters, the merged
+    final model) of 2 ranks equal one process's; GRPO's KL uses the base with adapters disabled."""
+    pytest.importorskip("peft")
+    raw = _grpo(base_model) if family == "grpo" else _dpo(base_model)
+    raw["model"]["lora"] = {"r": 4, "alpha": 8.0}
+    one = _train(tmp_path, family, raw, 1, "none")
+    two = _train(tmp_path, family, raw, 2, strategy)
+    _assert_same_run(one, two)
+    saved = load_file(two / "checkpoints/step-00000001/model.safetensors")
+    assert saved and all(".lora_" in k for k in saved)
+
+
 @pytest.mark.parametrize(
     "aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 )

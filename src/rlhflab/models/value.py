@@ -31,8 +31,14 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: nn.Module) -> ValueModel:
-        """A copy of the policy's backbone (`get_decoder()`) with a fresh zero head."""
-        backbone = copy.deepcopy(policy.get_decoder())
+        """A copy of the policy's backbone (`get_decoder()`) with a fresh zero head.
+
+        Frozen parameters are shared, not copied: with LoRA (`model.lora`) the critic is the
+        policy's frozen base plus its own copy of the (initial) adapters and its own head, so the
+        base weights are in memory once. A full fine-tune has nothing frozen: a full copy."""
+        decoder = policy.get_decoder()
+        shared = {id(p): p for p in decoder.parameters() if not p.requires_grad}
+        backbone = copy.deepcopy(decoder, memo=shared)
         model = cls(backbone, policy.config.hidden_size)
         return model.to(next(policy.parameters()).device)
 

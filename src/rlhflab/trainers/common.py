@@ -5,6 +5,7 @@ No maths of any algorithm lives here; that is in `rlhflab.losses`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import warnings
@@ -270,16 +271,52 @@ def open_run(cfg, ckpt) -> Path:
     return Path(distributed.broadcast_object(str(run_dir)))
 
 
-def save_final_model(model, tokenizer, path: Path) -> None:
+def save_final_model(model, tokenizer, path: Path, lora=None) -> None:
     """The trained model (and tokenizer) as one Hugging Face directory, written by rank 0.
 
-    Every rank calls it: under FSDP2 the full state dict is gathered first (a collective)."""
+    Every rank calls it: under FSDP2 the full state dict is gathered first (a collective). A LoRA
+    model (`lora`: the `model.lora` section) is saved with its adapters merged into the weights
+    (a plain model), or with `lora.save: adapter` as an adapter directory for
+    `PeftModel.from_pretrained` (`rlhflab.models.lora`)."""
     from rlhflab.models.build import save_pretrained
+    from rlhflab.models.lora import merged_state, save_adapter
 
     state = distributed.full_model_state(model, keep_tied=True)
     if distributed.is_main():
-        save_pretrained(model, tokenizer, path, state_dict=state)
+        if lora is not None and lora.save == "adapter":
+            save_adapter(model, tokenizer, path, state)
+        else:
+            save_pretrained(model, tokenizer, path, state_dict=merged_state(model, state))
     distributed.barrier()
+
+
+class Reference:
+    """The reference policy π_ref of a KL penalty: the initial policy, frozen.
+
+    A full fine-tune keeps a frozen copy (placed and sharded like the policy). A LoRA policy is
+    its own reference: the same model with its adapters disabled is the frozen base, so no
+    second copy of the weights is held. Create it before the policy is trained (and, for the
+    copy, before `distributed.wrap` of the policy); score through `scoring()`."""
+
+    def __init__(self, policy: torch.nn.Module, parallel) -> None:
+        import copy
+
+        from rlhflab.models.lora import is_lora
+
+        self.policy, self.copy = policy, None
+        if not is_lora(policy):
+            frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.copy = distributed.wrap(frozen, parallel)
+
+    @contextlib.contextmanager
+    def scoring(self):
+        """Yields the module that computes π_ref (parameters gathered under FSDP2): the copy, or
+        the LoRA policy with adapters disabled for the duration."""
+        from rlhflab.models.lora import adapters_disabled
+
+        module = self.copy if self.copy is not None else self.policy
+        with distributed.gathered(module), adapters_disabled(module):
+            yield module
 
 
 def resume_point(cfg):

@@ -59,6 +59,7 @@ from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.loading import context_length
+from rlhflab.models.lora import adapters_disabled, apply_lora
 from rlhflab.plots import plot_run
 from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
@@ -342,20 +343,23 @@ def train(cfg: DPOConfig) -> dict:
     check_context_fit(rows, context_length(model), what="data (training rows)")
     check_context_fit(held_rows, context_length(model), what="data (held-out pairs)")
     distributed.check_split(cfg.train.batch_size, "train.batch_size", "rows")
+    model = apply_lora(model, cfg.model.lora)  # model.lora unset: unchanged
     model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
-    # -- 1. Reference pass (once per round): cached log π_ref, no reference model kept.
+    # -- 1. Reference pass (once per round): cached log π_ref, no reference model kept. π_ref is
+    #       the initial model: with LoRA, the base with its adapters disabled.
     t_ref = time.perf_counter()
-    if use_ref:
-        cache_reference(
-            model, rows, pad, unpaired=unpaired, chunk=chunk, autocast_dtype=autocast_dtype
-        )
-    if held_rows:  # held-out pairs are always scored against the initial model
-        cache_reference(
-            model, held_rows, pad, unpaired=False, chunk=chunk, autocast_dtype=autocast_dtype
-        )
+    with adapters_disabled(model):
+        if use_ref:
+            cache_reference(
+                model, rows, pad, unpaired=unpaired, chunk=chunk, autocast_dtype=autocast_dtype
+            )
+        if held_rows:  # held-out pairs are always scored against the initial model
+            cache_reference(
+                model, held_rows, pad, unpaired=False, chunk=chunk, autocast_dtype=autocast_dtype
+            )
     t_ref = time.perf_counter() - t_ref
 
     # -- 2. Run directory (a resumed run continues in its own).
@@ -599,7 +603,7 @@ def train(cfg: DPOConfig) -> dict:
     tracker.close()
     samples.close()
     if cfg.run.save_model:
-        save_final_model(model, tokenizer, run_dir / "model")
+        save_final_model(model, tokenizer, run_dir / "model", cfg.model.lora)
     results = {
         "trainer": "direct_alignment",
         "loss": cfg.loss.name,

@@ -28,7 +28,6 @@ so the ratio is exactly 1 there.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import itertools
 import random
@@ -49,6 +48,7 @@ from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
 from rlhflab.losses.policy import POLICY_LOSSES
 from rlhflab.losses.value import clipped_value_loss, explained_variance
 from rlhflab.models.loading import context_length
+from rlhflab.models.lora import apply_lora, merged_state
 from rlhflab.models.value import ValueModel
 from rlhflab.plots import plot_run
 from rlhflab.rewards.reward_model import (
@@ -64,6 +64,7 @@ from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
+    Reference,
     ShuffledStream,
     check_generation_budget,
     check_lengths,
@@ -117,9 +118,9 @@ def train(cfg: PGConfig) -> dict:
         cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
         why="whole groups go to one rank",
     )  # fmt: skip
-    ref_model = None
-    if cfg.kl.coef > 0:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    model = apply_lora(model, cfg.model.lora)  # model.lora unset: unchanged
+    # π_ref: a frozen copy of the initial policy, or (LoRA) the policy with adapters disabled.
+    reference = Reference(model, cfg.parallel) if cfg.kl.coef > 0 else None
     kl_coef = cfg.kl.coef  # changes only under the adaptive controller
     kl_in_loss = cfg.kl.placement == "loss"
     value_model = value_optimizer = value_scheduler = None
@@ -133,7 +134,6 @@ def train(cfg: PGConfig) -> dict:
     # Data parallelism (one process: nothing changes): the policy, the frozen reference and the
     # critic are placed and sharded alike.
     model = distributed.wrap(model, cfg.parallel)
-    ref_model = distributed.wrap(ref_model, cfg.parallel) if ref_model else None
     value_model = distributed.wrap(value_model, cfg.parallel) if value_model else None
     advantage_fn = ADVANTAGES[cfg.loss.advantage]
     advantage_kwargs = dict(cfg.loss.advantage_args)
@@ -150,7 +150,7 @@ def train(cfg: PGConfig) -> dict:
     if value_model is not None:
         value_optimizer = make_optimizer(value_model, cfg.value.optim)
         value_scheduler = make_scheduler(value_optimizer, cfg.value.optim, total_optimizer_steps)
-    need_logp_old = optimizer_steps_per_batch > 1 or (ref_model is not None and not kl_in_loss)
+    need_logp_old = optimizer_steps_per_batch > 1 or (reference is not None and not kl_in_loss)
     sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
     shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
     prompt_stream = ShuffledStream(
@@ -289,12 +289,10 @@ def train(cfg: PGConfig) -> dict:
                 logp_old = (
                     _no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
                 )
-            with distributed.gathered(ref_model):
-                logp_ref = (
-                    _no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
-                    if ref_model is not None
-                    else None
-                )
+            logp_ref = None
+            if reference is not None:
+                with reference.scoring() as ref_model:
+                    logp_ref = _no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
             with distributed.gathered(value_model):
                 values_old = (
                     _no_grad_values(value_model, rollout, cfg, autocast_dtype)
@@ -504,11 +502,13 @@ def train(cfg: PGConfig) -> dict:
     tracker.close()
     samples.close()
     if cfg.run.save_model:
-        save_final_model(model, tokenizer, run_dir / "model")
+        save_final_model(model, tokenizer, run_dir / "model", cfg.model.lora)
         if value_model is not None:
             value_state = distributed.full_model_state(value_model, keep_tied=True)
-            if distributed.is_main():
-                value_model.save(run_dir / "value_model", state_dict=value_state)
+            if distributed.is_main():  # a LoRA critic's adapters merged into its weights
+                value_model.save(
+                    run_dir / "value_model", state_dict=merged_state(value_model, value_state)
+                )
     results = {
         "trainer": "policy_gradient",
         "steps": steps_done,

@@ -47,6 +47,7 @@ from rlhflab.losses.reward_model import (
     prm_step_ce,
 )
 from rlhflab.models.loading import context_length
+from rlhflab.models.lora import apply_lora, merged_state
 from rlhflab.models.reward import (
     completion_token_logits,
     ensure_distinct_pad,
@@ -120,6 +121,8 @@ def train(cfg: RMConfig) -> dict:
     )
     ensure_distinct_pad(model, tokenizer)  # pad == eos: plain transformers would pool elsewhere
     del lm
+    # model.lora: adapters on the backbone, the score head trained in full beside them
+    model = apply_lora(model, cfg.model.lora, keep_trainable=[reward_head(model)])
     model.train()
     distributed.check_split(cfg.train.batch_size, "train.batch_size", "examples")
     # one process: unchanged; under FSDP2 the backbone and the score head are sharded as two
@@ -262,7 +265,8 @@ def train(cfg: RMConfig) -> dict:
     if cfg.run.save_model:
         state = distributed.full_model_state(model, keep_tied=True)
         if distributed.is_main():
-            save_reward_model(model, tokenizer, run_dir / "model", state_dict=state)
+            merged = merged_state(model, state)  # LoRA: adapters folded in; else `state`
+            save_reward_model(model, tokenizer, run_dir / "model", state_dict=merged)
     results = {
         "trainer": "reward_model",
         "kind": cfg.kind,

@@ -29,6 +29,7 @@ from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.models.loading import context_length
+from rlhflab.models.lora import apply_lora
 from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import completion_logps, pack
@@ -107,6 +108,7 @@ def train(cfg: SFTConfig) -> dict:
     )
     heldout = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
     distributed.check_split(cfg.train.batch_size, "train.batch_size", "rows")
+    model = apply_lora(model, cfg.model.lora)  # model.lora unset: unchanged
     model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -210,7 +212,7 @@ def train(cfg: SFTConfig) -> dict:
     # -- 4. Save model, plots, results.
     tracker.close()
     if cfg.run.save_model:
-        save_final_model(model, tokenizer, run_dir / "model")
+        save_final_model(model, tokenizer, run_dir / "model", cfg.model.lora)
     results = {
         "trainer": "sft",
         "steps": steps_done,
