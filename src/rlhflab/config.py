@@ -393,7 +393,7 @@ class VLLMConfig(Strict):
     enable_sleep_mode: bool = False  # free the KV cache (and offload weights) while training
     max_model_len: int | None = Field(None, ge=1)  # default: the model's context length
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    cpu_kvcache_space_gb: float = Field(1.0, gt=0)  # CPU build only: its KV-cache size
+    cpu_kvcache_space_gb: int = Field(1, ge=1)  # CPU build only: its KV-cache size (GiB)
 
 
 class RolloutConfig(Strict):

@@ -12,8 +12,14 @@ from safetensors.torch import load_file
 from rlhflab.config import config_from_dict
 from rlhflab.trainers import run_config
 
+REWARD = (
+    "def text_len(prompts, completions, **kw):\n    return [len(c) / 10 for c in completions]\n"
+)
+
 
 def _run(root, name, **loss):
+    reward_file = root / "reward.py"  # varies within a group, so the policy moves
+    reward_file.write_text(REWARD)
     raw = {
         "trainer": "policy_gradient",
         "model": {
@@ -34,7 +40,7 @@ def _run(root, name, **loss):
             "reward": "binary",
         },
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 5},
-        "reward": {"components": [{"name": "length", "weight": 1.0}]},
+        "reward": {"components": [{"function": f"{reward_file}:text_len", "weight": 1.0}]},
         "loss": loss,
         "train": {"steps": 2, "micro_batch_size": 8, "minibatches": 2},
         "optim": {"lr": 1e-2},
@@ -61,5 +67,6 @@ def test_hf_engine_mismatch_is_zero_and_tis_changes_nothing(tmp_path):
     assert "rollout/tis_weight_mean" not in plain[0]
     for a, b in zip(plain, tis, strict=True):
         assert math.isclose(a["policy/loss"], b["policy/loss"], rel_tol=1e-4, abs_tol=1e-7)
+    assert all(r["optim/grad_norm"] > 1e-3 for r in plain)
     for k in w_plain:  # the same training run, up to the rounding of weights ≈ 1
         torch.testing.assert_close(w_tis[k], w_plain[k], atol=1e-4, rtol=0)
