@@ -390,7 +390,6 @@ class VLLMConfig(Strict):
 
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # share of GPU memory vLLM may take
     enable_prefix_caching: bool = True  # a group's prompt is prefilled once
-    enable_sleep_mode: bool = False  # free the KV cache (and offload weights) while training
     max_model_len: int | None = Field(None, ge=1)  # default: the model's context length
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     cpu_kvcache_space_gb: int = Field(1, ge=1)  # CPU build only: its KV-cache size (GiB)

@@ -50,21 +50,19 @@ class VLLMEngine:
 
     Build it with `VLLMEngine.from_model(model, tokenizer, vllm_cfg, stop_token_ids=...)`.
     `update_weights(named_parameters)` marks the engine's weights stale; they are pushed before the
-    next `generate` (or `wake`), so several optimizer steps between two rollouts cost one push and
+    next `generate`, so several optimizer steps between two rollouts cost one push and
     the push always carries the newest parameters.
     """
 
     name = "vllm"
 
     def __init__(self, llm, *, pad_token_id: int, stop_token_ids: tuple[int, ...], tied: bool,
-                 sleep_mode: bool, dtype: torch.dtype, workdir=None) -> None:  # fmt: skip
+                 dtype: torch.dtype, workdir=None) -> None:  # fmt: skip
         self.llm = llm
         self.pad_token_id = pad_token_id
         self.stop_token_ids = tuple(stop_token_ids)
         self.tied = tied
-        self.sleep_mode = sleep_mode
         self.dtype = dtype
-        self.asleep = False
         self._pending: list[tuple[str, Tensor]] | None = None
         self._workdir = workdir
         self.n_pushes = 0
@@ -97,7 +95,6 @@ class VLLMEngine:
             dtype=vcfg.dtype if vcfg.dtype != "auto" else "auto",
             gpu_memory_utilization=vcfg.gpu_memory_utilization,
             enable_prefix_caching=vcfg.enable_prefix_caching,
-            enable_sleep_mode=vcfg.enable_sleep_mode,
             max_model_len=vcfg.max_model_len or context_length(model),
             seed=seed,
             logprobs_mode="processed_logprobs",
@@ -109,7 +106,6 @@ class VLLMEngine:
             pad_token_id=tokenizer.pad_token_id,
             stop_token_ids=stop_token_ids,
             tied=bool(getattr(model.config, "tie_word_embeddings", False)),
-            sleep_mode=vcfg.enable_sleep_mode,
             dtype=dtype,
             workdir=workdir,
         )
@@ -134,7 +130,6 @@ class VLLMEngine:
         n_out = len(prompts) * params.n
         if rows is not None and (list(rows) != list(range(n_out)) or (n_rows or n_out) != n_out):
             raise ValueError("VLLMEngine.generate: rows must be the whole batch (one process)")
-        self.wake()
         self._push_pending()
         vllm = _import_vllm()
         seed = draw_seed(generator, torch.device("cpu")) if not params.greedy else 0
@@ -197,17 +192,12 @@ class VLLMEngine:
         self.n_pushes += 1
 
     def sleep(self) -> None:
-        """With `rollout.vllm.enable_sleep_mode`: free the KV cache and offload the weights
-        (`LLM.sleep(level=1)`) while the trainer updates; otherwise nothing."""
-        if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        """Nothing yet: vLLM's sleep mode (`LLM.sleep`, freeing the KV cache and offloading the
+        weights while the trainer updates) needs a GPU and is not wired or tested here, so the
+        engine keeps its memory between rollouts."""
 
     def wake(self) -> None:
-        """Undo `sleep` (`LLM.wake_up()`)."""
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        """Nothing yet (see `sleep`)."""
 
     def close(self) -> None:
         """Drop the LLM and its temporary directory."""
