@@ -28,6 +28,7 @@ BENCHMARKS = [
     "rm_tiny",
     "generation_tiny",
     "generation_eos_sft",
+    "generation_groups_tiny",
     "grpo_noref_smol",
     "dpo_ref_smol",
     "rm_smol",
@@ -108,6 +109,8 @@ def run_one(name: str, *, warmup: int, reps: int, quick: bool) -> Pair:
         return steps.reward_model(scale, warmup=warmup, reps=smol_reps)
     if name == "generation_eos_sft":
         return steps.generation_eos(warmup=warmup, reps=reps)
+    if name.startswith("generation_groups_"):
+        return steps.generation_groups(scale, warmup=warmup, reps=smol_reps)
     if name.startswith("generation_"):
         return steps.generation(scale, warmup=warmup, reps=smol_reps)
     if name.startswith("memory_"):

@@ -280,6 +280,50 @@ def generation(scale: str, *, warmup: int, reps: int) -> Pair:
     )
 
 
+def generation_groups(scale: str, *, warmup: int, reps: int, groups: int = 8, group: int = 8,
+                      max_new: int = 32) -> Pair:  # fmt: skip
+    """Rollout of `groups` prompts × `group` samples (GRPO's layout): the sampler with prefix
+    sharing (each prompt prefilled once, its KV cache copied to the group) against the same
+    sampler prefilling every row. Same tokens on both sides (fixed length, EOS never matches)."""
+    import time
+
+    from rlhflab.data.formatting import encode_prompt
+    from rlhflab.rollout.sampler import sample
+
+    path = common.model_dir(scale)
+    tok, model = common.load(path)
+    model.eval()
+    plen = common.modal_prompt_length(tok)
+    distinct = [
+        encode_prompt(tok, p) for p in common.prompt_texts(tok, groups, seed=3, length=plen)
+    ]
+    prompts = [p for p in distinct for _ in range(group)]
+    n_tokens = len(prompts) * max_new
+
+    def run(share: bool):
+        def fn():
+            t0 = time.perf_counter()
+            ro = sample(model, prompts, max_new_tokens=max_new, eos_token_id=-1,
+                        pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0),
+                        share_prefix=share)  # fmt: skip
+            dt = time.perf_counter() - t0
+            assert int(ro.mask.sum()) == n_tokens
+            return n_tokens / dt
+
+        return fn
+
+    a, b = common.alternate(run(True), run(False), warmup=warmup, reps=reps)
+    return Pair(
+        f"generation_groups_{scale}",
+        a,
+        b,
+        "completion tokens/s",
+        higher_is_better=True,
+        target=1.0,
+        note=f"{groups} prompts x {group} samples, prompt {plen} tokens, {max_new} sampled tokens; theirs = the same sampler without prefix sharing (every row prefilled)",
+    )
+
+
 def generation_eos(*, warmup: int, reps: int, batch: int = 64, max_new: int = 24) -> Pair:
     """Generation with natural stopping: the quickstart's SFT model answers and emits EOS after a
     few tokens, at temperature 1 some completions run on. Both sides count real completion tokens

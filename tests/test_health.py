@@ -110,7 +110,7 @@ def test_healthy_metrics_are_quiet():
             "optim/grad_norm": 0.3,
             "policy/entropy": 0.7,
             "policy/ratio_mean": 1.0,
-            "rollout/logp_diff": 1e-7,
+            "rollout/logp_diff_mean": 1e-7,
             "rollout/reward_mean": 0.4 + 0.01 * s,
             "rollout/truncated_frac": 0.05,
         }

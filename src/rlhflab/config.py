@@ -449,8 +449,19 @@ class DynamicSamplingConfig(Strict):
     max_rounds: int = Field(8, ge=1)  # generation rounds per step; then a DataError
 
 
+class VLLMConfig(Strict):
+    """The colocated `vllm` rollout engine (vLLM's offline LLM in the trainer's process)."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # share of GPU memory vLLM may take
+    enable_prefix_caching: bool = True  # a group's prompt is prefilled once
+    max_model_len: int | None = Field(None, ge=1)  # default: the model's context length
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    cpu_kvcache_space_gb: int = Field(1, ge=1)  # CPU build only: its KV-cache size (GiB)
+
+
 class RolloutConfig(Strict):
-    """Sampling: all prompts of a step in one batched generation with a KV cache."""
+    """Sampling: all prompts of a step in one batched generation, through `engine`
+    (rlhflab.rollout.engines: "hf", our KV-cache sampler; "vllm", colocated vLLM)."""
 
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
@@ -458,6 +469,10 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0: off
+    min_p: float = Field(0.0, ge=0, lt=1)  # 0: off
+    stop_token_ids: list[int] = Field(default_factory=list)  # besides EOS and the model's own
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
 
 
@@ -530,6 +545,14 @@ class RewardConfig(Strict):
         return self
 
 
+class TISConfig(Strict):
+    """Truncated importance sampling of the policy-gradient term by min(π_θold / π_sampler, cap)
+    (rlhflab.losses.correction.truncated_importance_weights; Yao et al. 2025)."""
+
+    enabled: bool = False
+    cap: float = Field(2.0, gt=0)  # C; Yao et al. use 2, TRL's default is 3
+
+
 class LossConfig(Strict):
     """The named parts of the update: advantage, surrogate and aggregation (see losses/)."""
 
@@ -539,6 +562,7 @@ class LossConfig(Strict):
     surrogate: str = "ppo_clip"
     surrogate_args: dict[str, Any] = Field(default_factory=dict)
     aggregation: str = "seq_mean_token_mean"
+    tis: TISConfig = Field(default_factory=TISConfig)  # training–inference mismatch correction
 
     @model_validator(mode="after")
     def _names_and_args(self) -> LossConfig:

@@ -239,7 +239,7 @@ CHECKS: dict[str, Check] = {
         ),
         Check(
             "logp_mismatch",
-            _get("rollout/logp_diff"),
+            _get("rollout/logp_diff_mean"),
             lambda x, c: _bad(x) or x > c.logp_mismatch_max,
             True,
             lambda c: f"<= {c.logp_mismatch_max:g} nats/token",

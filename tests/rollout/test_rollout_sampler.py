@@ -123,3 +123,61 @@ def test_a_share_sampled_at_the_global_width_equals_those_rows_of_the_whole_batc
     assert torch.equal(share.completion_ids, whole.completion_ids[2:, :n])
     assert torch.equal(share.mask, whole.mask[2:, :n]) and not whole.mask[2:, n:].any()
     torch.testing.assert_close(share.logp, whole.logp[2:, :n], atol=1e-6, rtol=0)
+
+
+GROUPS = [p for p in PROMPTS for _ in range(4)]  # 4 samples of each prompt, group-contiguous
+
+
+def test_prefix_sharing_gives_the_unshared_tokens_and_logps(tiny_model, tiny_tokenizer):
+    tiny_model.eval()
+    for kw in ({"temperature": 0.8}, {"greedy": True}, {"top_k": 20, "top_p": 0.9}):
+        shared = _sample(tiny_model, tiny_tokenizer, GROUPS, share_prefix=True, **kw)
+        alone = _sample(tiny_model, tiny_tokenizer, GROUPS, share_prefix=False, **kw)
+        assert torch.equal(shared.completion_ids, alone.completion_ids)
+        assert torch.equal(shared.mask, alone.mask)
+        assert torch.equal(shared.truncated, alone.truncated)
+        torch.testing.assert_close(shared.logp, alone.logp, atol=1e-5, rtol=0)
+    # duplicates that are not neighbours are shared too
+    mixed = PROMPTS + PROMPTS[::-1]
+    shared = _sample(tiny_model, tiny_tokenizer, mixed, share_prefix=True)
+    alone = _sample(tiny_model, tiny_tokenizer, mixed, share_prefix=False)
+    assert torch.equal(shared.completion_ids, alone.completion_ids)
+
+
+def test_prefix_sharing_prefills_each_distinct_prompt_once(tiny_model, tiny_tokenizer):
+    tiny_model.eval()
+    widths = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(
+        lambda m, inp, out: widths.append(tuple(inp[0].shape))
+    )
+    try:
+        _sample(tiny_model, tiny_tokenizer, GROUPS, max_new_tokens=3, eos_token_id=-1)
+    finally:
+        hook.remove()
+    width = max(len(p) for p in PROMPTS)
+    assert widths[0] == (len(PROMPTS), width)  # the prefill: one row per distinct prompt
+    assert widths[1:] == [(len(GROUPS), 1)] * 2  # decoding: every row
+
+
+def test_several_stop_ids_stop_at_the_first_and_keep_it(tiny_model, tiny_tokenizer):
+    tiny_model.eval()
+    free = _sample(tiny_model, tiny_tokenizer, PROMPTS, greedy=True, eos_token_id=-1)
+    a, b = int(free.completion_ids[0, 3]), int(free.completion_ids[1, 1])
+    ro = _sample(tiny_model, tiny_tokenizer, PROMPTS, greedy=True, eos_token_id=-1,
+                 stop_token_ids=[a, b])  # fmt: skip
+    for i in range(len(PROMPTS)):
+        toks = free.completion_ids[i].tolist()
+        stop = next((t for t, x in enumerate(toks) if x in (a, b)), None)
+        n = len(toks) if stop is None else stop + 1
+        assert int(ro.mask[i].sum()) == n
+        assert ro.completion_ids[i, :n].tolist() == toks[:n]
+        assert bool(ro.truncated[i]) == (stop is None)
+    assert int(ro.mask[0].sum()) <= 4 and int(ro.mask[1].sum()) <= 2
+
+
+def test_min_p_keeps_tokens_within_a_factor_of_the_top():
+    from rlhflab.rollout.sampler import _filter_logits
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(_filter_logits(logits, 0, 1.0, min_p=0.25)).tolist()
+    assert kept == [[True, True, True, False]]  # p >= 0.25 · 0.5 = 0.125

@@ -81,7 +81,7 @@ def test_grpo_on_the_gpt(gpt_sft, tmp_path):
     rows = [r for r in _rows(res["run_dir"]) if "policy/loss" in r]
     assert len(rows) == 3
     for r in rows:
-        assert r["rollout/logp_diff"] < 1e-5  # sampler (KV cache) vs trainer log-probs
+        assert r["rollout/logp_diff_mean"] < 1e-5  # sampler (KV cache) vs trainer log-probs
         assert r["policy/ratio_mean"] == 1.0
     assert rows[0]["policy/kl"] == pytest.approx(0.0, abs=1e-6)
     before = load_file(f"{gpt_sft['model_dir']}/model.safetensors")

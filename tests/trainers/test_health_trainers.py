@@ -164,16 +164,16 @@ def test_nan_logits_flagged(tmp_path, monkeypatch):
 
 def test_sampler_logps_that_disagree_flagged(tmp_path, sft_model_dir, monkeypatch):
     """A sampler whose log-probs are 0.5 nats too low on every token: training-inference mismatch."""
-    import rlhflab.trainers.policy_gradient as pg
+    from rlhflab.rollout.engines.hf import HFEngine
 
-    real = pg.sample
+    real = HFEngine.generate
 
     def skewed(*args, **kwargs):
         r = real(*args, **kwargs)
         r.logp = r.logp - 0.5 * r.mask
         return r
 
-    monkeypatch.setattr(pg, "sample", skewed)
+    monkeypatch.setattr(HFEngine, "generate", skewed)
     res = run_config(_pg(tmp_path, sft_model_dir, steps=4))
     assert _failed(res)["logp_mismatch"]["first_step"] == 3
     assert _failed(res)["logp_mismatch"]["value"] == pytest.approx(0.5, abs=1e-4)

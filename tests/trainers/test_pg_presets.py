@@ -101,7 +101,7 @@ def test_preset_runs_three_steps(path, sft_model, tmp_path):
         for key in ("policy/loss", "optim/grad_norm", "policy/entropy", "update/ratio_mean"):
             assert math.isfinite(r[key]), key
         assert r["policy/ratio_mean"] == 1.0  # first optimizer step of every batch is on-policy
-        assert r["rollout/logp_diff"] < 1e-5
+        assert r["rollout/logp_diff_mean"] < 1e-5
         first = cfg.reward.components[0].name
         assert f"rollout/reward/{first}_mean" in r and "rollout/reward/length_mean" in r
         assert ("policy/kl" in r) == (cfg.kl.coef > 0)

@@ -121,7 +121,7 @@ def test_policy_gradient_smoke(sft_run, tmp_path, extra):
         # First optimizer step of every batch is on-policy: ratio exactly 1, nothing clipped.
         assert r["policy/ratio_mean"] == 1.0
         assert r["policy/clip_frac_low"] == 0.0 and r["policy/clip_frac_high"] == 0.0
-        assert r["rollout/logp_diff"] < 1e-5  # sampler vs trainer log-probs
+        assert r["rollout/logp_diff_mean"] < 1e-5  # sampler vs trainer log-probs
         assert ("policy/kl" in r) == ("kl" in extra)
     if "kl" in extra:
         assert rows[0]["policy/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 1

@@ -24,7 +24,7 @@ import torch
 from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.preference import TokenizedPair
 from rlhflab.data.prm import IGNORE_INDEX, label_steps, step_label_ids
-from rlhflab.rollout.sampler import sample
+from rlhflab.rollout.engines import SamplingParams, make_engine
 
 
 @dataclass
@@ -83,23 +83,16 @@ def sample_and_score(
 
     prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
     per_chunk = max(1, batch_size // k)
+    engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)  # hf
+    params = SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature)
     comp_ids: list[list[list[int]]] = []
     texts: list[list[str]] = []
     scores: list[list[float]] = []
     for start in range(0, len(problems), per_chunk):
         chunk_p = problems[start : start + per_chunk]
-        chunk = [p for p in prompts[start : start + per_chunk] for _ in range(k)]
-        ro = sample(
-            model,
-            chunk,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            temperature=temperature,
-            generator=gen,
-            autocast_dtype=autocast_dtype,
-        )
-        decoded = decode_completions(tokenizer, ro)
+        chunk = prompts[start : start + per_chunk]
+        ro = engine.generate(chunk, params, generator=gen)
+        decoded = decode_completions(tokenizer, ro, engine.stop_token_ids)
         sc = verifier.score_batch(decoded, [p for p in chunk_p for _ in range(k)])
         ids = [
             [t for t, m in zip(row, mrow, strict=True) if m]

@@ -14,7 +14,8 @@ import torch
 
 from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.prompts import render_row
-from rlhflab.rollout.sampler import decode_completions, sample
+from rlhflab.rollout.engines import SamplingParams, make_engine
+from rlhflab.rollout.sampler import decode_completions
 from rlhflab.tracking import progress
 
 
@@ -55,6 +56,7 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
     return_completions: bool = False,
     return_scores: bool = False,
+    engine=None,
 ) -> dict:
     """Greedy accuracy (and pass@k when k > 0) of `model` on `problems`.
 
@@ -64,6 +66,8 @@ def evaluate(
             `score_batch(texts, rows) -> list[float]` (a prompt dataset's `TextRewardScorer`;
             "accuracy" is then the mean held-out reward).
         k: samples per problem at `temperature` for pass@1 / pass@k; 0 skips sampling.
+        engine: the rollout engine to sample with (`rlhflab.rollout.engines`); default the `hf`
+            engine on `model`.
 
     Returns:
         {"accuracy", "accuracy_stderr", "n"} plus {"pass@1", "pass@k", "k"} when k > 0, and
@@ -73,22 +77,16 @@ def evaluate(
     was_training = model.training
     model.eval()
     prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    # Sampling goes through a rollout engine (default: the hf engine on `model`).
+    engine = engine or make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     scores: list[float] = []
     texts: list[str] = []
     batches = range(0, len(prompts), batch_size)
     for start in progress(batches, f"eval ({len(prompts)} problems)"):
         chunk = prompts[start : start + batch_size]
-        ro = sample(
-            model,
-            chunk,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            greedy=True,
-            autocast_dtype=autocast_dtype,
-        )
-        decoded = decode_completions(tokenizer, ro)
+        ro = engine.generate(chunk, greedy)
+        decoded = decode_completions(tokenizer, ro, engine.stop_token_ids)
         texts.extend(decoded)
         scores.extend(verifier.score_batch(decoded, problems[start : start + batch_size]))
     acc, se = mean_and_stderr(scores)
@@ -100,18 +98,10 @@ def evaluate(
         batches = range(0, len(prompts), per_prompt)
         for start in progress(batches, f"pass@{k} ({len(prompts)} problems x {k})"):
             chunk_problems = problems[start : start + per_prompt]
-            chunk = [p for p in prompts[start : start + per_prompt] for _ in range(k)]
-            ro = sample(
-                model,
-                chunk,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                temperature=temperature,
-                generator=gen,
-                autocast_dtype=autocast_dtype,
-            )
-            decoded = decode_completions(tokenizer, ro)
+            chunk = prompts[start : start + per_prompt]
+            params = SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature)
+            ro = engine.generate(chunk, params, generator=gen)
+            decoded = decode_completions(tokenizer, ro, engine.stop_token_ids)
             sampled = verifier.score_batch(decoded, [p for p in chunk_problems for _ in range(k)])
             for i in range(len(chunk_problems)):
                 row = sampled[i * k : (i + 1) * k]

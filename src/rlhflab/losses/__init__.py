@@ -5,6 +5,7 @@
 - `kl`: KL(π_θ ‖ π_ref) estimators k1, k2, k3 (`KL_ESTIMATORS`)
 - `aggregate`: per-token loss -> scalar with explicit per-step denominators (`AGGREGATIONS`)
 - `value`: clipped value loss and explained variance for PPO's critic
+- `correction`: training–inference mismatch: truncated importance sampling, mismatch stats
 
 These modules import only torch and the standard library, never read configs and never sync the
 device (`.item()`).

@@ -17,10 +17,20 @@ decoding step t form one (n_rows, V) block drawn for the whole *global* batch, a
 `rows[i]` of it. So a completion's tokens depend only on its prompt, its global row and the
 seed — not on its batch neighbours, on which rows already stopped, or on how the global batch is
 split over data-parallel ranks (each rank samples its own rows and gets what one process would).
+
+Prefix sharing: a prompt that occurs several times in the batch (a group of `group_size` samples
+of one prompt) is prefilled once; its KV cache and first-token logits are then copied to each of
+its rows (`KV-cache expansion`), so a group costs one prefill instead of `group_size`. The draws
+are those of the unshared batch (same rows, same noise), so the tokens are the same.
+
+A sequence stops at the first of its stop tokens (EOS and any `stop_token_ids`); the stop token is
+kept in the completion and counted in the mask, as EOS always was.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -104,8 +114,14 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Mask logits outside the top-k / nucleus (top-p) set with −inf. logits (B, V) float32."""
+def _filter_logits(logits: Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> Tensor:
+    """Mask logits outside the top-k / nucleus (top-p) / min-p set with −inf. logits (B, V) float32.
+
+    min-p (Nguyen et al. 2024, arXiv:2407.01082) keeps tokens whose probability is at least
+    min_p × the most likely token's: logit_v >= max logit + log(min_p)."""
+    if min_p > 0.0:
+        floor = logits.max(-1, keepdim=True).values + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if top_k > 0 and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -135,12 +151,15 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
     autocast_dtype: torch.dtype | None = None,
     rows: list[int] | None = None,
     n_rows: int | None = None,
     width: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    share_prefix: bool = True,
 ) -> Rollout:
     """Sample one completion per prompt, all prompts in one batch.
 
@@ -150,7 +169,7 @@ def sample(
         prompts: B token-id lists (already rendered with the chat template), any lengths >= 1.
         max_new_tokens: generation budget T per sequence.
         eos_token_id / pad_token_id: stop token and the id written after a sequence stops.
-        temperature, top_p, top_k: the sampling distribution (ignored when greedy).
+        temperature, top_p, top_k, min_p: the sampling distribution (ignored when greedy).
         greedy: argmax decoding (evaluation); `logp` then holds log-probs at temperature 1.
         generator: torch.Generator for reproducible draws (on the model's device). One seed is
             drawn from it per call, whatever the batch, so callers on every data-parallel rank
@@ -162,9 +181,17 @@ def sample(
             samples a share of a global batch passes the global batch's longest prompt, so its
             tensors have the shapes one process would use and the float arithmetic (attention
             sums over the padded keys) runs in the same order.
+        stop_token_ids: further stop tokens besides `eos_token_id` (Llama-3 instruct models end
+            a turn with <|eot_id|> as well as <|end_of_text|>); a sequence stops at the first
+            stop token it emits, which is kept in the completion.
+        share_prefix: prefill each distinct prompt once and copy its KV cache to its rows
+            (False: prefill every row, as before prefix sharing; kept for benchmarks).
 
     Returns:
         Rollout with completion tensors of width T' <= max_new_tokens (the longest completion).
+
+    Raises:
+        ValueError: an empty prompt, or `rows` that do not give each prompt a row < n_rows.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("sample: every prompt needs at least one token")
@@ -182,6 +209,16 @@ def sample(
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     batch = prompt_ids.size(0)
     temp = 1.0 if greedy else temperature
+    stops = torch.tensor(sorted({eos_token_id, *stop_token_ids}), device=device)
+    # Prefix sharing: `first` holds one row per distinct prompt; `expand` maps every row to it.
+    first: dict[tuple[int, ...], int] = {}
+    owner = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
+    distinct = sorted(set(owner))
+    expand = None
+    if share_prefix and len(distinct) < batch:
+        slot = {row: j for j, row in enumerate(distinct)}
+        expand = torch.tensor([slot[o] for o in owner], device=device)  # (B,) into distinct
+        distinct_t = torch.tensor(distinct, device=device)
 
     out_ids = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     out_logp = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
@@ -191,7 +228,10 @@ def sample(
     active = torch.arange(batch, device=device)  # rows of the full batch still decoding
     attn = prompt_mask.clone()
     positions = position_ids_from_mask(attn)
-    step_input, step_positions = prompt_ids, positions
+    step_input, step_positions, step_attn = prompt_ids, positions, attn
+    if expand is not None:  # prefill only the distinct prompts
+        step_input = prompt_ids[distinct_t]
+        step_positions, step_attn = positions[distinct_t], attn[distinct_t]
     # Keys/values written in place into buffers sized for the whole rollout (no per-step torch.cat).
     capacity = prompt_ids.size(1) + max_new_tokens
     cache = preallocated_cache(model.config, capacity)
@@ -200,7 +240,7 @@ def sample(
         with autocast:
             out = model(
                 input_ids=step_input,
-                attention_mask=attn,
+                attention_mask=step_attn,
                 position_ids=step_positions,
                 past_key_values=cache,
                 use_cache=True,
@@ -208,6 +248,9 @@ def sample(
             )
         cache = out.past_key_values
         logits = out.logits[:, -1].float()  # (b, V)
+        if t == 0 and expand is not None:  # copy each distinct prompt's cache to its rows
+            cache.batch_select_indices(expand)
+            logits, step_positions = logits[expand], positions
         if temp != 1.0:
             logits = logits / temp
         if greedy:
@@ -215,13 +258,13 @@ def sample(
         else:
             u = torch.rand((n_rows, logits.size(-1)), generator=noise_rng, device=device)
             gumbel = -torch.log(-torch.log(u[rows_t[active]]))  # (b, V)
-            token = (_filter_logits(logits, top_k, top_p) + gumbel).argmax(-1)
+            token = (_filter_logits(logits, top_k, top_p, min_p) + gumbel).argmax(-1)
         logp = selective_log_softmax(logits, token)
 
         out_ids[active, t] = token
         out_logp[active, t] = logp
         out_mask[active, t] = 1.0
-        done = token == eos_token_id
+        done = torch.isin(token, stops)
         finished[active[done]] = True
         if bool(done.all()):
             break
@@ -231,7 +274,7 @@ def sample(
             active, token, attn = active[keep], token[keep], attn[keep]
             step_positions = step_positions[keep]
         attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
-        step_input = token[:, None]
+        step_input, step_attn = token[:, None], attn
         step_positions = step_positions[:, -1:] + 1
 
     width = int(out_mask.sum(1).max().item()) if batch else 0
@@ -338,17 +381,20 @@ def completion_logps(
     return logp, entropy
 
 
-def decode_completions(tokenizer, rollout: Rollout) -> list[str]:
+def decode_completions(
+    tokenizer, rollout: Rollout, stop_token_ids: Sequence[int] = ()
+) -> list[str]:
     """Completion texts: the generated tokens up to (not including) EOS, special tokens kept.
 
     Special tokens are kept so answer tags that are single tokens (`<answer>`) survive decoding;
-    pad and EOS never appear because only unmasked tokens before EOS are decoded.
+    pad and EOS never appear because only unmasked tokens before EOS are decoded. A completion
+    that ends in one of `stop_token_ids` loses that token too, as it loses EOS.
     """
-    eos = tokenizer.eos_token_id
+    stops = {tokenizer.eos_token_id, *stop_token_ids}
     rows = []
     for ids, mask in zip(rollout.completion_ids.tolist(), rollout.mask.tolist(), strict=True):
         toks = [t for t, m in zip(ids, mask, strict=True) if m]
-        if toks and toks[-1] == eos:
+        if toks and toks[-1] in stops:
             toks = toks[:-1]
         rows.append(toks)
     return tokenizer.batch_decode(rows, skip_special_tokens=False)

@@ -63,7 +63,8 @@ from rlhflab.models.lora import adapters_disabled, apply_lora
 from rlhflab.plots import plot_run
 from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
-from rlhflab.rollout.sampler import completion_logps, decode_completions, pack, sample
+from rlhflab.rollout.engines import SamplingParams, make_engine
+from rlhflab.rollout.sampler import completion_logps, decode_completions, pack
 from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, progress, read_metrics
 from rlhflab.trainers.common import (
@@ -194,20 +195,14 @@ def verifiable_pairs(
     model.eval()
     # Every data-parallel rank samples every prompt with the same draws (the generators are in
     # step), so all ranks build the same pairs; under FSDP2 the parameters are gathered once.
+    # Through the hf rollout engine; a group's repeated prompt is prefilled once (prefix sharing).
+    engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
+    params = SamplingParams(max_new_tokens=vcfg.max_new_tokens, temperature=vcfg.temperature)
     with distributed.gathered(model):
         pieces = range(0, len(flat), chunk)
         for s in progress(pieces, f"sampling pairs ({len(problems)} prompts x {K})"):
-            ro = sample(
-                model,
-                flat[s : s + chunk],
-                max_new_tokens=vcfg.max_new_tokens,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                temperature=vcfg.temperature,
-                generator=generator,
-                autocast_dtype=autocast_dtype,
-            )
-            chunk_texts = decode_completions(tokenizer, ro)
+            ro = engine.generate(flat[s : s + chunk], params, generator=generator)
+            chunk_texts = decode_completions(tokenizer, ro, engine.stop_token_ids)
             texts.extend(chunk_texts)
             if vcfg.reward is not None:  # labelled by reward components, as in policy gradients
                 total, _ = score_components(
@@ -681,14 +676,13 @@ def _write_samples(
     was_training = model.training
     model.eval()
     prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
+    engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
     with distributed.gathered(model):
-        ro = sample(
-            model, prompts, max_new_tokens=cfg.eval.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, greedy=True,
-            autocast_dtype=autocast_dtype,
-        )  # fmt: skip
+        ro = engine.generate(
+            prompts, SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, greedy=True)
+        )
     model.train(was_training)
-    texts = decode_completions(tokenizer, ro)
+    texts = decode_completions(tokenizer, ro, engine.stop_token_ids)
     scores = scorer.score_batch(texts, problems)
     writer.write(
         step,

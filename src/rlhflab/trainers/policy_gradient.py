@@ -44,6 +44,7 @@ from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
+from rlhflab.losses.correction import mismatch_stats, tis
 from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward, kl_penalty
 from rlhflab.losses.policy import POLICY_LOSSES
 from rlhflab.losses.value import clipped_value_loss, explained_variance
@@ -59,7 +60,8 @@ from rlhflab.rewards.reward_model import (
 from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
-from rlhflab.rollout.sampler import completion_logps, decode_completions, draw_seed, sample
+from rlhflab.rollout.engines import SamplingParams, make_engine
+from rlhflab.rollout.sampler import completion_logps, decode_completions, draw_seed
 from rlhflab.runs import SampleWriter, write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
@@ -135,6 +137,17 @@ def train(cfg: PGConfig) -> dict:
     # critic are placed and sharded alike.
     model = distributed.wrap(model, cfg.parallel)
     value_model = distributed.wrap(value_model, cfg.parallel) if value_model else None
+    # The rollout engine (rollout.engine): "hf" samples with `model` itself; "vllm" holds its own
+    # copy of the weights, pushed after every update.
+    engine = make_engine(cfg.rollout, model, tokenizer, autocast_dtype=autocast_dtype)
+    sampling = SamplingParams(
+        n=cfg.rollout.group_size,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        min_p=cfg.rollout.min_p,
+    )
     advantage_fn = ADVANTAGES[cfg.loss.advantage]
     advantage_kwargs = dict(cfg.loss.advantage_args)
     if "group_size" in inspect.signature(advantage_fn).parameters:
@@ -190,24 +203,19 @@ def train(cfg: PGConfig) -> dict:
             return ScoredBatch.gather(None, tokenizer.pad_token_id, device)
         problems = [splits.train[i] for i in mine for _ in range(group_size)]
         model.eval()
+        engine.wake()
         with distributed.gathered(model):
-            rollout = sample(
-                model,
-                [prompts[i] for i in mine for _ in range(group_size)],
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
+            rollout = engine.generate(
+                [prompts[i] for i in mine],
+                sampling,
                 generator=sampler_rng,
-                autocast_dtype=autocast_dtype,
                 rows=list(range(g0 * group_size, g1 * group_size)),  # global rows: noise
                 n_rows=len(chosen) * group_size,
                 width=max(len(prompts[i]) for i in chosen),  # the global batch's prompt width
             )
+        engine.sleep()
         model.train()
-        texts = decode_completions(tokenizer, rollout)
+        texts = decode_completions(tokenizer, rollout, engine.stop_token_ids)
         rewards, components = score_components(
             cfg.reward.components,
             {
@@ -361,6 +369,12 @@ def train(cfg: PGConfig) -> dict:
                         loss_tok, stats = surrogate_fn(
                             logp, old, adv[rows], micro.mask, **cfg.loss.surrogate_args
                         )
+                        if cfg.loss.tis.enabled:  # training–inference mismatch correction
+                            old_trainer = logp.detach() if first_step else logp_old[rows]
+                            loss_tok, tis_stats = tis(
+                                loss_tok, old_trainer, micro.logp, micro.mask, cap=cfg.loss.tis.cap
+                            )
+                            stats = {**stats, **tis_stats}
                         if logp_ref is not None and kl_in_loss:
                             kl_tok = kl_penalty(logp, logp_ref[rows], cfg.kl.estimator)
                             loss_tok = loss_tok + kl_coef * kl_tok
@@ -418,6 +432,7 @@ def train(cfg: PGConfig) -> dict:
                             value_optimizer.step()
                             value_scheduler.step()
                     first_step = False
+            engine.update_weights(model.named_parameters())  # "hf": nothing to do
             steps_done = step
             dt = time.perf_counter() - t0
 
@@ -426,6 +441,8 @@ def train(cfg: PGConfig) -> dict:
             metrics.update({f"rollout/{k}": v for k, v in sampling_stats.items()})
             sums, update_sums = _reduce_sums(sums), _reduce_sums(update_sums)  # over ranks
             n_tok = sums.pop("tokens")
+            if "rollout/logp_diff_max" in sums:  # a maximum, not a sum
+                metrics["rollout/logp_diff_max"] = sums.pop("rollout/logp_diff_max").item()
             # KL per completion (summed over tokens) on the first optimizer step's minibatch.
             kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
             metrics.update({name: (value / n_tok).item() for name, value in sums.items()})
@@ -575,7 +592,15 @@ def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
     add("policy/ratio_mean", (stats["ratio"] * mask).sum())
     add("policy/clip_frac_low", (stats["clipped_low"] * mask).sum())
     add("policy/clip_frac_high", (stats["clipped_high"] * mask).sum())
-    add("rollout/logp_diff", ((logp - micro.logp).abs() * mask).sum())
+    # Training–inference mismatch on the sampled tokens (0 up to rounding with the hf engine).
+    mm = mismatch_stats(logp, micro.logp, mask)
+    add("rollout/logp_diff_mean", mm["logp_diff"].sum())
+    add("rollout/sampler_kl", mm["sampler_kl"].sum())
+    hi = mm["logp_diff"].max() if mask.numel() else torch.zeros(())
+    sums["rollout/logp_diff_max"] = torch.maximum(sums.get("rollout/logp_diff_max", hi), hi)
+    if "tis_weight" in stats:
+        add("rollout/tis_weight_mean", (stats["tis_weight"] * mask).sum())
+        add("rollout/tis_capped_frac", (stats["capped"] * mask).sum())
     if "kl" in stats:
         add("policy/kl", (stats["kl"] * mask).sum())
 
@@ -597,12 +622,12 @@ def _reduce_sums(sums: dict) -> dict:
     """Per-rank masked sums → global ones: summed over ranks, except the ratio extremes (max /
     min). A key some rank lacks (it had no rows in that minibatch) counts as 0 / ∓inf there."""
     keys = sorted({k for part in distributed.all_gather_object(sorted(sums)) for k in part})
-    default = {"ratio_max": float("-inf"), "ratio_min": float("inf")}
+    default = {"ratio_max": float("-inf"), "ratio_min": float("inf"), "rollout/logp_diff_max": 0.0}
     out = {}
     for k in keys:
         v = sums.get(k, default.get(k, 0.0))
         v = v.detach().float().clone() if torch.is_tensor(v) else torch.tensor(float(v))
-        if k == "ratio_max":
+        if k in ("ratio_max", "rollout/logp_diff_max"):
             out[k] = distributed.all_reduce_max(v)
         elif k == "ratio_min":
             out[k] = distributed.all_reduce_min(v)

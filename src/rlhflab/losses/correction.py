@@ -1,0 +1,99 @@
+"""Training–inference mismatch: diagnostics and truncated importance sampling (TIS).
+
+The tokens of a rollout are drawn from the *sampler's* distribution π_sampler (an inference engine
+such as vLLM, with its own kernels, precision and batching), but the policy-gradient loss treats
+them as samples of the *trainer's* π_θold. The two differ by float arithmetic, and the gradient is
+then that of an off-policy objective. Yao et al. 2025 ("Your efficient RL framework secretly brings
+you off-policy RL training", https://fengyao.notion.site/off-policy-rl) correct it with a
+truncated importance weight on the policy-gradient term:
+
+    w_t = min( π_θold(o_t | ·) / π_sampler(o_t | ·), C )        (detached)
+    loss_t ← w_t · loss_t
+
+Tensors (shapes as in `rlhflab.losses.policy`):
+    logp_old      (B, T) float   log π_θold of the sampled tokens, from the trainer's forward
+    logp_sampler  (B, T) float   the sampler's log-probs of the same tokens (Rollout.logp)
+    mask          (B, T) bool or 0/1 float, 1 on completion tokens
+
+Pure functions: torch only, no config, no `.item()`.
+"""
+
+import torch
+from torch import Tensor
+
+__all__ = ["CORRECTIONS", "mismatch_stats", "tis", "truncated_importance_weights"]
+
+
+def _check(logp_old: Tensor, logp_sampler: Tensor, mask: Tensor) -> Tensor:
+    if logp_old.ndim != 2 or logp_sampler.shape != logp_old.shape or mask.shape != logp_old.shape:
+        raise ValueError(
+            "logp_old, logp_sampler and mask must share one (B, T) shape, got "
+            f"{tuple(logp_old.shape)}, {tuple(logp_sampler.shape)}, {tuple(mask.shape)}"
+        )
+    return mask.bool()
+
+
+def truncated_importance_weights(
+    logp_old: Tensor, logp_sampler: Tensor, mask: Tensor, *, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token TIS weights w = min(exp(logp_old − logp_sampler), C), detached.
+
+    Yao et al. 2025 (token-level TIS; the same as TRL's `vllm_importance_sampling_correction` with
+    `vllm_importance_sampling_mode="token_truncate"` and verl's `tis_imp_ratio_cap`). Only the upper
+    side is truncated: a weight below 1 (the sampler over-weights the token) is kept as is. The
+    weight uses π_θold, the trainer's policy at sampling time — not π_θ, whose ratio to π_θold the
+    surrogate already handles — so it is constant across the update epochs of a batch.
+
+    Args:
+        logp_old, logp_sampler, mask: (B, T) as in the module docstring.
+        cap: C > 0.
+
+    Returns:
+        w: (B, T) float, detached, 0 at padding;
+        stats: {"capped": (B, T) float, 1.0 where min(·, C) binds (0 at padding)}.
+
+    Raises:
+        ValueError: mismatched shapes or cap <= 0.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    m = _check(logp_old, logp_sampler, mask)
+    log_ratio = torch.where(m, logp_old.detach() - logp_sampler.detach(), 0.0)
+    ratio = torch.exp(log_ratio)
+    w = torch.where(m, torch.clamp(ratio, max=cap), 0.0)
+    return w, {"capped": (m & (ratio > cap)).to(w.dtype)}
+
+
+def tis(
+    loss: Tensor, logp_old: Tensor, logp_sampler: Tensor, mask: Tensor, *, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling of a per-token policy-gradient loss: loss_t · w_t.
+
+    `loss` (B, T) is a surrogate's per-token loss (`rlhflab.losses.policy`), before any KL term is
+    added — the KL is an expectation under π_θ, not under the sampler, so it is not reweighted
+    (TRL and verl do the same). Where logp_sampler == logp_old every weight is exactly 1.0 and the
+    loss is returned unchanged bit for bit. Returns (loss · w (B, T), stats of
+    `truncated_importance_weights` plus "tis_weight": w). Raises ValueError as that function does
+    and when `loss` has another shape.
+    """
+    if loss.shape != logp_old.shape:
+        raise ValueError(f"loss has shape {tuple(loss.shape)}, expected {tuple(logp_old.shape)}")
+    w, stats = truncated_importance_weights(logp_old, logp_sampler, mask, cap=cap)
+    return loss * w.to(loss.dtype), {**stats, "tis_weight": w}
+
+
+def mismatch_stats(logp: Tensor, logp_sampler: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Per-token training–inference mismatch diagnostics on the sampled tokens, detached, 0 at padding.
+
+    "logp_diff": |log π_θ − log π_sampler|;
+    "sampler_kl": the k3 estimate of KL(π_sampler ‖ π_θ) from samples of π_sampler,
+        (e^r − 1) − r with r = log π_θ − log π_sampler (Schulman's k3; non-negative per token;
+        its masked mean estimates the per-token KL between sampler and trainer).
+    Returns dict of (B, T) float tensors. Raises ValueError on mismatched shapes.
+    """
+    m = _check(logp, logp_sampler, mask)
+    r = torch.where(m, logp.detach() - logp_sampler.detach(), 0.0)
+    return {"logp_diff": r.abs(), "sampler_kl": torch.expm1(r) - r}
+
+
+CORRECTIONS = {"tis": tis}

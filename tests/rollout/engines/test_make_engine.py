@@ -1,0 +1,47 @@
+"""make_engine and its inputs: the stop set, the default engine, one-line errors."""
+
+import importlib.util
+
+import pytest
+
+from rlhflab.config import RolloutConfig
+from rlhflab.errors import ConfigError
+from rlhflab.rollout.engines import SamplingParams, make_engine, stop_ids_for
+
+
+def test_stop_set_is_eos_then_the_models_then_the_configs(tiny_model, tiny_tokenizer):
+    eos = tiny_tokenizer.eos_token_id
+    tiny_model.generation_config.eos_token_id = [eos, 5]  # Llama-3 style: several end ids
+    assert stop_ids_for(tiny_model, tiny_tokenizer, [7, 5]) == (eos, 5, 7)
+    engine = make_engine(RolloutConfig(stop_token_ids=[9]), tiny_model, tiny_tokenizer)
+    assert engine.name == "hf" and engine.stop_token_ids == (eos, 5, 9)
+    assert make_engine(None, tiny_model, tiny_tokenizer).name == "hf"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_vllm_engine_without_vllm_is_one_config_error(tiny_model, tiny_tokenizer):
+    with pytest.raises(ConfigError, match=r"rollout.engine 'vllm' needs vLLM.*rlhflab\[vllm\]"):
+        make_engine(RolloutConfig(engine="vllm"), tiny_model, tiny_tokenizer)
+
+
+def test_sampling_params_are_checked():
+    with pytest.raises(ValueError, match="n and max_new_tokens"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.0)
+
+
+def test_vllm_engine_with_lora_adapters_is_one_config_error(tiny_model, tiny_tokenizer):
+    """The vllm engine receives plain weights; a LoRA policy is refused before vLLM is touched
+    (so this holds with or without vllm installed)."""
+    pytest.importorskip("peft")
+    import copy
+
+    from rlhflab.config import LoRAConfig
+    from rlhflab.models.lora import apply_lora
+
+    model = apply_lora(copy.deepcopy(tiny_model), LoRAConfig(r=2, alpha=4))
+    with pytest.raises(ConfigError, match=r"vllm does not take LoRA adapters"):
+        make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer)
