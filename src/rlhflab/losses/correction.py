@@ -21,6 +21,8 @@ Pure functions: torch only, no config, no `.item()`.
 import torch
 from torch import Tensor
 
+from rlhflab.losses.kl import k3
+
 __all__ = ["CORRECTIONS", "mismatch_stats", "tis", "truncated_importance_weights"]
 
 
@@ -92,8 +94,11 @@ def mismatch_stats(logp: Tensor, logp_sampler: Tensor, mask: Tensor) -> dict[str
     Returns dict of (B, T) float tensors. Raises ValueError on mismatched shapes.
     """
     m = _check(logp, logp_sampler, mask)
-    r = torch.where(m, logp.detach() - logp_sampler.detach(), 0.0)
-    return {"logp_diff": r.abs(), "sampler_kl": torch.expm1(r) - r}
+    logp_s = torch.where(m, logp_sampler.detach(), 0.0)
+    logp_t = torch.where(m, logp.detach(), 0.0)
+    # KL(π_sampler ‖ π_θ) from samples of π_sampler: `losses.kl.k3` with the sampler in the role
+    # of the sampled policy and π_θ in the role of the reference
+    return {"logp_diff": (logp_t - logp_s).abs(), "sampler_kl": k3(logp_s, logp_t)}
 
 
 CORRECTIONS = {"tis": tis}
