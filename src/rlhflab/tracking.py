@@ -222,12 +222,7 @@ class Tracker:
         self.progress = None
         if console_enabled:
             self.progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+                *_bar_columns(),
                 TextColumn("{task.fields[info]}"),
                 console=console,
                 transient=False,
@@ -376,6 +371,18 @@ def progress_wanted() -> bool:
     return console.is_terminal and not console.is_dumb_terminal and distributed.is_main()
 
 
+def _bar_columns() -> tuple:
+    """The columns of every progress bar: description, bar, done/total, elapsed, eta."""
+    return (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
+
+
 @contextlib.contextmanager
 def phase(description: str, total: int | None = None):
     """A transient progress bar for a long preparation phase (tokenizer training, drawing a big
@@ -394,16 +401,7 @@ def phase(description: str, total: int | None = None):
         finally:
             host.remove_task(task)
         return
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    )
+    progress = Progress(*_bar_columns(), console=console, transient=True)
     with progress:
         yield _Bar(progress, progress.add_task(description, total=total))
 
