@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhflab.data.formatting import encode_completion, encode_prompt, render_messages
+from rlhflab.data.rows import finish_rows
 from rlhflab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -493,14 +494,7 @@ def parse_rows(
             if on_invalid == "error":
                 raise DataError(f"{source} row {i}: {err}") from None
             drops[err.reason] += 1
-    n_dropped = sum(drops.values())
-    if n_dropped:
-        detail = ", ".join(f"{k}={v}" for k, v in drops.items() if v)
-        logger.warning("%s: dropped %d invalid rows (%s)", source, n_dropped, detail)
-    if not out:
-        detail = f" ({n_dropped} invalid rows dropped)" if n_dropped else ""
-        raise DataError(f"{source}: no valid {fmt} rows{detail}")
-    return out, drops
+    return finish_rows(out, drops, source, empty=f"{source}: no valid {fmt} rows"), drops
 
 
 def load_preference_data(

@@ -54,6 +54,7 @@ from rlhflab.data.formatting import (
     render_messages,
     render_prompt,
 )
+from rlhflab.data.rows import finish_rows
 from rlhflab.data.tasks import Problem
 from rlhflab.errors import ConfigError, DataError
 
@@ -307,19 +308,6 @@ def _check_options(on_invalid: str, assistant_turns: str) -> None:
         raise ConfigError(f"data.assistant_turns: must be 'all' or 'last', got {assistant_turns!r}")
 
 
-def _finish(
-    examples: list[SFTExample], drops: dict[str, int], name: str
-) -> tuple[list[SFTExample], dict[str, int]]:
-    n_dropped = sum(drops.values())
-    if n_dropped:
-        detail = ", ".join(f"{k}={v}" for k, v in drops.items() if v)
-        logger.warning("%s: dropped %d invalid rows (%s)", name, n_dropped, detail)
-    if not examples:
-        detail = f" ({n_dropped} invalid rows dropped)" if n_dropped else ""
-        raise DataError(f"data.path: {name} has no valid examples{detail}")
-    return examples, drops
-
-
 def load_sft_jsonl(
     path: str | os.PathLike[str],
     tokenizer: Any,
@@ -372,7 +360,9 @@ def load_sft_jsonl(
                     drops[err.reason] += 1
     except UnicodeDecodeError as exc:
         raise DataError(f"data.path: {name} is not UTF-8 text ({exc.reason})") from None
-    return _finish(examples, drops, name)
+    return finish_rows(
+        examples, drops, name, empty=f"data.path: {name} has no valid examples"
+    ), drops
 
 
 def load_sft_data(
@@ -424,7 +414,9 @@ def load_sft_data(
             if on_invalid == "error":
                 raise DataError(f"data.path: {name} row {i}: {err}") from None
             drops[err.reason] += 1
-    return _finish(examples, drops, name)
+    return finish_rows(
+        examples, drops, name, empty=f"data.path: {name} has no valid examples"
+    ), drops
 
 
 def sft_segments(tokenizer: Any, example: SFTExample) -> list[tuple[list[int], bool]]:
