@@ -53,15 +53,12 @@ def run_eval_command(
     if threads:
         torch.set_num_threads(threads)
     splits = make_splits(task, config=task_config, n_train=n_train_exclude, n_heldout=n, seed=seed)
-    tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(model_path, device=device, gguf_file=gguf_file)
     verifier = Verifier(answer_format=answer_format, reward=reward, extractor=extractor)
-    res = evaluate(
-        model,
-        tokenizer,
+    res = _load_and_evaluate(
+        model_path,
         splits.heldout,
         verifier,
+        gguf_file=gguf_file,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         k=k,
@@ -144,12 +141,8 @@ def run_prompt_eval_command(
     )
     rows = load_prompt_source(cfg, seed=seed).train
     rows = rows[:n] if n else rows
-    tokenizer = load_tokenizer(model_path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(model_path, device=device)
-    res = evaluate(
-        model,
-        tokenizer,
+    res = _load_and_evaluate(
+        model_path,
         rows,
         TextRewardScorer(components),
         batch_size=batch_size,
@@ -167,6 +160,15 @@ def run_prompt_eval_command(
         "metric": "reward",
         **res,
     }
+
+
+def _load_and_evaluate(model_path: str, rows: list, scorer, *, gguf_file=None, **kw) -> dict:
+    """Load the model and tokenizer at `model_path` (a GGUF file inside it when `gguf_file`) on
+    the GPU when there is one, else the CPU, and `evaluate` it on `rows` (keywords: evaluate's)."""
+    tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(model_path, device=device, gguf_file=gguf_file)
+    return evaluate(model, tokenizer, rows, scorer, **kw)
 
 
 def reward_components_from_specs(specs: list[str]) -> list:
