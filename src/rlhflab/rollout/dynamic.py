@@ -91,6 +91,9 @@ class ScoredBatch:
 
     @staticmethod
     def concat(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
+        """The batches' rows one after another (rollouts re-padded by `concat_rollouts`;
+        rewards (B,), components {name: (B,)}, texts and problems concatenated in order). One
+        batch is returned as is."""
         if len(batches) == 1:
             return batches[0]
         return ScoredBatch(
