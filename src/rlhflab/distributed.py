@@ -60,7 +60,9 @@ import torch.distributed as dist
 
 from rlhflab.errors import ConfigError
 
-_STATE: dict[str, Any] = {"strategy": "none", "device": None, "talked": False}
+# "owned": this module started the default process group (under torchrun). A group that another
+# library starts in a single process (vLLM's world-1 group) is neither used nor destroyed here.
+_STATE: dict[str, Any] = {"strategy": "none", "device": None, "talked": False, "owned": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,16 +104,20 @@ def setup(strategy: str = "none", timeout_s: float = 600.0) -> None:
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _STATE["owned"] = True
 
 
 def teardown() -> None:
-    """Leave the process group (no-op with one process)."""
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group this module joined (no-op with one process)."""
+    if _STATE["owned"] and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _STATE["owned"] = False
 
 
 def _on() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    # Several processes only: in one process a default group may exist that is not ours (the
+    # colocated vLLM engine starts a world-1 group), and there is nobody to talk to.
+    return launched() and dist.is_available() and dist.is_initialized()
 
 
 def _talk() -> bool:

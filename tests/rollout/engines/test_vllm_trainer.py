@@ -55,6 +55,7 @@ def test_grpo_on_the_vllm_engine_with_tis(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # vLLM shuts down cleanly too
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != "__pycache__"]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rows = [r for r in map(json.loads, lines) if "policy/loss" in r]
