@@ -226,7 +226,8 @@ def compare_models(models: dict[str, str], rm_path: str, heldout: list, pc: Pipe
     from rlhflab.data.prompts import render_row
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.reward_model import RewardModelScorer
-    from rlhflab.rollout.sampler import completion_logps, sample
+    from rlhflab.rollout.engines import SamplingParams, make_engine
+    from rlhflab.rollout.sampler import completion_logps
 
     if pc.threads:
         torch.set_num_threads(pc.threads)
@@ -238,20 +239,20 @@ def compare_models(models: dict[str, str], rm_path: str, heldout: list, pc: Pipe
     out = {}
     for name, path in models.items():
         model = ref if name == "sft" else load_model(path).eval()
+        engine = make_engine(None, model, tokenizer)  # the hf engine, as the trainers sample
         gen = torch.Generator().manual_seed(pc.seed)
         scores, lengths, kls = [], [], []
         with torch.no_grad():
             for s in range(0, len(prompts), e.batch_size):
                 chunk = prompts[s : s + e.batch_size]
-                kw = dict(
-                    max_new_tokens=e.max_new_tokens,
-                    eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
+                greedy = engine.generate(
+                    chunk, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True)
                 )
-                greedy = sample(model, chunk, greedy=True, **kw)
                 scores += scorer.score_rollout(greedy).tolist()
                 lengths += greedy.lengths.float().tolist()
-                ro = sample(model, chunk, temperature=1.0, generator=gen, **kw)
+                ro = engine.generate(
+                    chunk, SamplingParams(max_new_tokens=e.max_new_tokens), generator=gen
+                )
                 logp, _ = completion_logps(model, ro)
                 logp_ref, _ = completion_logps(ref, ro)
                 kls += ((logp - logp_ref) * ro.mask).sum(1).tolist()
