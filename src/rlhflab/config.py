@@ -457,6 +457,9 @@ class VLLMConfig(Strict):
     max_model_len: int | None = Field(None, ge=1)  # default: the model's context length
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     cpu_kvcache_space_gb: int = Field(1, ge=1)  # CPU build only: its KV-cache size (GiB)
+    # Colocated mode: between rollouts vLLM offloads its weights to CPU memory and frees its KV
+    # cache (vLLM sleep mode, level 1), so the trainer's update has the GPU. CUDA/ROCm only.
+    sleep: bool = False
 
 
 class RolloutConfig(Strict):

