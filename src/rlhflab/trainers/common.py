@@ -409,13 +409,23 @@ class ShuffledStream:
 
 
 def heldout_eval(
-    cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...
+    cfg,
+    model,
+    tokenizer,
+    problems,
+    verifier,
+    tracker,
+    step: int,
+    autocast_dtype,
+    system=...,
+    engine=None,
 ):
     """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`
     (task Problems or prompt rows), as `cfg.eval` configures it (see
     `rlhflab.eval.accuracy.evaluate`; `verifier` is anything with `score_batch(texts, rows)`);
     logged as `eval/*` at `step` and returned (keys accuracy, accuracy_stderr, n, ...).
-    `system` defaults to `cfg.task.system`."""
+    `system` defaults to `cfg.task.system`; `engine` is the run's rollout engine (default: the
+    `hf` engine on `model`)."""
     from rlhflab.eval.accuracy import evaluate, mean_and_stderr
 
     if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
@@ -442,6 +452,7 @@ def heldout_eval(
             system=cfg.task.system if system is ... else system,
             autocast_dtype=autocast_dtype,
             return_scores=w > 1,
+            engine=engine,
         )
     if w > 1:
         for name in ("accuracy", "pass@1", "pass@k"):

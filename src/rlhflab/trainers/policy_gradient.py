@@ -185,9 +185,9 @@ def train(cfg: PGConfig) -> dict:
     )
 
     def run_eval(step: int) -> dict:
-        res = heldout_eval(
-            cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype, system=system
-        )
+        res = heldout_eval(cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype,
+                           system=system, engine=engine)  # fmt: skip
+        engine.sleep()
         health.observe_eval(step, res)
         return res
 
