@@ -460,6 +460,9 @@ class VLLMConfig(Strict):
     # Colocated mode: between rollouts vLLM offloads its weights to CPU memory and frees its KV
     # cache (vLLM sleep mode, level 1), so the trainer's update has the GPU. CUDA/ROCm only.
     sleep: bool = False
+    # vLLM's tensor parallelism for a model too large for one GPU: the LLM shards the model over
+    # this many GPUs (vLLM starts one worker process per GPU). Untested here (no GPU).
+    tensor_parallel_size: int = Field(1, ge=1)
 
 
 class RolloutConfig(Strict):

@@ -117,6 +117,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enforce_eager=True,
             enable_sleep_mode=vcfg.sleep,
+            tensor_parallel_size=vcfg.tensor_parallel_size,
         )
         dtype = _DTYPES.get(vcfg.dtype, next(model.parameters()).dtype)
         return cls(
