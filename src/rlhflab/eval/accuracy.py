@@ -53,6 +53,7 @@ def evaluate(
     temperature: float = 1.0,
     seed: int = 0,
     system: str | None = None,
+    instruction: str | None = None,
     autocast_dtype: torch.dtype | None = None,
     return_completions: bool = False,
     return_scores: bool = False,
@@ -66,6 +67,8 @@ def evaluate(
             `score_batch(texts, rows) -> list[float]` (a prompt dataset's `TextRewardScorer`;
             "accuracy" is then the mean held-out reward).
         k: samples per problem at `temperature` for pass@1 / pass@k; 0 skips sampling.
+        system, instruction: the system turn and the answer-format instruction rendered into
+            every prompt (`rlhflab.data.prompts.render_row`), as in training.
         engine: the rollout engine to sample with (`rlhflab.rollout.engines`); default the `hf`
             engine on `model`.
 
@@ -76,7 +79,10 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
+    prompts = [
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
+        for p in problems
+    ]
     # Sampling goes through a rollout engine (default: the hf engine on `model`).
     engine = engine or make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)

@@ -409,13 +409,16 @@ class ShuffledStream:
 
 
 def heldout_eval(
-    cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...
-):
+    cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...,
+    instruction=...,
+):  # fmt: skip
     """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`
     (task Problems or prompt rows), as `cfg.eval` configures it (see
     `rlhflab.eval.accuracy.evaluate`; `verifier` is anything with `score_batch(texts, rows)`);
     logged as `eval/*` at `step` and returned (keys accuracy, accuracy_stderr, n, ...).
-    `system` defaults to `cfg.task.system`."""
+    `system` defaults to `cfg.task.system`, `instruction` to the task's answer-format instruction
+    (`rlhflab.data.formatting.task_instruction`)."""
+    from rlhflab.data.formatting import task_instruction
     from rlhflab.eval.accuracy import evaluate, mean_and_stderr
 
     if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
@@ -440,6 +443,7 @@ def heldout_eval(
             temperature=cfg.eval.temperature,
             seed=cfg.seed + r,
             system=cfg.task.system if system is ... else system,
+            instruction=task_instruction(cfg.task) if instruction is ... else instruction,
             autocast_dtype=autocast_dtype,
             return_scores=w > 1,
         )

@@ -44,7 +44,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import DPOConfig
-from rlhflab.data.formatting import encode_prompt, format_completion
+from rlhflab.data.formatting import encode_prompt, format_completion, task_instruction
 from rlhflab.data.preference import (
     PreferencePair,
     TokenizedPair,
@@ -180,11 +180,12 @@ def cache_reference(model, rows, pad_id, *, unpaired, chunk, autocast_dtype) -> 
 
 def verifiable_pairs(
     model, tokenizer, problems, verifier, vcfg, task, *, generator, rng, chunk, autocast_dtype,
-    system=None,
+    system=None, instruction=None,
 ):  # fmt: skip
     """Sample K completions per prompt row from `model`, score them (the task's verifier, or
-    `vcfg.reward` components: reward functions, a reward model), pair best with worst."""
-    prompts = [render_row(tokenizer, p, system=system) for p in problems]
+    `vcfg.reward` components: reward functions, a reward model), pair best with worst. Prompts
+    carry `system` and the answer-format `instruction` (`render_row`)."""
+    prompts = [render_row(tokenizer, p, system=system, instruction=instruction) for p in problems]
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     K = vcfg.samples_per_prompt
     texts: list[str] = []
@@ -259,6 +260,8 @@ def train(cfg: DPOConfig) -> dict:
     if verifiable or task_eval or cfg.model.build is not None:
         splits = load_prompt_source(cfg.prompts, t, seed=cfg.seed)
     system = t.system if cfg.prompts.source == "task" else cfg.prompts.system
+    # The answer-format instruction after each task question (task.instruction); none for datasets.
+    instruction = task_instruction(t) if cfg.prompts.source == "task" else None
     tokenizer, model = prepare_model(
         cfg.model,
         device=device,
@@ -288,7 +291,7 @@ def train(cfg: DPOConfig) -> dict:
         return verifiable_pairs(
             model, tokenizer, problems, verifier, v, t,
             generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
-            system=system,
+            system=system, instruction=instruction,
         )  # fmt: skip
 
     file_unpaired = False  # a preference file of unpaired (KTO) rows
@@ -296,7 +299,7 @@ def train(cfg: DPOConfig) -> dict:
         heldout_pairs, data_counts["heldout"] = verifiable_pairs(
             model, tokenizer, splits.heldout[: cfg.data.heldout_pairs], verifier, v, t,
             generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
-            system=system,
+            system=system, instruction=instruction,
         )  # fmt: skip
         train_pairs, data_counts["round_1"] = round_pairs()
         examples = train_pairs
@@ -384,6 +387,7 @@ def train(cfg: DPOConfig) -> dict:
             step,
             autocast_dtype,
             system=system,
+            instruction=instruction,
         )
 
     @torch.no_grad()
@@ -582,6 +586,7 @@ def train(cfg: DPOConfig) -> dict:
                     cfg,
                     autocast_dtype,
                     system,
+                    instruction,
                 )
             tracker.advance(step, metrics)
             checkpointer.end_step(
@@ -667,15 +672,19 @@ def _tokenize_unpaired(tokenizer, examples, tok_kw) -> tuple[list[dict], dict]:
 
 @torch.no_grad()
 def _write_samples(
-    writer, step, model, tokenizer, problems, scorer, cfg, autocast_dtype, system=None
-) -> None:
+    writer, step, model, tokenizer, problems, scorer, cfg, autocast_dtype, system=None,
+    instruction=None,
+) -> None:  # fmt: skip
     """Greedy completions of the first held-out prompts (in-loop samples), with their scores."""
     problems = problems[: cfg.tracking.samples_per_step]
     if not problems:
         return
     was_training = model.training
     model.eval()
-    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
+    prompts = [
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
+        for p in problems
+    ]
     engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
     with distributed.gathered(model):
         ro = engine.generate(

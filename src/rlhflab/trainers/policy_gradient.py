@@ -38,7 +38,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
-from rlhflab.data.formatting import encode_prompt
+from rlhflab.data.formatting import encode_prompt, task_instruction
 from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
@@ -97,6 +97,8 @@ def train(cfg: PGConfig) -> dict:
     # Prompt rows (task problems or a dataset's rows) with a deduplicated held-out split.
     splits = load_prompt_source(cfg.data, t, seed=cfg.seed)
     system = t.system if cfg.data.source == "task" else cfg.data.system
+    # The answer-format instruction after each task question (task.instruction); none for datasets.
+    instruction = task_instruction(t) if cfg.data.source == "task" else None
     tokenizer, model = prepare_model(
         cfg.model,
         device=device,
@@ -104,7 +106,8 @@ def train(cfg: PGConfig) -> dict:
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
     )
     prompts = [
-        encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in splits.train
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
+        for p in splits.train
     ]
     check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
                             field="rollout.max_new_tokens")  # fmt: skip
@@ -186,8 +189,9 @@ def train(cfg: PGConfig) -> dict:
 
     def run_eval(step: int) -> dict:
         res = heldout_eval(
-            cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype, system=system
-        )
+            cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype,
+            system=system, instruction=instruction,
+        )  # fmt: skip
         health.observe_eval(step, res)
         return res
 

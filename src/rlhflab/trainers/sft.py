@@ -23,6 +23,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
+from rlhflab.data.formatting import task_instruction
 from rlhflab.data.sft import load_sft_data, sft_examples_from_problems, split_features, tokenize_sft
 from rlhflab.data.tasks import make_splits
 from rlhflab.fingerprint import data_fingerprint
@@ -85,7 +86,11 @@ def train(cfg: SFTConfig) -> dict:
     )
     if cfg.data.source == "task":
         examples = sft_examples_from_problems(
-            splits.train, tokenizer, answer_format=cfg.task.answer_format, system=cfg.task.system
+            splits.train,
+            tokenizer,
+            answer_format=cfg.task.answer_format,
+            system=cfg.task.system,
+            instruction=task_instruction(cfg.task),
         )
         drops: dict[str, int] = {}
     else:
