@@ -170,9 +170,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from rlhflab.quickstart import run_quickstart
+    from rlhflab.quickstart import run_quickstart, summary_line
 
     results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
+    print(summary_line(results), file=sys.stderr)
     print(_dumps(results))
     return 0
 

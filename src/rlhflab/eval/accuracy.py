@@ -152,3 +152,15 @@ def majority_baseline(train: list, heldout: list, verifier) -> dict:
     verifier.n_scored, verifier.n_errors, verifier.n_no_answer = n_scored, n_errors, n_no
     acc, se = mean_and_stderr(scores)
     return {"majority_answer": answer, "majority_accuracy": acc, "majority_accuracy_stderr": se}
+
+
+def majority_results(baseline: dict | None) -> dict:
+    """A `majority_baseline` result as final_results.json keys: heldout_majority_answer,
+    heldout_majority_baseline, heldout_majority_baseline_stderr (all None without a baseline:
+    held-out scores that are not a task's verifier accuracy)."""
+    baseline = baseline or {}
+    return {
+        "heldout_majority_answer": baseline.get("majority_answer"),
+        "heldout_majority_baseline": baseline.get("majority_accuracy"),
+        "heldout_majority_baseline_stderr": baseline.get("majority_accuracy_stderr"),
+    }

@@ -410,14 +410,16 @@ class ShuffledStream:
 
 def heldout_eval(
     cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...,
-    instruction=...,
+    instruction=..., baseline: dict | None = None,
 ):  # fmt: skip
     """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`
     (task Problems or prompt rows), as `cfg.eval` configures it (see
     `rlhflab.eval.accuracy.evaluate`; `verifier` is anything with `score_batch(texts, rows)`);
     logged as `eval/*` at `step` and returned (keys accuracy, accuracy_stderr, n, ...).
     `system` defaults to `cfg.task.system`, `instruction` to the task's answer-format instruction
-    (`rlhflab.data.formatting.task_instruction`)."""
+    (`rlhflab.data.formatting.task_instruction`). `baseline`, the result of
+    `rlhflab.eval.accuracy.majority_baseline` on these problems, is logged beside the accuracy
+    at every evaluation (`eval/majority_baseline`)."""
     from rlhflab.data.formatting import task_instruction
     from rlhflab.eval.accuracy import evaluate, mean_and_stderr
 
@@ -454,5 +456,7 @@ def heldout_eval(
                 scores = [s for part in distributed.all_gather_object(res.pop(key)) for s in part]
                 res[name], res[f"{name}_stderr"] = mean_and_stderr(scores)
         res["n"] = len(problems)
+    if baseline is not None:
+        res["majority_baseline"] = baseline["majority_accuracy"]
     tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
     return res

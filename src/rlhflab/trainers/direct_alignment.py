@@ -55,6 +55,7 @@ from rlhflab.data.preference import (
 )
 from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.errors import DataError
+from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
@@ -275,6 +276,12 @@ def train(cfg: DPOConfig) -> dict:
     if cfg.prompts.source == "dataset" and verifiable:
         scorer = TextRewardScorer(v.reward, verifier)
     heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and task_eval else []
+    # Beside every task accuracy: the most common training answer given to every held-out problem.
+    baseline = (
+        majority_baseline(splits.train, heldout_tasks, verifier)
+        if heldout_tasks and scorer is verifier
+        else None
+    )
     chunk = 2 * cfg.train.micro_batch_size
     rng = random.Random(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -388,6 +395,7 @@ def train(cfg: DPOConfig) -> dict:
             autocast_dtype,
             system=system,
             instruction=instruction,
+            baseline=baseline,
         )
 
     @torch.no_grad()
@@ -620,6 +628,7 @@ def train(cfg: DPOConfig) -> dict:
         "heldout_accuracy": final_eval.get("accuracy"),
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
+        **majority_results(baseline),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
         "reference_pass_s": round(t_ref, 2),
         "health": health.summary(),

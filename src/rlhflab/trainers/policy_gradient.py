@@ -40,6 +40,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, task_instruction
 from rlhflab.data.prompts import load_prompt_source, render_row
+from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.advantages import ADVANTAGES, whiten
@@ -119,6 +120,8 @@ def train(cfg: PGConfig) -> dict:
     scorer = verifier if cfg.data.source == "task" else TextRewardScorer(cfg.reward.components)
     # (No held-out eval when no reward can score text alone, e.g. a reward model only.)
     heldout = splits.heldout[: cfg.eval.n] if scorer is verifier or scorer.components else []
+    # Beside every task accuracy: the most common training answer given to every held-out problem.
+    baseline = majority_baseline(splits.train, heldout, verifier) if scorer is verifier else None
     distributed.check_split(
         cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
         why="whole groups go to one rank",
@@ -190,7 +193,7 @@ def train(cfg: PGConfig) -> dict:
     def run_eval(step: int) -> dict:
         res = heldout_eval(
             cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype,
-            system=system, instruction=instruction,
+            system=system, instruction=instruction, baseline=baseline,
         )  # fmt: skip
         health.observe_eval(step, res)
         return res
@@ -537,6 +540,7 @@ def train(cfg: PGConfig) -> dict:
         "heldout_accuracy": final_eval.get("accuracy"),
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
+        **majority_results(baseline),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped,
         "heldout_metric": "accuracy" if cfg.data.source == "task" else "reward",
         "prompt_source": splits.source,
