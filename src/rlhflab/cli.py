@@ -159,6 +159,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         system=args.system,
         extractor=args.extractor,
+        instruction=args.instruction,
         threads=args.threads,
         show=args.show,
         gguf_file=args.gguf_file,
@@ -169,9 +170,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from rlhflab.quickstart import run_quickstart
+    from rlhflab.quickstart import run_quickstart, summary_line
 
     results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
+    print(summary_line(results), file=sys.stderr)
     print(_dumps(results))
     return 0
 
@@ -222,6 +224,7 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         answer_format=args.answer_format,
+        instruction=args.instruction,
         prm_reduce=args.prm_reduce,
         out_dir=args.out,
         write_sft=args.write_sft,
@@ -356,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the answer is read from a completion (default plain: the whole text)",
     )
     p.add_argument("--extractor", default=None, help="user extractor 'module:function'")
+    p.add_argument(
+        "--instruction",
+        default="auto",
+        help="answer-format instruction after each task question, as task.instruction: auto "
+        "(the --answer-format's sentence; none for plain or --extractor), none, or a text",
+    )
     p.add_argument("--reward", choices=["binary", "partial"], default="binary")
     p.add_argument("--batch-size", type=_positive_int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -438,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--answer-format", choices=["plain", "tags"], default="tags")
+    p.add_argument(
+        "--instruction",
+        default="auto",
+        help="answer-format instruction after each task question, as task.instruction: auto "
+        "(tags: 'Put your final answer between <answer> and </answer>.'), none, or a text",
+    )
     p.add_argument("--prm-reduce", choices=["min", "prod"], default="min")
     p.add_argument("--out", default=None, help="directory for best_of_n.json and the plot")
     p.add_argument("--write-sft", default=None, help="write the selected samples as SFT JSONL")

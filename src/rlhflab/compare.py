@@ -7,7 +7,8 @@ Writes `<root>/compare-<timestamp>/`:
     comparison.png              the training signal (policy gradients: rollout reward; direct
                                 alignment: DPO margin) and held-out accuracy against step and
                                 against wall-clock, mean over seeds with a min-max band
-    comparison.md               one row per preset: composition, budget, accuracy, signal, time
+    comparison.md               one row per preset: composition, budget, accuracy beside the
+                                majority-answer baseline, signal, time
                                 (direct alignment adds held-out preference accuracy)
     results.json                the same numbers, plus every run's directory
 
@@ -147,6 +148,9 @@ def run_compare(
             "completions_per_step": _per_step(cfg0),
             "heldout_accuracy_before": [r["result"]["heldout_accuracy_before"] for r in runs],
             "heldout_accuracy": [r["result"]["heldout_accuracy"] for r in runs],
+            "heldout_majority_baseline": [
+                r["result"].get("heldout_majority_baseline") for r in runs
+            ],
             "heldout_n": runs[0]["result"]["heldout_n"],
             "reward_last10": tail,
             "heldout_pref_accuracy_before": [
@@ -176,18 +180,20 @@ def comparison_table(results: dict) -> str:
     if mixed:
         head = (
             "| preset | family: composition | steps × completions or pairs | held-out acc. before "
-            "| held-out acc. after | training signal (last 10 steps) | wall s / run |"
+            "| held-out acc. after | majority baseline | training signal (last 10 steps) "
+            "| wall s / run |"
         )
     elif pairs:
         head = (
             "| preset | loss | steps × pairs | held-out pref. acc. before | held-out pref. acc. "
-            f"after | held-out acc. before | held-out acc. after | {signal} (last 10 steps) "
-            "| wall s / run |"
+            f"after | held-out acc. before | held-out acc. after | majority baseline | {signal} "
+            "(last 10 steps) | wall s / run |"
         )
     else:
         head = (
             "| preset | advantage / surrogate / aggregation / KL | steps × completions | "
-            f"held-out acc. before | held-out acc. after | {signal} (last 10 steps) | wall s / run |"
+            "held-out acc. before | held-out acc. after | majority baseline | "
+            f"{signal} (last 10 steps) | wall s / run |"
         )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for name, r in results["presets"].items():
@@ -202,7 +208,8 @@ def comparison_table(results: dict) -> str:
         lines.append(
             f"| {name} | {comp} | {'/'.join(map(str, steps))} × "
             f"{r['completions_per_step']} | {pref}{_fmt(r['heldout_accuracy_before'])} | "
-            f"{_fmt(r['heldout_accuracy'])} | {sig} | "
+            f"{_fmt(r['heldout_accuracy'])} | {_fmt(r.get('heldout_majority_baseline', []))} | "
+            f"{sig} | "
             f"{_fmt(r['wall_s'], 0)} |"
         )
     n = results["seeds"]
@@ -210,7 +217,9 @@ def comparison_table(results: dict) -> str:
     lines.append("")
     lines.append(
         f"Mean ± std over {n} seed{'s' if n > 1 else ''}; held-out accuracy is greedy, on "
-        f"{heldout} problems. Overrides: `{' '.join(results['overrides']) or 'none'}`."
+        f"{heldout} problems; the majority baseline answers every one with the most common "
+        "training answer. Overrides: "
+        f"`{' '.join(results['overrides']) or 'none'}`."
     )
     return "\n".join(lines) + "\n"
 

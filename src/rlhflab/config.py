@@ -125,6 +125,17 @@ class TaskConfig(Strict):
     extractor: str | None = None  # "module:function" (text -> answer or None); overrides the above
     reward: Literal["binary", "partial"] = "binary"
     system: str | None = None
+    # the answer-format instruction after the question (rlhflab.data.formatting
+    # .answer_instruction): "auto" (the answer_format's sentence; none for plain or an
+    # extractor), "none", or any other text used verbatim
+    instruction: str = "auto"
+
+    @field_validator("instruction")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("empty; use 'none' for no instruction")
+        return value
 
     @field_validator("extractor")
     @classmethod

@@ -8,7 +8,7 @@ from pathlib import Path
 # metric with that prefix (e.g. each reward component's mean).
 MAIN_CURVES: dict[str, list[str]] = {
     "reward": ["rollout/reward_mean", "rollout/reward/*_mean"],
-    "accuracy": ["rollout/accuracy", "eval/accuracy"],
+    "accuracy": ["rollout/accuracy", "eval/accuracy", "eval/majority_baseline"],
     "kl": ["policy/kl"],
     "entropy": ["policy/entropy"],
     "response_length": ["rollout/response_len_mean"],

@@ -64,6 +64,8 @@ def run_prm_vs_orm(
         "n_heldout": problems,
         "seed": seed,
         "answer_format": "tags",
+        # the policy learns the worked-solution format from bare questions: no instruction
+        "instruction": "none",
     }
     common = {
         "seed": seed,

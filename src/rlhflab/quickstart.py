@@ -90,6 +90,10 @@ def run_quickstart(
         "heldout_accuracy_rl": acc_rl,
         "rl_gain_points": round(100 * (acc_rl - acc_sft), 2),
         "heldout_accuracy_rl_stderr": rl_results["heldout_accuracy_stderr"],
+        # the most common training answer given to every held-out problem
+        "heldout_majority_answer": rl_results["heldout_majority_answer"],
+        "heldout_majority_baseline": rl_results["heldout_majority_baseline"],
+        "heldout_majority_baseline_stderr": rl_results["heldout_majority_baseline_stderr"],
         "heldout_n": rl_results["heldout_n"],
         "heldout_overlap_dropped": rl_results["heldout_overlap_dropped"],
         "sft_steps": sft_results["steps"],
@@ -122,6 +126,10 @@ def _report(r: dict, run_dir: Path) -> str:
         "|---|---|---|---|",
         f"| after SFT | {100 * r['heldout_accuracy_sft']:.1f}% | {r['sft_steps']} | {r['sft_wall_s']:.0f} s |",
         f"| after GRPO | {100 * r['heldout_accuracy_rl']:.1f}% (± {100 * se:.1f}) | {r['grpo_steps']} | {r['grpo_wall_s']:.0f} s |",
+        f"| majority-answer baseline | {_majority(r)} | – | – |",
+        "",
+        "The majority-answer baseline answers every held-out problem with the most common "
+        "training answer: a model that learnt only that answer scores this much.",
         "",
         f"RL gain: **{r['rl_gain_points']:+.1f} points**. Total wall-clock {r['wall_s']:.0f} s.",
         "",
@@ -144,6 +152,26 @@ def _report(r: dict, run_dir: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _majority(r: dict) -> str:
+    """The majority-answer baseline as "12.3% (± 1.5, answering 'x' to all)"."""
+    if r["heldout_majority_baseline"] is None:
+        return "–"
+    return (
+        f"{100 * r['heldout_majority_baseline']:.1f}% "
+        f"(± {100 * r['heldout_majority_baseline_stderr']:.1f}, answering "
+        f"{r['heldout_majority_answer']!r} to all)"
+    )
+
+
+def summary_line(r: dict) -> str:
+    """One line for the console: held-out accuracy after SFT and GRPO, beside the baseline."""
+    return (
+        f"held-out accuracy: after SFT {100 * r['heldout_accuracy_sft']:.1f}%, after GRPO "
+        f"{100 * r['heldout_accuracy_rl']:.1f}% (± {100 * r['heldout_accuracy_rl_stderr']:.1f}); "
+        f"majority-answer baseline {_majority(r)}"
+    )
 
 
 def _health_lines(health: dict) -> list[str]:

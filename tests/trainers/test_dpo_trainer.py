@@ -151,6 +151,12 @@ def test_preset_smoke(preset, sft_model_dir, tmp_path):
         assert res["heldout_pref_accuracy_before"] == 0.5
     for key in ("heldout_accuracy", "heldout_accuracy_before", "heldout_pref_accuracy"):
         assert res[key] is not None
+    # the task accuracy has the majority-answer baseline beside it
+    assert 0.0 <= res["heldout_majority_baseline"] <= 1.0
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert evals and all(
+        r["eval/majority_baseline"] == res["heldout_majority_baseline"] for r in evals
+    )
     before, after = (
         load_file(f"{sft_model_dir}/model.safetensors"),
         load_file(run_dir / "model" / "model.safetensors"),

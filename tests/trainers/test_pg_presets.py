@@ -147,6 +147,9 @@ def test_compare_writes_plot_table_and_results(sft_model, tmp_path):
         assert (out / name).exists(), name
     results = json.loads((out / "results.json").read_text())
     assert results["presets"]["grpo"]["steps"] == [2, 2]
+    base = results["presets"]["grpo"]["heldout_majority_baseline"]
+    assert len(base) == 2 and all(0.0 <= b <= 1.0 for b in base)
     assert len(results["presets"]["grpo"]["curves"]["reward"]) == 2
     table = (out / "comparison.md").read_text()
+    assert "| majority baseline |" in table
     assert "| grpo | group_zscore / ppo_clip / seq_mean_token_mean / none |" in table

@@ -78,6 +78,11 @@ def test_sft_smoke(sft_run, tiny_tokenizer):
     train_rows = [r for r in _rows(run_dir) if "train/loss" in r]
     assert len(train_rows) == 40 and all(math.isfinite(r["train/loss"]) for r in train_rows)
     assert sft_run["heldout_n"] == 8 and 0.0 <= sft_run["heldout_accuracy"] <= 1.0
+    # the majority-answer baseline sits beside the accuracy: in the results and every eval row
+    base = sft_run["heldout_majority_baseline"]
+    assert 0.0 <= base <= 1.0 and sft_run["heldout_majority_answer"] is not None
+    eval_rows = [r for r in _rows(run_dir) if "eval/accuracy" in r]
+    assert eval_rows and all(r["eval/majority_baseline"] == base for r in eval_rows)
     # Parameters changed: compare with the same initialisation (same tokenizer, size and seed).
     tok = load_tokenizer(sft_run["model_dir"])
     init = build_model(tok, size="tiny", max_position_embeddings=64, seed=0).state_dict()

@@ -36,6 +36,59 @@ def check_answer_format(answer_format: str) -> str:
     return answer_format
 
 
+#: The sentence `task.instruction: auto` appends to the user message for each answer format that
+#: needs the model to write its answer a particular way (`answer_instruction`).
+ANSWER_INSTRUCTIONS: dict[str, str] = {
+    "tags": "Put your final answer between <answer> and </answer>.",
+    "boxed": "Put your final answer in \\boxed{}.",
+    "last_number": "End your reply with the final answer as a number.",
+    "last_line": "Give the final answer alone on the last line.",
+}
+
+
+def answer_instruction(
+    instruction: str, answer_format: str, *, extractor: str | None = None
+) -> str | None:
+    """The answer-format instruction appended to a task's user message (`task.instruction`).
+
+    Args:
+        instruction: "auto": `ANSWER_INSTRUCTIONS[answer_format]`, the sentence that tells the
+            model how the extractor reads its answer ("tags" → "Put your final answer between
+            <answer> and </answer>."); nothing for "plain" (the whole completion is the answer)
+            or when a user `extractor` is set (rlhflab cannot know what it expects). "none":
+            nothing. Any other string: used verbatim.
+        answer_format: the task's answer format (`ANSWER_FORMATS`).
+        extractor: the task's user extractor spec, if any.
+
+    Returns:
+        The sentence, or None for no instruction. `render_prompt` puts it after the question,
+        separated by one blank line.
+
+    Raises:
+        ConfigError: bad `answer_format`, or an empty `instruction`.
+    """
+    check_answer_format(answer_format)
+    if not instruction.strip():
+        raise ConfigError("task.instruction: empty; use 'none' for no instruction")
+    if instruction == "none":
+        return None
+    if instruction != "auto":
+        return instruction
+    if extractor is not None:
+        return None
+    return ANSWER_INSTRUCTIONS.get(answer_format)
+
+
+def task_instruction(task: Any) -> str | None:
+    """`answer_instruction` of a `TaskConfig` (its instruction, answer_format and extractor)."""
+    return answer_instruction(task.instruction, task.answer_format, extractor=task.extractor)
+
+
+def with_instruction(text: str, instruction: str | None) -> str:
+    """`text`, then a blank line and `instruction` when there is one (else `text` unchanged)."""
+    return f"{text}\n\n{instruction}" if instruction else text
+
+
 def render_messages(
     tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
 ) -> str:
@@ -60,20 +113,24 @@ def render_messages(
         raise ModelError(f"chat template failed: {msg}") from exc
 
 
-def render_prompt(tokenizer: Any, question: str, *, system: str | None = None) -> str:
+def render_prompt(
+    tokenizer: Any, question: str, *, system: str | None = None, instruction: str | None = None
+) -> str:
     """Chat-format one question as a prompt that ends where the model's answer starts.
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
         question: user text (e.g. `Problem.question`).
         system: optional system message, rendered first.
+        instruction: optional answer-format instruction (`answer_instruction`), appended to the
+            user message after one blank line.
 
     Returns:
         `apply_chat_template([system?, user], add_generation_prompt=True, tokenize=False)`;
         with rlhflab's tokenizer: "<|system|>…<|end|><|user|>question<|end|><|assistant|>".
     """
     messages = [] if system is None else [{"role": "system", "content": system}]
-    messages.append({"role": "user", "content": question})
+    messages.append({"role": "user", "content": with_instruction(question, instruction)})
     return render_messages(tokenizer, messages, add_generation_prompt=True)
 
 

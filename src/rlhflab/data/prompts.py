@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhflab.data.formatting import render_messages, render_prompt
+from rlhflab.data.formatting import render_messages, render_prompt, with_instruction
 from rlhflab.errors import ConfigError, DataError
 
 Messages = list[dict[str, str]]
@@ -114,13 +114,18 @@ def prompt_key(prompt: str | Messages) -> str:
     return json.dumps([[m["role"], m["content"].strip()] for m in prompt])
 
 
-def render_row(tokenizer: Any, row: Any, *, system: str | None = None) -> str:
+def render_row(
+    tokenizer: Any, row: Any, *, system: str | None = None, instruction: str | None = None
+) -> str:
     """The chat-formatted prompt text of a `PromptRow` or a task `Problem`, ending where the
     model's answer starts.
 
-    A string prompt (or a Problem's question) is one user turn after `system`, if given.
-    Messages are rendered as they are; `system` is prepended only when they have no system turn.
-    A row with `rendered` set (a `data.template` prompt) is returned as is.
+    A string prompt (or a Problem's question) is one user turn after `system`, if given, with
+    `instruction` (the task's answer-format instruction, `formatting.answer_instruction`) after
+    the question and one blank line. Messages are rendered as they are, `instruction` appended
+    to the last user turn; `system` is prepended only when they have no system turn.
+    A row with `rendered` set (a `data.template` prompt) is returned as is: the template owns the
+    whole prompt, instruction included.
     Raises ModelError when the tokenizer has no chat template.
     """
     prompt = getattr(row, "prompt", None)
@@ -128,8 +133,12 @@ def render_row(tokenizer: Any, row: Any, *, system: str | None = None) -> str:
         return prompt
     if prompt is None or isinstance(prompt, str):
         text = row.question if prompt is None else prompt
-        return render_prompt(tokenizer, text, system=system)
+        return render_prompt(tokenizer, text, system=system, instruction=instruction)
     messages = list(prompt)
+    if instruction:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        content = with_instruction(messages[last]["content"], instruction)
+        messages[last] = {**messages[last], "content": content}
     if system is not None and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
     return render_messages(tokenizer, messages, add_generation_prompt=True)

@@ -70,9 +70,11 @@ def sample_and_score(
     seed: int = 0,
     system: str | None = None,
     autocast_dtype: torch.dtype | None = None,
+    instruction: str | None = None,
 ) -> ScoredSamples:
     """Sample `k` completions for each problem (task Problem or prompt row) and score them with
-    `verifier` (anything with `score_batch(texts, rows)`)."""
+    `verifier` (anything with `score_batch(texts, rows)`); prompts carry `system` and the
+    answer-format `instruction` (`render_row`)."""
     from rlhflab.rollout.sampler import decode_completions
 
     was_training = model.training
@@ -81,7 +83,10 @@ def sample_and_score(
     gen = torch.Generator(device=device).manual_seed(seed)
     from rlhflab.data.prompts import render_row
 
-    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
+    prompts = [
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
+        for p in problems
+    ]
     per_chunk = max(1, batch_size // k)
     engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)  # hf
     params = SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature)

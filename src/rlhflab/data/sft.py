@@ -106,8 +106,10 @@ def sft_examples_from_problems(
     *,
     answer_format: str,
     system: str | None = None,
+    instruction: str | None = None,
 ) -> list[SFTExample]:
-    """One `SFTExample` per problem: `render_prompt(question)` → `format_completion(answer)`.
+    """One `SFTExample` per problem: `render_prompt(question)` → `format_completion(answer)`,
+    the prompt with `system` and the answer-format `instruction` (as in RL and evaluation).
 
     Problems without a reference answer (`answer is None`: verifier-only tasks) are skipped; the
     number skipped is logged as a warning.
@@ -125,7 +127,9 @@ def sft_examples_from_problems(
             continue
         examples.append(
             SFTExample(
-                prompt=render_prompt(tokenizer, problem.question, system=system),
+                prompt=render_prompt(
+                    tokenizer, problem.question, system=system, instruction=instruction
+                ),
                 completion=format_completion(problem.answer, answer_format=answer_format),
             )
         )

@@ -53,6 +53,7 @@ def evaluate(
     temperature: float = 1.0,
     seed: int = 0,
     system: str | None = None,
+    instruction: str | None = None,
     autocast_dtype: torch.dtype | None = None,
     return_completions: bool = False,
     return_scores: bool = False,
@@ -66,6 +67,8 @@ def evaluate(
             `score_batch(texts, rows) -> list[float]` (a prompt dataset's `TextRewardScorer`;
             "accuracy" is then the mean held-out reward).
         k: samples per problem at `temperature` for pass@1 / pass@k; 0 skips sampling.
+        system, instruction: the system turn and the answer-format instruction rendered into
+            every prompt (`rlhflab.data.prompts.render_row`), as in training.
         engine: the rollout engine to sample with (`rlhflab.rollout.engines`); default the `hf`
             engine on `model`.
 
@@ -76,7 +79,10 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
+    prompts = [
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
+        for p in problems
+    ]
     # Sampling goes through a rollout engine (default: the hf engine on `model`).
     engine = engine or make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
@@ -146,3 +152,15 @@ def majority_baseline(train: list, heldout: list, verifier) -> dict:
     verifier.n_scored, verifier.n_errors, verifier.n_no_answer = n_scored, n_errors, n_no
     acc, se = mean_and_stderr(scores)
     return {"majority_answer": answer, "majority_accuracy": acc, "majority_accuracy_stderr": se}
+
+
+def majority_results(baseline: dict | None) -> dict:
+    """A `majority_baseline` result as final_results.json keys: heldout_majority_answer,
+    heldout_majority_baseline, heldout_majority_baseline_stderr (all None without a baseline:
+    held-out scores that are not a task's verifier accuracy)."""
+    baseline = baseline or {}
+    return {
+        "heldout_majority_answer": baseline.get("majority_answer"),
+        "heldout_majority_baseline": baseline.get("majority_accuracy"),
+        "heldout_majority_baseline_stderr": baseline.get("majority_accuracy_stderr"),
+    }

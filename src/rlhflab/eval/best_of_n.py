@@ -85,10 +85,12 @@ def best_of_n_eval(
     batch_size: int = 256,
     seed: int = 0,
     system: str | None = None,
+    instruction: str | None = None,
     n_resamples: int = 16,
 ) -> dict:
     """Sample max(ns) completions per problem, score them with every scorer, and return
-    {"curves": {name: {N: {...}}}, "pool": ScoredSamples, "rm_scores": {name: [[...]]}}."""
+    {"curves": {name: {N: {...}}}, "pool": ScoredSamples, "rm_scores": {name: [[...]]}}.
+    The policy's prompts carry `system` and the answer-format `instruction` (`render_row`)."""
     ss = sample_and_score(
         policy,
         tokenizer,
@@ -100,6 +102,7 @@ def best_of_n_eval(
         batch_size=batch_size,
         seed=seed,
         system=system,
+        instruction=instruction,
     )
     correct = [[1.0 if s >= 1.0 else 0.0 for s in row] for row in ss.scores]
     curves, rm_scores = {}, {}
@@ -185,6 +188,7 @@ def run_best_of_n_command(
     max_new_tokens: int = 48,
     temperature: float = 1.0,
     answer_format: str = "tags",
+    instruction: str = "auto",
     prm_reduce: str = "min",
     out_dir: str | None = None,
     write_sft: str | None = None,
@@ -198,9 +202,11 @@ def run_best_of_n_command(
     the rejection-sampled SFT JSONL (selected by the first RM from samples on `problems`
     training-split problems, never held-out ones). With `data` (PromptDataConfig fields of a
     prompt dataset) the prompts come from its held-out / training rows and `reward_fns` (as
-    `rlhflab eval --reward-fn`) decide what counts as correct (summed reward 1.0)."""
+    `rlhflab eval --reward-fn`) decide what counts as correct (summed reward 1.0). Task prompts
+    carry the answer-format `instruction` ("auto", "none" or a text, as `task.instruction`)."""
     import torch
 
+    from rlhflab.data.formatting import answer_instruction
     from rlhflab.data.tasks import make_splits
     from rlhflab.errors import ConfigError
     from rlhflab.models.loading import load_model, load_tokenizer
@@ -227,7 +233,9 @@ def run_best_of_n_command(
         scorer = TextRewardScorer(reward_components_from_specs(reward_fns or []))
         splits = load_prompt_source(PromptDataConfig(source="dataset", **data), seed=seed)
         splits.heldout = splits.heldout[:problems]
+        prompt_instruction = None  # dataset prompts are used as they are
     else:
+        prompt_instruction = answer_instruction(instruction, answer_format)
         scorer = Verifier(answer_format=answer_format)
         splits = make_splits(
             task, config=task_config or {}, n_train=exclude_train, n_heldout=problems, seed=seed
@@ -244,6 +252,7 @@ def run_best_of_n_command(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed + 1,
+        instruction=prompt_instruction,
     )
     summary = {"problems": len(splits.heldout), "curves": res["curves"]}
     if out_dir:
@@ -267,6 +276,7 @@ def run_best_of_n_command(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             seed=seed + 2,
+            instruction=prompt_instruction,
         )
         summary["sft_rows"] = write_rejection_sft(
             write_sft, pool["pool"], pool["rm_scores"][first], n=max(ns), min_score=min_score

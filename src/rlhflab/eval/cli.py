@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhflab.data.formatting import answer_instruction
 from rlhflab.data.tasks import make_splits
 from rlhflab.eval.accuracy import evaluate, majority_baseline
 from rlhflab.models.loading import load_model, load_tokenizer
@@ -27,6 +28,7 @@ def run_eval_command(
     batch_size: int,
     system: str | None = None,
     extractor: str | None = None,
+    instruction: str = "auto",
     threads: int | None = None,
     show: int = 0,
     gguf_file: str | None = None,
@@ -41,6 +43,9 @@ def run_eval_command(
     Args (beyond the task and sampling settings):
         system: system prompt rendered into every question (as `task.system` in training).
         extractor: "module:function" user extractor (overrides answer_format).
+        instruction: the answer-format instruction after each question, as `task.instruction`
+            in training: "auto" (the answer format's sentence, `formatting.answer_instruction`),
+            "none", or a text used verbatim.
         threads: torch threads (None: torch's default).
         gguf_file: a GGUF file inside `model_path` (loaded dequantised).
         show: print this many held-out problems with the greedy completion, the extracted
@@ -52,6 +57,7 @@ def run_eval_command(
     """
     if threads:
         torch.set_num_threads(threads)
+    prompt_instruction = answer_instruction(instruction, answer_format, extractor=extractor)
     splits = make_splits(task, config=task_config, n_train=n_train_exclude, n_heldout=n, seed=seed)
     verifier = Verifier(answer_format=answer_format, reward=reward, extractor=extractor)
     res = _load_and_evaluate(
@@ -65,6 +71,7 @@ def run_eval_command(
         temperature=temperature,
         seed=seed,
         system=system,
+        instruction=prompt_instruction,
         return_completions=show > 0,
     )
     completions = res.pop("completions", [])

@@ -409,23 +409,19 @@ class ShuffledStream:
 
 
 def heldout_eval(
-    cfg,
-    model,
-    tokenizer,
-    problems,
-    verifier,
-    tracker,
-    step: int,
-    autocast_dtype,
-    system=...,
-    engine=None,
-):
+    cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...,
+    instruction=..., baseline: dict | None = None, engine=None,
+):  # fmt: skip
     """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`
     (task Problems or prompt rows), as `cfg.eval` configures it (see
     `rlhflab.eval.accuracy.evaluate`; `verifier` is anything with `score_batch(texts, rows)`);
     logged as `eval/*` at `step` and returned (keys accuracy, accuracy_stderr, n, ...).
-    `system` defaults to `cfg.task.system`; `engine` is the run's rollout engine (default: the
-    `hf` engine on `model`)."""
+    `system` defaults to `cfg.task.system`, `instruction` to the task's answer-format instruction
+    (`rlhflab.data.formatting.task_instruction`). `baseline`, the result of
+    `rlhflab.eval.accuracy.majority_baseline` on these problems, is logged beside the accuracy
+    at every evaluation (`eval/majority_baseline`). `engine` is the run's rollout engine (default:
+    the `hf` engine on `model`)."""
+    from rlhflab.data.formatting import task_instruction
     from rlhflab.eval.accuracy import evaluate, mean_and_stderr
 
     if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
@@ -450,6 +446,7 @@ def heldout_eval(
             temperature=cfg.eval.temperature,
             seed=cfg.seed + r,
             system=cfg.task.system if system is ... else system,
+            instruction=task_instruction(cfg.task) if instruction is ... else instruction,
             autocast_dtype=autocast_dtype,
             return_scores=w > 1,
             engine=engine,
@@ -461,5 +458,7 @@ def heldout_eval(
                 scores = [s for part in distributed.all_gather_object(res.pop(key)) for s in part]
                 res[name], res[f"{name}_stderr"] = mean_and_stderr(scores)
         res["n"] = len(problems)
+    if baseline is not None:
+        res["majority_baseline"] = baseline["majority_accuracy"]
     tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
     return res

@@ -44,7 +44,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import DPOConfig
-from rlhflab.data.formatting import encode_prompt, format_completion
+from rlhflab.data.formatting import encode_prompt, format_completion, task_instruction
 from rlhflab.data.preference import (
     PreferencePair,
     TokenizedPair,
@@ -55,6 +55,7 @@ from rlhflab.data.preference import (
 )
 from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.errors import DataError
+from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
@@ -180,11 +181,12 @@ def cache_reference(model, rows, pad_id, *, unpaired, chunk, autocast_dtype) -> 
 
 def verifiable_pairs(
     model, tokenizer, problems, verifier, vcfg, task, *, generator, rng, chunk, autocast_dtype,
-    system=None,
+    system=None, instruction=None,
 ):  # fmt: skip
     """Sample K completions per prompt row from `model`, score them (the task's verifier, or
-    `vcfg.reward` components: reward functions, a reward model), pair best with worst."""
-    prompts = [render_row(tokenizer, p, system=system) for p in problems]
+    `vcfg.reward` components: reward functions, a reward model), pair best with worst. Prompts
+    carry `system` and the answer-format `instruction` (`render_row`)."""
+    prompts = [render_row(tokenizer, p, system=system, instruction=instruction) for p in problems]
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     K = vcfg.samples_per_prompt
     texts: list[str] = []
@@ -259,6 +261,8 @@ def train(cfg: DPOConfig) -> dict:
     if verifiable or task_eval or cfg.model.build is not None:
         splits = load_prompt_source(cfg.prompts, t, seed=cfg.seed)
     system = t.system if cfg.prompts.source == "task" else cfg.prompts.system
+    # The answer-format instruction after each task question (task.instruction); none for datasets.
+    instruction = task_instruction(t) if cfg.prompts.source == "task" else None
     tokenizer, model = prepare_model(
         cfg.model,
         device=device,
@@ -272,6 +276,12 @@ def train(cfg: DPOConfig) -> dict:
     if cfg.prompts.source == "dataset" and verifiable:
         scorer = TextRewardScorer(v.reward, verifier)
     heldout_tasks = splits.heldout[: cfg.eval.n] if splits is not None and task_eval else []
+    # Beside every task accuracy: the most common training answer given to every held-out problem.
+    baseline = (
+        majority_baseline(splits.train, heldout_tasks, verifier)
+        if heldout_tasks and scorer is verifier
+        else None
+    )
     chunk = 2 * cfg.train.micro_batch_size
     rng = random.Random(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -288,7 +298,7 @@ def train(cfg: DPOConfig) -> dict:
         return verifiable_pairs(
             model, tokenizer, problems, verifier, v, t,
             generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
-            system=system,
+            system=system, instruction=instruction,
         )  # fmt: skip
 
     file_unpaired = False  # a preference file of unpaired (KTO) rows
@@ -296,7 +306,7 @@ def train(cfg: DPOConfig) -> dict:
         heldout_pairs, data_counts["heldout"] = verifiable_pairs(
             model, tokenizer, splits.heldout[: cfg.data.heldout_pairs], verifier, v, t,
             generator=generator, rng=rng, chunk=cfg.eval.batch_size, autocast_dtype=autocast_dtype,
-            system=system,
+            system=system, instruction=instruction,
         )  # fmt: skip
         train_pairs, data_counts["round_1"] = round_pairs()
         examples = train_pairs
@@ -384,6 +394,8 @@ def train(cfg: DPOConfig) -> dict:
             step,
             autocast_dtype,
             system=system,
+            instruction=instruction,
+            baseline=baseline,
         )
 
     @torch.no_grad()
@@ -582,6 +594,7 @@ def train(cfg: DPOConfig) -> dict:
                     cfg,
                     autocast_dtype,
                     system,
+                    instruction,
                 )
             tracker.advance(step, metrics)
             checkpointer.end_step(
@@ -615,6 +628,7 @@ def train(cfg: DPOConfig) -> dict:
         "heldout_accuracy": final_eval.get("accuracy"),
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
+        **majority_results(baseline),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
         "reference_pass_s": round(t_ref, 2),
         "health": health.summary(),
@@ -667,15 +681,19 @@ def _tokenize_unpaired(tokenizer, examples, tok_kw) -> tuple[list[dict], dict]:
 
 @torch.no_grad()
 def _write_samples(
-    writer, step, model, tokenizer, problems, scorer, cfg, autocast_dtype, system=None
-) -> None:
+    writer, step, model, tokenizer, problems, scorer, cfg, autocast_dtype, system=None,
+    instruction=None,
+) -> None:  # fmt: skip
     """Greedy completions of the first held-out prompts (in-loop samples), with their scores."""
     problems = problems[: cfg.tracking.samples_per_step]
     if not problems:
         return
     was_training = model.training
     model.eval()
-    prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in problems]
+    prompts = [
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
+        for p in problems
+    ]
     engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
     with distributed.gathered(model):
         ro = engine.generate(

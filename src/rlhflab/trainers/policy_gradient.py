@@ -38,8 +38,9 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
-from rlhflab.data.formatting import encode_prompt
+from rlhflab.data.formatting import encode_prompt, task_instruction
 from rlhflab.data.prompts import load_prompt_source, render_row
+from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.advantages import ADVANTAGES, whiten
@@ -97,6 +98,8 @@ def train(cfg: PGConfig) -> dict:
     # Prompt rows (task problems or a dataset's rows) with a deduplicated held-out split.
     splits = load_prompt_source(cfg.data, t, seed=cfg.seed)
     system = t.system if cfg.data.source == "task" else cfg.data.system
+    # The answer-format instruction after each task question (task.instruction); none for datasets.
+    instruction = task_instruction(t) if cfg.data.source == "task" else None
     tokenizer, model = prepare_model(
         cfg.model,
         device=device,
@@ -104,7 +107,8 @@ def train(cfg: PGConfig) -> dict:
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
     )
     prompts = [
-        encode_prompt(tokenizer, render_row(tokenizer, p, system=system)) for p in splits.train
+        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
+        for p in splits.train
     ]
     check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
                             field="rollout.max_new_tokens")  # fmt: skip
@@ -116,6 +120,8 @@ def train(cfg: PGConfig) -> dict:
     scorer = verifier if cfg.data.source == "task" else TextRewardScorer(cfg.reward.components)
     # (No held-out eval when no reward can score text alone, e.g. a reward model only.)
     heldout = splits.heldout[: cfg.eval.n] if scorer is verifier or scorer.components else []
+    # Beside every task accuracy: the most common training answer given to every held-out problem.
+    baseline = majority_baseline(splits.train, heldout, verifier) if scorer is verifier else None
     distributed.check_split(
         cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
         why="whole groups go to one rank",
@@ -185,8 +191,10 @@ def train(cfg: PGConfig) -> dict:
     )
 
     def run_eval(step: int) -> dict:
-        res = heldout_eval(cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype,
-                           system=system, engine=engine)  # fmt: skip
+        res = heldout_eval(
+            cfg, model, tokenizer, heldout, scorer, tracker, step, autocast_dtype,
+            system=system, instruction=instruction, baseline=baseline, engine=engine,
+        )  # fmt: skip
         engine.sleep()
         health.observe_eval(step, res)
         return res
@@ -533,6 +541,7 @@ def train(cfg: PGConfig) -> dict:
         "heldout_accuracy": final_eval.get("accuracy"),
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
+        **majority_results(baseline),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped,
         "heldout_metric": "accuracy" if cfg.data.source == "task" else "reward",
         "prompt_source": splits.source,

@@ -30,6 +30,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import RMConfig
+from rlhflab.data.formatting import task_instruction
 from rlhflab.data.reward_data import (
     LabelledCompletion,
     StepLabelledCompletion,
@@ -258,6 +259,7 @@ def train(cfg: RMConfig) -> dict:
                 batch_size=cfg.eval.batch_size,
                 seed=cfg.seed + 7,
                 system=cfg.task.system,
+                instruction=task_instruction(cfg.task),
             )
 
     # -- 4. Save model, plots, results.
@@ -342,6 +344,7 @@ def build_rm_data(cfg: RMConfig, tokenizer, lm, splits, device) -> tuple[list, l
                 temperature=d.temperature,
                 seed=seed,
                 system=cfg.task.system,
+                instruction=task_instruction(cfg.task),
             )
             flat = [s for row in ss.scores for s in row]
             counts[f"{name}_sample_accuracy"] = sum(s >= 1.0 for s in flat) / max(1, len(flat))

@@ -23,8 +23,10 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
+from rlhflab.data.formatting import task_instruction
 from rlhflab.data.sft import load_sft_data, sft_examples_from_problems, split_features, tokenize_sft
 from rlhflab.data.tasks import make_splits
+from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
 from rlhflab.losses.aggregate import aggregate
@@ -85,7 +87,11 @@ def train(cfg: SFTConfig) -> dict:
     )
     if cfg.data.source == "task":
         examples = sft_examples_from_problems(
-            splits.train, tokenizer, answer_format=cfg.task.answer_format, system=cfg.task.system
+            splits.train,
+            tokenizer,
+            answer_format=cfg.task.answer_format,
+            system=cfg.task.system,
+            instruction=task_instruction(cfg.task),
         )
         drops: dict[str, int] = {}
     else:
@@ -107,6 +113,8 @@ def train(cfg: SFTConfig) -> dict:
         answer_format=cfg.task.answer_format, reward=cfg.task.reward, extractor=cfg.task.extractor
     )
     heldout = splits.heldout[: cfg.eval.n] if splits is not None and cfg.eval.n > 0 else []
+    # Beside the accuracy: the most common training answer given to every held-out problem.
+    baseline = majority_baseline(splits.train, heldout, verifier) if heldout else None
     distributed.check_split(cfg.train.batch_size, "train.batch_size", "rows")
     model = apply_lora(model, cfg.model.lora)  # model.lora unset: unchanged
     model = distributed.wrap(model, cfg.parallel)  # one process: unchanged
@@ -120,7 +128,10 @@ def train(cfg: SFTConfig) -> dict:
     health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
 
     def run_eval(step: int) -> dict:
-        return heldout_eval(cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype)
+        return heldout_eval(
+            cfg, model, tokenizer, heldout, verifier, tracker, step, autocast_dtype,
+            baseline=baseline,
+        )  # fmt: skip
 
     # -- 2. Training steps: shuffled epochs over the pairs, batch_size pairs per optimizer step,
     #       drawn in one global order; each data-parallel rank trains on its contiguous share.
@@ -222,6 +233,7 @@ def train(cfg: SFTConfig) -> dict:
         "heldout_accuracy": final_eval.get("accuracy"),
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),
+        **majority_results(baseline),
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
         "health": health.summary(),
         "wall_s": round(time.perf_counter() - t_start, 2),
