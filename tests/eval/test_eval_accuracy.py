@@ -24,3 +24,17 @@ def test_mean_and_stderr_binary():
     mean, se = mean_and_stderr([1, 0, 1, 0])
     assert mean == 0.5
     assert se == pytest.approx(math.sqrt(1 / 12), abs=1e-12)
+
+
+def test_a_prompt_longer_than_the_context_is_one_data_error(tiny_model, tiny_tokenizer):
+    from rlhflab.data.tasks import Problem
+    from rlhflab.errors import DataError
+    from rlhflab.eval.accuracy import evaluate
+    from rlhflab.rewards import Verifier
+
+    short = Problem(question="1 + 2 =", answer="3", entry={}, task="chain_sum")
+    long = Problem(question="1 + 2 " * 100, answer="3", entry={}, task="chain_sum")  # > 128
+    verifier = Verifier(answer_format="plain", reward="binary")
+    with pytest.raises(DataError, match=r"held-out problem 1: its prompt has \d+ tokens, which "
+                       r"with max_new_tokens 8 exceeds the model's context length 128"):  # fmt: skip
+        evaluate(tiny_model, tiny_tokenizer, [short, long], verifier, max_new_tokens=8)

@@ -83,6 +83,7 @@ def evaluate(
         encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
         for p in problems
     ]
+    _check_context(model, prompts, max_new_tokens)
     # Sampling goes through a rollout engine (default: the hf engine on `model`).
     engine = engine or make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
@@ -164,3 +165,19 @@ def majority_results(baseline: dict | None) -> dict:
         "heldout_majority_baseline": baseline.get("majority_accuracy"),
         "heldout_majority_baseline_stderr": baseline.get("majority_accuracy_stderr"),
     }
+
+
+def _check_context(model, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Raise DataError naming the first held-out problem whose prompt plus `max_new_tokens` does
+    not fit the model's context (a model with learned positions would fail deep inside torch)."""
+    from rlhflab.errors import DataError
+    from rlhflab.models.loading import context_length
+
+    context = context_length(getattr(model, "module", model))
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_new_tokens > context:
+            raise DataError(
+                f"held-out problem {i}: its prompt has {len(ids)} tokens, which with "
+                f"max_new_tokens {max_new_tokens} exceeds the model's context length {context} "
+                "(shorten the prompt, e.g. task.instruction none, or lower max_new_tokens)"
+            )
