@@ -1,6 +1,7 @@
 """CLI wiring: every command answers --help; bad input is one line on stderr, exit code 2, before
 any training step, and no run directory is left behind."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -174,6 +175,19 @@ def test_eval_command_on_a_saved_model(tmp_path, tiny_model, tiny_tokenizer, cap
     out = json.loads(capsys.readouterr().out)
     assert out["n"] == 6 and out["k"] == 2
     assert 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["pass@1"] <= out["pass@k"] <= 1.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_eval_on_the_vllm_engine_without_vllm_is_one_config_error(tmp_path, tiny_model,
+                                                                 tiny_tokenizer, capsys):  # fmt: skip
+    from rlhflab.models.build import save_pretrained
+
+    save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
+    argv = ["eval", str(tmp_path / "model"), "--task", "chain_sum", "--n", "2", "--engine", "vllm"]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()  # after the bars
+    assert lines[-1].startswith("error: rollout.engine 'vllm' needs vLLM")
+    assert "Traceback" not in "".join(lines)
 
 
 def test_eval_command_on_a_prompt_dataset_with_reward_functions(

@@ -141,6 +141,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
             seed=args.seed,
+            engine=args.engine,
         )
         print(json.dumps(results, indent=2))
         return 0
@@ -163,6 +164,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         threads=args.threads,
         show=args.show,
         gguf_file=args.gguf_file,
+        engine=args.engine,
         print_fn=lambda line: print(line, file=sys.stderr),
     )
     print(_dumps(results))
@@ -370,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
     p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")
+    p.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="rollout engine that samples, as rollout.engine (vllm: the rlhflab[vllm] extra)",
+    )
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("quickstart", help="tiny model → SFT → GRPO → held-out eval, with a report")

@@ -32,6 +32,7 @@ def run_eval_command(
     threads: int | None = None,
     show: int = 0,
     gguf_file: str | None = None,
+    engine: str = "hf",
     print_fn=print,
 ) -> dict:
     """Held-out results of `model_path` on `task`.
@@ -48,6 +49,7 @@ def run_eval_command(
             "none", or a text used verbatim.
         threads: torch threads (None: torch's default).
         gguf_file: a GGUF file inside `model_path` (loaded dequantised).
+        engine: the rollout engine that samples ("hf" or "vllm", as `rollout.engine`).
         show: print this many held-out problems with the greedy completion, the extracted
             answer, the gold answer and the score.
     Returns:
@@ -65,6 +67,7 @@ def run_eval_command(
         splits.heldout,
         verifier,
         gguf_file=gguf_file,
+        engine=engine,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         k=k,
@@ -115,6 +118,7 @@ def run_prompt_eval_command(
     max_new_tokens: int = 32,
     batch_size: int = 256,
     seed: int = 0,
+    engine: str = "hf",
 ) -> dict:
     """Mean reward of `model_path`'s greedy completions on a prompt dataset (every row of `split`,
     or the first `n`), scored by reward functions.
@@ -124,6 +128,7 @@ def run_prompt_eval_command(
         rewards: reward names (REWARD_FUNCTIONS: math_verify, exact_match, think_format) or import
             paths ("pkg.mod:fn", "file.py:fn"), each optionally "=weight"; summed with weights.
         k: samples per prompt for pass@1 / pass@k (a sample "passes" when its reward is 1.0).
+        engine: the rollout engine that samples ("hf" or "vllm", as `rollout.engine`).
     Returns:
         {"model", "data", "split", "rewards", "accuracy" (= mean reward), "accuracy_stderr", "n",
         "metric": "reward", ...}.
@@ -152,6 +157,7 @@ def run_prompt_eval_command(
         model_path,
         rows,
         TextRewardScorer(components),
+        engine=engine,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         k=k,
@@ -169,13 +175,21 @@ def run_prompt_eval_command(
     }
 
 
-def _load_and_evaluate(model_path: str, rows: list, scorer, *, gguf_file=None, **kw) -> dict:
+def _load_and_evaluate(
+    model_path: str, rows: list, scorer, *, gguf_file=None, engine: str = "hf", **kw
+) -> dict:
     """Load the model and tokenizer at `model_path` (a GGUF file inside it when `gguf_file`) on
-    the GPU when there is one, else the CPU, and `evaluate` it on `rows` (keywords: evaluate's)."""
+    the GPU when there is one, else the CPU, and `evaluate` it on `rows` (keywords: evaluate's),
+    sampling with the rollout engine `engine` ("hf" or "vllm", default settings of
+    `rollout.vllm`). Raises ConfigError when the engine cannot run here."""
+    from rlhflab.config import RolloutConfig
+    from rlhflab.rollout.engines import make_engine
+
     tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(model_path, device=device, gguf_file=gguf_file)
-    return evaluate(model, tokenizer, rows, scorer, **kw)
+    sampler = make_engine(RolloutConfig(engine=engine), model, tokenizer)
+    return evaluate(model, tokenizer, rows, scorer, engine=sampler, **kw)
 
 
 def reward_components_from_specs(specs: list[str]) -> list:
