@@ -113,3 +113,16 @@ def test_seeds_are_reproducible(engine):
     engine.generate(PROMPTS, params, generator=g1)
     torch.randint(0, 2**62, (1,), generator=g2)
     assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_a_batch_of_more_prompt_tokens_than_one_engine_step_takes(engine, contract_model):
+    # 48 prompts x 8 samples x 20 tokens = 7,680 prompt tokens, more than vLLM's default
+    # 4,096-token step on CPU: a seeded request whose prefill was split over two steps crashed
+    # vLLM's CPU runner ("CPU Generator does not use offset"). Every row is still a sample.
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(20)] for i in range(48)]
+    params = SamplingParams(n=8, max_new_tokens=2)
+    ro = engine.generate(prompts, params, generator=torch.Generator().manual_seed(0))
+    assert ro.completion_ids.shape[0] == 48 * 8
+    with torch.no_grad():
+        trainer, _ = completion_logps(contract_model, ro)
+    torch.testing.assert_close(ro.logp * ro.mask, trainer * ro.mask, atol=1e-4, rtol=0)

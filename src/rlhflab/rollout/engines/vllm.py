@@ -106,13 +106,19 @@ class VLLMEngine:
         tokenizer.save_pretrained(workdir.name)
         from rlhflab.models.loading import context_length
 
+        max_model_len = vcfg.max_model_len or context_length(model)
         llm = vllm.LLM(
             model=workdir.name,
             tokenizer=workdir.name,
             dtype=vcfg.dtype if vcfg.dtype != "auto" else "auto",
             gpu_memory_utilization=vcfg.gpu_memory_utilization,
             enable_prefix_caching=vcfg.enable_prefix_caching,
-            max_model_len=vcfg.max_model_len or context_length(model),
+            max_model_len=max_model_len,
+            # A prefill split over two engine steps rewinds the request's seeded generator, which
+            # vLLM's CPU runner cannot do ("CPU Generator does not use offset"): no chunked
+            # prefill, and a step budget that holds any one prompt (later prompts wait a step).
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, 8192),
             seed=seed,
             logprobs_mode="processed_logprobs",
             enforce_eager=True,
