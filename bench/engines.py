@@ -42,6 +42,7 @@ import contextlib
 import functools
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -263,6 +264,45 @@ def machine() -> dict:
     return info
 
 
+def _per_cpu_s(v: dict) -> list[float]:
+    """Tokens per second of process CPU time, per rep: tokens/s ÷ (CPU s / wall s). Other jobs
+    taking the core lower tokens/s but not this (up to cache and memory-bandwidth effects)."""
+    return [t / c for t, c in zip(v["values"], v["cpu_per_wall"], strict=True)]
+
+
+def table(path: Path) -> str:
+    """The markdown table of RESULTS.md ("Rollout engines: generation") from a results file:
+    tokens/s median (min–max), ratio vs generate (medians; per-rep pairs), the same per CPU
+    second, and whether the best engine meets the target."""
+    data = json.loads(path.read_text())
+    lines = [
+        "| model | prompts×n × new | side | tokens/s: median (min–max) | ratio vs generate "
+        "| per-rep ratios | tokens per CPU-s: median | ratio (CPU) | target ≥ 2× met? |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = [("", data), *((f" ({tag})", run) for tag, run in data.get("runs", {}).items())]
+    for label, run in runs:
+        for m, r in run["models"].items():
+            st = r["settings"]
+            shape = f"{st['prompts']}×{st['group']} × {st['max_new_tokens']}"
+            gen_cpu = statistics.median(_per_cpu_s(r["sides"]["generate"]))
+            for side, v in r["sides"].items():
+                cpu = statistics.median(_per_cpu_s(v))
+                met = ""
+                if side == r.get("best_engine") and "met" in r and not label:
+                    met = "yes" if r["met"] else "**no**"
+                gen = side == "generate"
+                pairs = ", ".join(f"{x:.2f}" for x in v.get("pair_ratios_vs_generate", []))
+                ratio = "—" if gen else f"{v['ratio_vs_generate']:.2f}"
+                ratio_cpu = "—" if gen else f"{cpu / gen_cpu:.2f}"
+                lines.append(
+                    f"| {m}{label} | {shape} | `{side}` | {v['median']:,.0f} "
+                    f"({v['min']:,.0f}–{v['max']:,.0f}) | {ratio} | {'' if gen else pairs} | "
+                    f"{cpu:,.0f} | {ratio_cpu} | {met} |"
+                )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=[common.TINY, common.SMOL])
@@ -287,7 +327,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tag", help="add this run to --out under runs[TAG] instead of replacing it")
     ap.add_argument("--smoke", action="store_true", help="4 prompts x 2 x 8 tokens, 1 rep")
     ap.add_argument("--out", default=str(common.BENCH_DIR / "engines_results.json"))
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out")
     a = ap.parse_args(argv)
+    if a.table:
+        print(table(Path(a.out)))
+        return
     common.setup(threads=1)
     if a.smoke:
         a.prompts, a.smol_prompts, a.group, a.max_new, a.reps, a.smol_reps = 4, 4, 2, 8, 1, 1
