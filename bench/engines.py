@@ -26,7 +26,11 @@ OMP_NUM_THREADS=1 before torch loads; vLLM's engine core runs in this process
 its own (its OMP binding, VLLM_CPU_OMP_THREADS_BIND, is applied only to worker processes of the
 multiprocess executor), so its kernels run on the caller's single-thread pool. Every timed call
 also records process CPU time / wall time, which shows the threads actually used (≈ 1.0).
-Results: `bench/engines_results.json`.
+Defaults: tiny 64 prompts × 8 × 256, 3 reps; smol 8 prompts × 8 × 256, 2 reps, without
+`hf_noshare` (64 × 8 on the 135M shape is ~12 min per side and rep on one core). vLLM's
+`max_num_batched_tokens` is raised so that no prefill is chunked (vLLM 0.32's CPU runner crashes
+on a chunked prefill of a seeded request; bench/README.md). Results: `bench/engines_results.json`;
+`--table` prints RESULTS.md's table from it.
 """
 
 from __future__ import annotations
