@@ -84,6 +84,7 @@ def run_ours(sft: Path, lr: float, budget: float, out: Path) -> dict:
             f"grpo.optim.lr={lr}",
             "grpo.tracking.console=false",
             "grpo.run.name=bench_grpo_ours",
+            "grpo.model.gradient_checkpointing=false",  # as TRL's side (common_args)
         ],
     )
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(sft)})})
@@ -93,11 +94,11 @@ def run_ours(sft: Path, lr: float, budget: float, out: Path) -> dict:
 
 
 def run_trl(sft: Path, lr: float, budget: float, out: Path) -> dict:
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from bench.trl_driver import checkpointing_of, common_args, grpo_args
     from rlhflab.data.formatting import render_prompt
     from rlhflab.models.loading import load_tokenizer
     from rlhflab.quickstart import load_preset
@@ -115,7 +116,11 @@ def run_trl(sft: Path, lr: float, budget: float, out: Path) -> dict:
         return [verifier.score(c, problems[i]) for c, i in zip(completions, idx, strict=True)]
 
     class Budget(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if args.gradient_checkpointing or checkpointing_of(model):
+                raise RuntimeError(
+                    "unfair benchmark: TRL would run with gradient checkpointing, rlhflab without"
+                )
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
@@ -129,33 +134,22 @@ def run_trl(sft: Path, lr: float, budget: float, out: Path) -> dict:
         }
     )
     r = g["rollout"]
-    args = GRPOConfig(
-        output_dir=str(out / "trl_out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        max_steps=100000,
-        learning_rate=lr,
+    settings = common_args(str(out / "trl_out"), steps=100000, lr=lr)
+    settings.update(  # the quickstart preset's schedule
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=g["optim"]["warmup_steps"],
-        weight_decay=0.0,
         max_grad_norm=g["optim"]["max_grad_norm"],
-        logging_steps=10**9,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        per_device_train_batch_size=r["prompts_per_step"] * r["group_size"],
-        num_generations=r["group_size"],
-        steps_per_generation=1,
-        num_iterations=1,
-        max_completion_length=r["max_new_tokens"],
-        temperature=r["temperature"],
-        top_p=1.0,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
-        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+    )
+    args = GRPOConfig(
+        **settings,
+        **grpo_args(
+            n_prompts=r["prompts_per_step"],
+            group=r["group_size"],
+            max_new=r["max_new_tokens"],
+            beta=0.0,
+            fixed_length=False,
+            temperature=r["temperature"],
+        ),
     )
     trainer = GRPOTrainer(
         model=str(sft),

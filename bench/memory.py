@@ -39,11 +39,12 @@ def worker(variant: str, checkpointing: bool) -> dict:
     from bench import common
 
     common.setup()
+    from bench.ours import set_checkpointing
     from rlhflab.rollout.sampler import Rollout, completion_logps
 
     _tok, model = common.load(common.model_dir(common.SMOL))
+    set_checkpointing(model, checkpointing)  # explicit both ways, the same for every variant
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if variant == "trl_fused":
         from trl.trainer.utils import add_fused_lm_head

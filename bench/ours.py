@@ -23,7 +23,8 @@ from rlhflab.losses.kl import kl_penalty
 from rlhflab.losses.policy import ppo_clip
 from rlhflab.losses.preference import dpo
 from rlhflab.rollout.dynamic import ScoredBatch
-from rlhflab.rollout.sampler import completion_logps, decode_completions, sample
+from rlhflab.rollout.engines import SamplingParams, make_engine
+from rlhflab.rollout.sampler import completion_logps, decode_completions
 from rlhflab.trainers.common import grad_norm_and_clip, make_optimizer, make_scheduler
 from rlhflab.trainers.direct_alignment import sequence_logps
 from rlhflab.trainers.policy_gradient import (
@@ -41,6 +42,18 @@ def optim_cfg(lr: float):
     return OptimConfig(lr=lr, warmup_steps=0, schedule="constant", max_grad_norm=1.0)
 
 
+def set_checkpointing(model, on: bool) -> None:
+    """Gradient checkpointing as the trainers set it (`model.gradient_checkpointing`, default off):
+    on means non-reentrant activation checkpointing of every layer; off is made explicit here so
+    that a model loaded with it on cannot slip into a row that says off."""
+    if on:  # the trainers' call (rlhflab.trainers.common)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    elif model.is_activation_checkpointing:
+        model.activation_checkpointing_disable()
+
+
 def text_reward(texts: list[str], *_ignored) -> list[float]:
     """The benchmarks' reward (both frameworks): the fraction of vowels among a completion's
     letters. Cheap, deterministic and varied, so group advantages are not all zero."""
@@ -55,12 +68,19 @@ class GRPOStep:
     """policy_gradient.train's step with the grpo preset: group z-score (Bessel), PPO-clip ε 0.2,
     seq_mean_token_mean, k3 KL in the loss with coefficient `beta` (reference model when > 0),
     update_epochs 1, minibatches 1, one micro-batch of the whole batch, AdamW, grad clip 1.0.
-    On the first (here: only) optimizer step logp_old is the detached logp of the same forward."""
+    On the first (here: only) optimizer step logp_old is the detached logp of the same forward.
+
+    Sampling goes through the rollout engine seam as in the trainer (`make_engine` with
+    `rollout.engine: hf`, `engine.generate(prompts, SamplingParams(n=group, ...))`, so a group's
+    prompt is prefilled once). `fixed_length`: the engine's stop set is replaced by one id that
+    never matches (-1), so every completion has `max_new` tokens (TRL: `eos_token_id=None`);
+    this one assignment is the bench's only hook into the engine."""
 
     def __init__(
         self, model, tokenizer, prompts: list[str], *, n_prompts, group, max_new, beta, lr,
-        fixed_length=True, reward_fn=text_reward,
+        fixed_length=True, reward_fn=text_reward, checkpointing=False,
     ):  # fmt: skip
+        set_checkpointing(model, checkpointing)
         self.model, self.tok = model, tokenizer
         self.ids = [encode_prompt(tokenizer, p) for p in prompts]
         self.stream = itertools.cycle(range(len(self.ids)))
@@ -75,7 +95,12 @@ class GRPOStep:
             train=SimpleNamespace(micro_batch_size=n_prompts * group),
             rollout=SimpleNamespace(temperature=1.0),
         )
-        self.eos = -1 if fixed_length else tokenizer.eos_token_id
+        # The trainer's call, with rollout.engine "hf", no extra stop ids and no autocast (fp32).
+        rollout_cfg = SimpleNamespace(engine="hf", stop_token_ids=(), vllm=None)
+        self.engine = make_engine(rollout_cfg, model, tokenizer, autocast_dtype=None)
+        if fixed_length:
+            self.engine.stop_token_ids = (-1,)  # never matches: no early stop (bench hook)
+        self.sampling = SamplingParams(n=group, max_new_tokens=max_new, temperature=1.0)
         self.reward_fn = reward_fn
         self.tokens: list[int] = []
         self.phases: dict[str, list[float]] = {"rollout": [], "ref": [], "update": []}
@@ -86,17 +111,18 @@ class GRPOStep:
         t0 = time.perf_counter()
         chosen = [next(self.stream) for _ in range(self.n_prompts)]
         model.eval()
-        rollout = sample(
-            model,
-            [self.ids[i] for i in chosen for _ in range(G)],
-            max_new_tokens=self.max_new,
-            eos_token_id=self.eos,  # -1: fixed length, never stop early (TRL: eos_token_id=None)
-            pad_token_id=self.tok.pad_token_id,
-            temperature=1.0,
+        self.engine.wake()
+        rollout = self.engine.generate(
+            [self.ids[i] for i in chosen],
+            self.sampling,
             generator=self.rng,
+            rows=list(range(B)),  # one process: the global rows are all rows
+            n_rows=B,
+            width=max(len(self.ids[i]) for i in chosen),
         )
+        self.engine.sleep()
         model.train()
-        texts = decode_completions(self.tok, rollout)
+        texts = decode_completions(self.tok, rollout, self.engine.stop_token_ids)
         rewards = torch.tensor(self.reward_fn(texts, chosen, G), dtype=torch.float32)
         batch = ScoredBatch(rollout, rewards, {"correctness": rewards}, texts, [None] * B)
         mask = rollout.mask
@@ -128,6 +154,7 @@ class GRPOStep:
         grad_norms.append(grad_norm_and_clip(model, 1.0))
         self.opt.step()
         self.sched.step()
+        self.engine.update_weights(model.named_parameters())  # "hf": nothing to do
         # Phase 6's reductions (host syncs) as the trainer does them.
         metrics = _rollout_metrics(batch, G)
         n_tok = sums.pop("tokens")
@@ -147,9 +174,13 @@ class DPOStep:
     micro-batch in one forward (`sequence_logps`), cached reference log-probs (the trainer's
     only mode), loss sum / B, per-micro-batch `.item()` of every stat, grad clip 1.0, AdamW."""
 
-    def __init__(self, model, rows: list[dict], *, batch_size, micro_batch_size, beta, lr, pad_id):
+    def __init__(
+        self, model, rows: list[dict], *, batch_size, micro_batch_size, beta, lr, pad_id,
+        checkpointing=False,
+    ):  # fmt: skip
         from rlhflab.trainers.direct_alignment import cache_reference
 
+        set_checkpointing(model, checkpointing)
         self.model, self.rows, self.B, self.mb = model, rows, batch_size, micro_batch_size
         self.beta, self.pad = beta, pad_id
         cache_reference(
@@ -195,7 +226,10 @@ class RMStep:
     (chosen and rejected packed in one forward, scored at the last real token, Bradley–Terry) and
     `loss_denominator` (pairs), grad clip 1.0, AdamW."""
 
-    def __init__(self, model, items: list, *, batch_size, micro_batch_size, lr, pad_id):
+    def __init__(
+        self, model, items: list, *, batch_size, micro_batch_size, lr, pad_id, checkpointing=False
+    ):
+        set_checkpointing(model, checkpointing)
         self.model, self.items, self.pad = model, items, pad_id
         self.B, self.mb = batch_size, micro_batch_size
         self.cfg = SimpleNamespace(

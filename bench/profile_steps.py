@@ -66,8 +66,8 @@ def main() -> None:
     orig_alt = trl_driver.Alternate
 
     class ProfAlternate(orig_alt):
-        def __init__(self, ours):
-            super().__init__(_Profiled(ours, at=2))
+        def __init__(self, ours, *args, **kwargs):
+            super().__init__(_Profiled(ours, at=2), *args, **kwargs)
             captured["ours"] = self.ours
             self._trl_prof = None
 

@@ -22,6 +22,7 @@ from bench.common import Pair
 BENCHMARKS = [
     "grpo_noref_tiny",
     "grpo_ref_tiny",
+    "grpo_noref_tiny_256",
     "grpo_step_eos_sft",
     "dpo_ref_tiny",
     "dpo_cached_tiny",
@@ -102,7 +103,8 @@ def run_one(name: str, *, warmup: int, reps: int, quick: bool) -> Pair:
         return steps.grpo_eos(warmup=warmup, reps=reps)
     if name.startswith("grpo_"):
         beta = 0.04 if "_ref_" in name else 0.0
-        return steps.grpo(scale, beta=beta, warmup=warmup, reps=smol_reps)
+        max_new = 256 if name.endswith("_256") else None
+        return steps.grpo(scale, beta=beta, warmup=warmup, reps=smol_reps, max_new=max_new)
     if name.startswith("dpo_"):
         return steps.dpo(scale, precompute="cached" in name, warmup=warmup, reps=smol_reps)
     if name.startswith("rm_"):

@@ -10,7 +10,7 @@ import torch
 from bench import common
 from bench.common import Pair
 from bench.ours import DPOStep, GRPOStep, RMStep, text_reward
-from bench.trl_driver import Alternate, common_args
+from bench.trl_driver import Alternate, common_args, grpo_args
 
 LR = 1e-5
 
@@ -25,11 +25,13 @@ def _trl_reward(completions, **kwargs):
     return text_reward(completions)
 
 
-def grpo(scale: str, *, beta: float, warmup: int, reps: int) -> Pair:
+def grpo(scale: str, *, beta: float, warmup: int, reps: int, max_new: int | None = None) -> Pair:
+    """GRPO step at fixed completion length; `max_new` overrides the scale's new tokens."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    n_prompts, group, max_new = SETTINGS[scale]["grpo"]
+    n_prompts, group, default_new = SETTINGS[scale]["grpo"]
+    max_new = max_new or default_new
     path = common.model_dir(scale)
     tok, model = common.load(path)
     plen = common.modal_prompt_length(tok)
@@ -37,23 +39,13 @@ def grpo(scale: str, *, beta: float, warmup: int, reps: int) -> Pair:
     ours = GRPOStep(
         model, tok, prompts, n_prompts=n_prompts, group=group, max_new=max_new, beta=beta, lr=LR
     )
-    alt = Alternate(ours.step)
+    alt = Alternate(ours.step, ours.model)
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             **common_args(tmp, steps=warmup + reps, lr=LR),
-            per_device_train_batch_size=n_prompts * group,
-            num_generations=group,
-            steps_per_generation=1,
-            num_iterations=1,
-            max_completion_length=max_new,
-            temperature=1.0,
-            top_p=1.0,
-            beta=beta,
-            epsilon=0.2,
-            loss_type="grpo",
-            scale_rewards="group",
-            generation_kwargs={"eos_token_id": None},  # fixed length, as ours (eos never matches)
-            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+            **grpo_args(
+                n_prompts=n_prompts, group=group, max_new=max_new, beta=beta, fixed_length=True
+            ),
         )
         trainer = GRPOTrainer(
             model=str(path),
@@ -121,7 +113,7 @@ def dpo(scale: str, *, precompute: bool, warmup: int, reps: int) -> Pair:
     ours = DPOStep(
         model, rows, batch_size=B, micro_batch_size=B, beta=0.1, lr=LR, pad_id=tok.pad_token_id
     )
-    alt = Alternate(ours.step)
+    alt = Alternate(ours.step, ours.model)
     with tempfile.TemporaryDirectory() as tmp:
         args = DPOConfig(
             **common_args(tmp, steps=warmup + reps, lr=LR),
@@ -130,7 +122,13 @@ def dpo(scale: str, *, precompute: bool, warmup: int, reps: int) -> Pair:
             loss_type=["sigmoid"],
             precompute_ref_log_probs=precompute,
             max_length=None,
-            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+            padding_free=False,  # TRL 1.16 turns it back off anyway; rlhflab packs (its design)
+            label_smoothing=0.0,
+            use_weighting=False,
+            ld_alpha=None,
+            sync_ref_model=False,
+            activation_offloading=False,
+            remove_unused_columns=True,  # TRL's default for DPO / RM: only its own columns
         )
         trainer = DPOTrainer(
             model=str(path),
@@ -188,13 +186,14 @@ def reward_model(scale: str, *, warmup: int, reps: int) -> Pair:
         save_reward_model(rm, tok, rm_dir)  # TRL loads exactly these weights (backbone + head)
         rm.train()
         ours = RMStep(rm, items, batch_size=B, micro_batch_size=B, lr=LR, pad_id=tok.pad_token_id)
-        alt = Alternate(ours.step)
+        alt = Alternate(ours.step, ours.model)
         args = RewardConfig(
             **common_args(f"{tmp}/out", steps=warmup + reps, lr=LR),
             per_device_train_batch_size=B,
             center_rewards_coefficient=None,
             max_length=None,
-            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+            activation_offloading=False,
+            remove_unused_columns=True,
         )
         trainer = RewardTrainer(
             model=rm_dir,
@@ -427,22 +426,13 @@ def grpo_eos(*, warmup: int, reps: int) -> Pair:
         model, tok, prompts, n_prompts=n_prompts, group=group, max_new=max_new, beta=0.0, lr=LR,
         fixed_length=False, reward_fn=ours_reward,
     )  # fmt: skip
-    alt = Alternate(ours.step)
+    alt = Alternate(ours.step, ours.model)
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             **common_args(tmp, steps=warmup + reps, lr=LR),
-            per_device_train_batch_size=n_prompts * group,
-            num_generations=group,
-            steps_per_generation=1,
-            num_iterations=1,
-            max_completion_length=max_new,
-            temperature=1.0,
-            top_p=1.0,
-            beta=0.0,
-            epsilon=0.2,
-            loss_type="grpo",
-            scale_rewards="group",
-            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+            **grpo_args(
+                n_prompts=n_prompts, group=group, max_new=max_new, beta=0.0, fixed_length=False
+            ),
         )
         trainer = GRPOTrainer(
             model=str(path),
