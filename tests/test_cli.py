@@ -190,12 +190,12 @@ def test_eval_on_the_vllm_engine_without_vllm_is_one_config_error(tmp_path, tiny
     assert "Traceback" not in "".join(lines)
 
 
-def test_eval_command_on_a_prompt_dataset_with_reward_functions(
-    tmp_path, tiny_model, tiny_tokenizer, capsys
-):
-    from rlhflab.models.build import save_pretrained
+def test_eval_command_on_a_prompt_dataset_with_reward_functions(tmp_path, tiny_tokenizer, capsys):
+    from rlhflab.models.build import build_model, save_pretrained
 
-    save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
+    # GSM8K questions are up to ~240 tokens here: a context that holds them and the completion.
+    model = build_model(tiny_tokenizer, size="tiny", max_position_embeddings=512, seed=0)
+    save_pretrained(model, tiny_tokenizer, tmp_path / "model")
     (tmp_path / "r.py").write_text(
         "def half(prompts, completions, answer, **kw):\n"
         "    return [0.5 if a.strip().endswith(('18', '7', '3')) else None for a in answer]\n"
