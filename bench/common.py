@@ -265,6 +265,27 @@ def random_completion(rng: random.Random, n_words: int) -> str:
     )
 
 
+def generate_fixed(model, ids, mask, *, pad_token_id: int, max_new: int, n: int = 1):
+    """The `model.generate` side of the generation rows: sampling at temperature 1 with no
+    truncation, exactly `max_new` new tokens per row (EOS off), `n` samples per prompt.
+
+    ids, mask: (B, P) left-padded prompts. Returns generate's (B·n, P + max_new) token ids."""
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            num_return_sequences=n,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            eos_token_id=None,
+            pad_token_id=pad_token_id,
+        )
+
+
 def rss_bytes() -> int:
     import psutil
 

@@ -163,21 +163,10 @@ def run_model(
     def call(side: str, new: int) -> int:
         """One generation of `new` tokens per row; returns completion tokens generated."""
         if side == "generate":
-            with torch.no_grad():
-                torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gens[side])))
-                out = model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    do_sample=True,
-                    num_return_sequences=group,
-                    temperature=1.0,
-                    top_p=1.0,
-                    top_k=0,
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    eos_token_id=None,
-                    pad_token_id=tok.pad_token_id,
-                )
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gens[side])))
+            out = common.generate_fixed(
+                model, ids, mask, pad_token_id=tok.pad_token_id, max_new=new, n=group
+            )
             assert out.shape == (rows, plen + new), out.shape
             return out.size(0) * (out.size(1) - plen)
         params = SamplingParams(n=group, max_new_tokens=new, temperature=1.0)

@@ -248,20 +248,10 @@ def generation(scale: str, *, warmup: int, reps: int) -> Pair:
         assert int(ro.mask.sum()) == n_tokens
         return n_tokens / dt
 
-    @torch.no_grad()
     def theirs():
         t0 = __import__("time").perf_counter()
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            eos_token_id=None,
-            pad_token_id=tok.pad_token_id,
+        out = common.generate_fixed(
+            model, ids, mask, pad_token_id=tok.pad_token_id, max_new=max_new
         )
         dt = __import__("time").perf_counter() - t0
         assert out.size(1) - ids.size(1) == max_new
