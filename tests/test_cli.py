@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhflab.cli import build_parser, main
+from rlhflab.cli import build_parser, main, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = str(ROOT / "configs/pg/grpo.yaml")
@@ -43,6 +43,24 @@ def test_compare_help_says_both_families(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "direct-alignment" in out and "comparison.md" in out
     assert "policy-gradient only" not in out
+
+
+def test_train_overrides_may_follow_options():
+    # README: `rlhflab train configs/pg/grpo.yaml --nproc 8 parallel.strategy=fsdp2`
+    args = parse_args(["train", GRPO, "a.b=1", "--nproc", "8", "c.d=2", "--resume", "e.f=3"])
+    assert args.overrides == ["a.b=1", "c.d=2"]
+    assert (args.nproc, args.resume) == (8, "e.f=3")  # --resume takes the next word, as before
+    assert parse_args(["train", GRPO, "--allow-config-change", "x=1"]).overrides == ["x=1"]
+
+
+@pytest.mark.parametrize(
+    "argv", [["train", GRPO, "--nproc", "2", "--bogus"], ["eval", "model", "stray=1"]]
+)
+def test_left_over_arguments_are_still_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def _fails_cleanly(argv, capsys, root, expected):

@@ -489,11 +489,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed by `build_parser`, with `train` overrides allowed after its options.
+
+    argparse fills the `overrides` positional only up to the first option, so in
+    `rlhflab train preset.yaml --nproc 8 parallel.strategy=fsdp2` the override after `--nproc 8`
+    would be "unrecognized". Left-over `key=value` words of a `train` command are appended to its
+    overrides, in order; anything else left over is still an error (exit 2, argparse's message).
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command == "train" and not any(e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse `argv`, run the command; user errors print one line and return 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.argv = argv
     try:
         return args.func(args)
