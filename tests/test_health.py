@@ -15,6 +15,7 @@ from rlhflab.health import (
     relative_change,
     repetition,
     sampled_distribution,
+    training_signal,
 )
 
 
@@ -153,6 +154,58 @@ def test_accuracy_drop_with_falling_reward_is_not_hacking():
         h.check(s, {"rollout/reward_mean": 0.2})
     h.observe_eval(2, {"accuracy": 0.3, "accuracy_stderr": 0.01})
     assert h.check(3, {"rollout/reward_mean": 0.2})["health/reward_hacking"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("metrics", "signal"),
+    [
+        ({"rollout/reward_mean": 0.25, "dpo/margin": 9.0}, 0.25),  # policy gradient
+        ({"dpo/margin": 1.5, "train/loss": 0.3}, 1.5),  # paired direct alignment
+        ({"kto/chosen_reward": 0.75, "kto/rejected_reward": -0.5}, 1.25),  # KTO
+        ({"train/loss": 0.3}, None),  # SFT, RM: nothing pushed up
+    ],
+)
+def test_training_signal(metrics, signal):
+    assert training_signal(metrics) == signal
+
+
+def test_reward_hacking_in_direct_alignment_follows_the_margin():
+    # DPO: no rollout reward; held-out accuracy falls while dpo/margin rises -> flagged
+    h = _monitor([], window=2, hacking_drop=0.05)
+    h.check(1, {"dpo/margin": 0.1})
+    h.check(2, {"dpo/margin": 0.3})
+    h.observe_eval(2, {"accuracy": 0.6, "accuracy_stderr": 0.01})  # signal mean 0.2
+    h.check(3, {"dpo/margin": 0.9})
+    h.check(4, {"dpo/margin": 1.1})
+    h.observe_eval(4, {"accuracy": 0.4, "accuracy_stderr": 0.01})  # signal 1.0, drop 0.2
+    assert h.summary()["failed"]["reward_hacking"] == {
+        "first_step": 4,
+        "count": 1,
+        "value": pytest.approx(0.2 - 0.05),
+    }
+    # the same drop with a flat margin is not hacking; reward_flat never sees the margin
+    h = _monitor([], window=2)
+    for s in (1, 2, 3, 4):
+        assert "health/reward_flat" not in h.check(s, {"dpo/margin": 0.2})
+        if s in (2, 4):
+            h.observe_eval(s, {"accuracy": 0.6 if s == 2 else 0.4, "accuracy_stderr": 0.01})
+    assert h.summary()["ok"]
+
+
+def test_state_round_trip_and_checkpoints_without_the_signal():
+    h = _monitor([], window=3)
+    for s, m in enumerate([0.1, 0.2, 0.4], start=1):
+        h.check(s, {"dpo/margin": m})
+    h.observe_eval(3, {"accuracy": 0.5, "accuracy_stderr": 0.1})
+    state = h.state()
+    again = _monitor([], window=3)
+    again.load(state)
+    assert list(again.signal) == [0.1, 0.2, 0.4] and again.evals == h.evals
+    # a checkpoint from before `signal` was stored (policy gradient only): the rewards are it
+    old = {k: v for k, v in state.items() if k != "signal"} | {"rewards": [0.5, 0.7]}
+    again = _monitor([], window=3)
+    again.load(old)
+    assert list(again.signal) == [0.5, 0.7] == list(again.rewards)
 
 
 def test_skip_and_disable():

@@ -401,6 +401,21 @@ CHECK_NAMES = tuple(CHECKS)
 _SEQ_LOGPS = ("logps/chosen", "logps/rejected", "logps/completion")  # means of summed log-probs
 
 
+def training_signal(metrics: dict) -> float | None:
+    """What the trainer is pushing up, for `reward_hacking`: the mean rollout reward (policy
+    gradients), the mean implicit-reward margin β·(Δ_chosen − Δ_rejected) of the paired direct
+    alignment losses (`dpo/margin`; Rafailov et al. 2023, eq. 5; over-optimisation in these
+    losses: Rafailov et al. 2024, arXiv 2406.02900), or KTO's desirable minus undesirable mean
+    implicit reward. None for SFT and RM steps (no such signal)."""
+    if "rollout/reward_mean" in metrics:
+        return float(metrics["rollout/reward_mean"])
+    if "dpo/margin" in metrics:
+        return float(metrics["dpo/margin"])
+    if "kto/chosen_reward" in metrics and "kto/rejected_reward" in metrics:
+        return float(metrics["kto/chosen_reward"]) - float(metrics["kto/rejected_reward"])
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The monitor
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +439,8 @@ class HealthMonitor:
         self.streak = dict.fromkeys(CHECKS, 0)
         self.failures: dict[str, dict] = {}  # name -> {first_step, count, value}
         self.losses: deque[float] = deque(maxlen=cfg.window)
-        self.rewards: deque[float] = deque(maxlen=cfg.window)
+        self.rewards: deque[float] = deque(maxlen=cfg.window)  # rollout/reward_mean (reward_flat)
+        self.signal: deque[float] = deque(maxlen=cfg.window)  # training_signal (reward_hacking)
         self.evals: list[tuple[int, float, float, float | None]] = []  # step, acc, se, reward
         self._params = _param_sample(model) if model is not None and self.checks else None
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -433,9 +449,10 @@ class HealthMonitor:
         self._judged_evals: set[int] = set()  # eval steps already judged by reward_hacking
 
     def observe_eval(self, step: int, result: dict) -> None:
-        """Record a held-out evaluation (keys accuracy, accuracy_stderr) for `reward_hacking`."""
+        """Record a held-out evaluation (keys accuracy, accuracy_stderr) for `reward_hacking`,
+        with the mean `training_signal` of the last `window` steps."""
         if result.get("accuracy") is not None:
-            reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
+            reward = sum(self.signal) / len(self.signal) if self.signal else None
             self.evals.append(
                 (step, result["accuracy"], result.get("accuracy_stderr") or 0.0, reward)
             )
@@ -491,6 +508,9 @@ class HealthMonitor:
             self.rewards.append(float(metrics["rollout/reward_mean"]))
             if len(self.rewards) == cfg.window:
                 view["reward_range"] = max(self.rewards) - min(self.rewards)
+        signal = training_signal(metrics)
+        if signal is not None and math.isfinite(signal):
+            self.signal.append(signal)
         if self._params is not None:
             now = _param_sample(self.model)
             view["param_change"] = relative_change(self._params, now)
@@ -566,6 +586,7 @@ class HealthMonitor:
             "failures": self.failures,
             "losses": list(self.losses),
             "rewards": list(self.rewards),
+            "signal": list(self.signal),
             "evals": self.evals,
             "judged_evals": sorted(self._judged_evals),
         }
@@ -576,6 +597,9 @@ class HealthMonitor:
         self.failures = state["failures"]
         self.losses.extend(state["losses"])
         self.rewards.extend(state["rewards"])
+        # checkpoints from before direct alignment fed reward_hacking were policy-gradient only,
+        # where the signal is the rollout reward
+        self.signal.extend(state["signal"] if "signal" in state else state["rewards"])
         self.evals = [tuple(e) for e in state["evals"]]
         self._judged_evals = set(state["judged_evals"])
         if self._params is not None:

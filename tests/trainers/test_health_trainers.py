@@ -2,6 +2,7 @@
 ends the run with a committed checkpoint and exit code 3."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,28 @@ def _pg(root, model_dir, steps=5, **over):
     return config_from_dict(raw)
 
 
+def _dpo(root, model_dir, steps=8, **over):
+    raw = {
+        "trainer": "direct_alignment",
+        "model": {"name_or_path": model_dir},
+        "task": TASK,
+        "data": {"heldout_pairs": 4},
+        "verifiable": {
+            "n_prompts": 12,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 6,
+            "chosen": "gold",
+        },
+        "train": {"steps": steps, "batch_size": 4, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 0, "pref_every": 0},
+        "tracking": QUIET,
+        "run": {"name": "dpo", "root": str(root), "save_model": False},
+    }
+    raw.update(over)
+    return config_from_dict(raw)
+
+
 def _failed(res) -> dict:
     return res["health"]["failed"]
 
@@ -88,25 +111,30 @@ def test_lr_far_too_high_flagged_grpo(tmp_path, sft_model_dir):
 
 
 def test_lr_far_too_high_flagged_dpo(tmp_path, sft_model_dir):
-    raw = {
-        "trainer": "direct_alignment",
-        "model": {"name_or_path": sft_model_dir},
-        "task": TASK,
-        "data": {"heldout_pairs": 4},
-        "verifiable": {
-            "n_prompts": 12,
-            "samples_per_prompt": 4,
-            "max_new_tokens": 6,
-            "chosen": "gold",
-        },
-        "train": {"steps": 8, "batch_size": 4, "micro_batch_size": 4},
-        "optim": {"lr": 1e6},
-        "eval": {"n": 0, "pref_every": 0},
-        "tracking": QUIET,
-        "run": {"name": "dpo", "root": str(tmp_path), "save_model": False},
-    }
-    res = run_config(config_from_dict(raw))
+    res = run_config(_dpo(tmp_path, sft_model_dir, optim={"lr": 1e6}))
     assert _failed(res)["grad_norm_zero"]["first_step"] == 4, _failed(res)
+
+
+def test_heldout_drop_while_the_margin_rises_flagged_dpo(tmp_path, sft_model_dir, monkeypatch):
+    """The trainer feeds its held-out evaluations and dpo/margin to reward_hacking: evaluations
+    at steps 0, 4 and 8 report 0.5, 0.8 (the best) and 0.2 while training raises the margin."""
+    import rlhflab.trainers.direct_alignment as da
+
+    accuracy = iter([0.5, 0.8, 0.2])
+    monkeypatch.setattr(
+        da, "heldout_eval", lambda *a, **kw: {"accuracy": next(accuracy), "accuracy_stderr": 0.01}
+    )
+    res = run_config(
+        _dpo(tmp_path, sft_model_dir, eval={"n": 4, "every": 4, "pref_every": 0},
+             health={"window": 2})
+    )  # fmt: skip
+    rows = [json.loads(r) for r in Path(res["run_dir"], "metrics.jsonl").read_text().splitlines()]
+    margin = {r["step"]: r["dpo/margin"] for r in rows if "dpo/margin" in r}
+    assert margin[7] + margin[8] > margin[3] + margin[4] + 0.1, margin  # the signal rose
+    drop = 0.8 - 0.2 - max(0.05, 2 * math.hypot(0.01, 0.01))
+    assert _failed(res) == {
+        "reward_hacking": {"first_step": 8, "count": 1, "value": pytest.approx(drop)}
+    }
 
 
 def test_lr_far_too_high_flagged_rm(tmp_path, sft_model_dir):

@@ -384,7 +384,7 @@ def train(cfg: DPOConfig) -> dict:
     )
 
     def run_eval(step: int) -> dict:
-        return heldout_eval(
+        res = heldout_eval(
             cfg,
             model,
             tokenizer,
@@ -397,6 +397,8 @@ def train(cfg: DPOConfig) -> dict:
             instruction=instruction,
             baseline=baseline,
         )
+        health.observe_eval(step, res)  # held-out accuracy against dpo/margin: reward_hacking
+        return res
 
     @torch.no_grad()
     def pref_eval(step: int) -> dict:
