@@ -69,7 +69,7 @@ LOADABLE = [(w, argv) for w, argv in COMMANDS if "PLACEHOLDER" not in argv[0]]
 def test_docs_have_train_commands():
     # guards the extraction itself: README and docs/real_models.md each have several
     assert sum(w.startswith("README.md") for w, _ in LOADABLE) >= 10
-    assert sum(w.startswith("real_models.md") for w, _ in LOADABLE) == 4
+    assert sum(w.startswith("real_models.md") for w, _ in LOADABLE) == 6
     assert len(COMMANDS) - len(LOADABLE) == 1
 
 
