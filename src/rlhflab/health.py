@@ -402,11 +402,14 @@ _SEQ_LOGPS = ("logps/chosen", "logps/rejected", "logps/completion")  # means of 
 
 
 def training_signal(metrics: dict) -> float | None:
-    """What the trainer is pushing up, for `reward_hacking`: the mean rollout reward (policy
-    gradients), the mean implicit-reward margin β·(Δ_chosen − Δ_rejected) of the paired direct
-    alignment losses (`dpo/margin`; Rafailov et al. 2023, eq. 5; over-optimisation in these
-    losses: Rafailov et al. 2024, arXiv 2406.02900), or KTO's desirable minus undesirable mean
-    implicit reward. None for SFT and RM steps (no such signal)."""
+    """What the trainer is pushing up, for `reward_hacking` (a float, or None).
+
+    Policy gradients: the mean rollout reward. Paired direct-alignment losses: the mean margin
+    between the chosen and rejected implicit rewards, `dpo/margin` (DPO: β·(Δ_chosen −
+    Δ_rejected) with Δ = log π_θ − log π_ref, Rafailov et al. 2023, eq. 5; SimPO, ORPO and the
+    others: the loss's own reward); over-optimisation in these losses: Rafailov et al. 2024,
+    arXiv 2406.02900. KTO: desirable minus undesirable mean implicit reward. None for SFT and
+    RM steps, which push up no such signal."""
     if "rollout/reward_mean" in metrics:
         return float(metrics["rollout/reward_mean"])
     if "dpo/margin" in metrics:
