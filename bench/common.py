@@ -265,11 +265,16 @@ def random_completion(rng: random.Random, n_words: int) -> str:
     )
 
 
-def generate_fixed(model, ids, mask, *, pad_token_id: int, max_new: int, n: int = 1):
+def generate_sampled(
+    model, ids, mask, *, pad_token_id: int, max_new: int, n: int = 1, eos_token_id=None
+):
     """The `model.generate` side of the generation rows: sampling at temperature 1 with no
-    truncation, exactly `max_new` new tokens per row (EOS off), `n` samples per prompt.
+    truncation, `n` samples per prompt. With `eos_token_id` None (the fixed-length rows) EOS is
+    off and every row gets exactly `max_new` new tokens; with an id, rows stop at it (at most
+    `max_new` new tokens, the `*_eos_*` rows).
 
-    ids, mask: (B, P) left-padded prompts. Returns generate's (B·n, P + max_new) token ids."""
+    ids, mask: (B, P) left-padded prompts. Returns generate's (B·n, P + new) token ids."""
+    fixed = eos_token_id is None
     with torch.no_grad():
         return model.generate(
             input_ids=ids,
@@ -280,8 +285,8 @@ def generate_fixed(model, ids, mask, *, pad_token_id: int, max_new: int, n: int 
             top_p=1.0,
             top_k=0,
             max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            eos_token_id=None,
+            min_new_tokens=max_new if fixed else None,
+            eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
         )
 

@@ -25,10 +25,25 @@ def _trl_reward(completions, **kwargs):
     return text_reward(completions)
 
 
+def trl_grpo_trainer(path, args, tok, prompts: list[str], callback):
+    """TRL's GRPOTrainer on the bench's prompts and text reward (`_trl_reward`), with one
+    callback (the timer); `args` is its GRPOConfig."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    return GRPOTrainer(
+        model=str(path),
+        reward_funcs=_trl_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok,
+        callbacks=[callback],
+    )
+
+
 def grpo(scale: str, *, beta: float, warmup: int, reps: int, max_new: int | None = None) -> Pair:
     """GRPO step at fixed completion length; `max_new` overrides the scale's new tokens."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     n_prompts, group, default_new = SETTINGS[scale]["grpo"]
     max_new = max_new or default_new
@@ -47,14 +62,7 @@ def grpo(scale: str, *, beta: float, warmup: int, reps: int, max_new: int | None
                 n_prompts=n_prompts, group=group, max_new=max_new, beta=beta, fixed_length=True
             ),
         )
-        trainer = GRPOTrainer(
-            model=str(path),
-            reward_funcs=_trl_reward,
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": prompts}),
-            processing_class=tok,
-            callbacks=[alt],
-        )
+        trainer = trl_grpo_trainer(path, args, tok, prompts, alt)
         trainer.train()
         trl_lengths = trainer._metrics["train"].get("completions/mean_length", [])
     name = f"grpo_step_{'ref' if beta > 0 else 'noref'}_{scale}"
@@ -250,7 +258,7 @@ def generation(scale: str, *, warmup: int, reps: int) -> Pair:
 
     def theirs():
         t0 = __import__("time").perf_counter()
-        out = common.generate_fixed(
+        out = common.generate_sampled(
             model, ids, mask, pad_token_id=tok.pad_token_id, max_new=max_new
         )
         dt = __import__("time").perf_counter() - t0
@@ -349,19 +357,10 @@ def generation_eos(*, warmup: int, reps: int, batch: int = 64, max_new: int = 24
         lengths["ours"].append(n / batch)
         return n / dt
 
-    @torch.no_grad()
     def theirs():
         t0 = time.perf_counter()
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=max_new,
-            eos_token_id=eos,
-            pad_token_id=pad,
+        out = common.generate_sampled(
+            model, ids, mask, pad_token_id=pad, max_new=max_new, eos_token_id=eos
         )
         dt = time.perf_counter() - t0
         comp = out[:, ids.size(1) :]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.steps import LR, _trl_reward
+from bench.steps import LR, trl_grpo_trainer
 from bench.trl_driver import common_args
 
 N_PROMPTS, GROUP, MAX_NEW, STEPS = 8, 8, 256, 2
@@ -70,8 +70,7 @@ def main() -> None:
         import trl
 
         out["trl"] = trl.__version__
-        from datasets import Dataset
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOConfig
 
         path = common.model_dir(common.TINY)
         tok, _ = common.load(path)
@@ -98,14 +97,7 @@ def main() -> None:
                 generation_kwargs={"ignore_eos": True},  # fixed length, as the bench's other rows
                 model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
             )
-            trainer = GRPOTrainer(
-                model=str(path),
-                reward_funcs=_trl_reward,
-                args=args,
-                train_dataset=Dataset.from_dict({"prompt": prompts}),
-                processing_class=tok,
-                callbacks=[times],
-            )
+            trainer = trl_grpo_trainer(path, args, tok, prompts, times)
             trainer.train()
             logged = {k: v for e in trainer.state.log_history for k, v in e.items()}
         out.update(ok=True, step_s=times.times)
