@@ -164,7 +164,7 @@ def run_model(
         """One generation of `new` tokens per row; returns completion tokens generated."""
         if side == "generate":
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gens[side])))
-            out = common.generate_fixed(
+            out = common.generate_sampled(
                 model, ids, mask, pad_token_id=tok.pad_token_id, max_new=new, n=group
             )
             assert out.shape == (rows, plen + new), out.shape
@@ -319,9 +319,16 @@ def main(argv=None) -> None:
     )  # fmt: skip
     ap.add_argument("--tag", help="add this run to --out under runs[TAG] instead of replacing it")
     ap.add_argument("--smoke", action="store_true", help="4 prompts x 2 x 8 tokens, 1 rep")
-    ap.add_argument("--out", default=str(common.BENCH_DIR / "engines_results.json"))
+    ap.add_argument(
+        "--out",
+        help="results file (default bench/engines_results.json; with --smoke "
+        "bench/.cache/engines_smoke.json, so a smoke run never replaces measured results)",
+    )
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out")
     a = ap.parse_args(argv)
+    if a.out is None:
+        name = ".cache/engines_smoke.json" if a.smoke else "engines_results.json"
+        a.out = str(common.BENCH_DIR / name)
     if a.table:
         print(table(Path(a.out)))
         return
@@ -347,6 +354,7 @@ def main(argv=None) -> None:
         }
         if a.tag:  # an extra variant: added to the existing file under "runs"
             payload = {**base, "runs": {**base.get("runs", {}), a.tag: payload}}
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=2) + "\n")
 
     results = {}
