@@ -7,7 +7,8 @@ a single-process run takes the same code path and gives the same numbers.
 
 What the trainers call (nothing else in the package touches torch.distributed):
 
-    setup(parallel) / teardown()       process group (NCCL on CUDA, gloo on CPU), collective timeout
+    setup(parallel) / teardown()       process group (NCCL for GPU tensors and gloo for host-side
+                                       ones on CUDA, gloo on CPU), collective timeout
     world_size() rank() is_main()      who we are
     device()                           cuda:LOCAL_RANK on GPUs, else cpu
     shard(rows)                        this rank's contiguous share of a global batch
@@ -98,13 +99,25 @@ def setup(strategy: str = "none", timeout_s: float = 600.0) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         _STATE["device"] = torch.device("cuda", local_rank)
-        backend = "nccl"
     else:
         _STATE["device"] = torch.device("cpu")
-        backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend_for(_STATE["device"]), timeout=datetime.timedelta(seconds=timeout_s)
+        )
         _STATE["owned"] = True
+
+
+def backend_for(dev: torch.device) -> str:
+    """The process-group backend string for ranks whose compute device is `dev`.
+
+    On CUDA: "cpu:gloo,cuda:nccl" — tensors on the GPU (gradients, FSDP2 shards, the DDP
+    broadcast) go through NCCL, and the small host-side collectives (denominators, metric sums,
+    stop flags, object gathers) through gloo. NCCL alone refuses CPU tensors ("No backend type
+    associated with device type cpu"), and moving every counter to the GPU would add a host
+    synchronisation per collective. On CPU: "gloo". Returns e.g. "cpu:gloo,cuda:nccl".
+    """
+    return "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
 
 
 def teardown() -> None:
@@ -232,8 +245,8 @@ def _reduce(t: torch.Tensor, op) -> torch.Tensor:
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of `t` over ranks, in place; returned. `t`: any shape and dtype (kept), on this
-    rank's device (gloo: CPU). A Python number is turned into a 0-d float64 tensor first (so
+    """Sum of `t` over ranks, in place; returned. `t`: any shape and dtype (kept), on the CPU
+    (through gloo) or on this rank's device (through NCCL on CUDA; see `backend_for`). A Python number is turned into a 0-d float64 tensor first (so
     denominators stay exact). With one process, `t` itself."""
     if not torch.is_tensor(t):
         t = torch.tensor(t, dtype=torch.float64)

@@ -1,0 +1,77 @@
+"""The process group serves the devices our collectives use (no torchrun needed).
+
+On a GPU, rlhflab's collectives carry both GPU tensors (gradients, FSDP2 shards) and small CPU
+tensors (token denominators, metric sums, stop flags). A process group created with NCCL alone
+refuses the CPU ones ("No backend type associated with device type cpu"): every launched run
+on a GPU died at its first step that way. These tests pin the backend that `setup` asks for on a
+CUDA machine (simulated here: nothing runs on a GPU) and on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhflab import distributed
+
+
+def _served(backend: str) -> set[str]:
+    """Device types a torch.distributed backend string serves: "gloo" serves CPU tensors only
+    (gloo's CUDA support is not what we rely on), "nccl" CUDA only, "cpu:gloo,cuda:nccl" both."""
+    if ":" not in backend:
+        return {"gloo": {"cpu"}, "nccl": {"cuda"}}[backend]
+    return {part.split(":")[0] for part in backend.split(",")}
+
+
+def test_backend_serves_cpu_and_cuda_tensors_on_cuda():
+    assert _served(distributed.backend_for(torch.device("cuda", 0))) == {"cpu", "cuda"}
+    assert distributed.backend_for(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
+
+
+def test_backend_on_cpu_is_gloo():
+    assert distributed.backend_for(torch.device("cpu")) == "gloo"
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    saved = dict(distributed._STATE)
+    yield
+    distributed._STATE.clear()
+    distributed._STATE.update(saved)
+
+
+def test_setup_on_a_cuda_machine_asks_for_a_group_that_serves_cpu_tensors(monkeypatch, fresh_state):
+    """What setup() asks torch.distributed for under torchrun on a (simulated) GPU machine."""
+    calls = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        distributed.dist,
+        "init_process_group",
+        lambda backend, **kw: calls.setdefault("backend", backend),
+    )
+    distributed.setup("ddp", timeout_s=5)
+    assert calls["device"] == 1
+    assert distributed.device() == torch.device("cuda", 1)
+    # Host-side counters (all_reduce_sum of a CPU float64, any_rank, sum_dict, micro_batches)
+    # and GPU tensors (sync_grads, FSDP2) must both have a backend.
+    assert {"cpu", "cuda"} <= _served(calls["backend"])
+    distributed._STATE["owned"] = False  # nothing was really started
+
+
+def test_setup_on_cpu_asks_for_gloo(monkeypatch, fresh_state):
+    calls = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        distributed.dist,
+        "init_process_group",
+        lambda backend, **kw: calls.setdefault("backend", backend),
+    )
+    distributed.setup("fsdp2", timeout_s=5)
+    assert calls["backend"] == "gloo"
+    distributed._STATE["owned"] = False
