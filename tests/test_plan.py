@@ -233,3 +233,67 @@ def test_cli_json_and_errors(capsys):
     assert err.startswith("error: --model: 'qwen9-1b'") and "\n" not in err
     assert main(["plan", "--model", "qwen3-0.6b", "--gpu-memory", "24", "train.nope=1"]) == 2
     assert "unknown config key 'train.nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arch, autocast, lora, dtype",
+    [
+        ("qwen3", False, False, "float32"),
+        ("llama", False, False, "float32"),
+        ("qwen3", True, False, "float32"),
+        ("qwen3", False, True, "float32"),
+        ("qwen3", True, True, "bfloat16"),
+    ],
+)
+def test_activation_formula_against_what_autograd_saves(arch, autocast, lora, dtype):
+    """Bytes of the distinct non-parameter tensors autograd saves in a forward of the decoder
+    layers (`saved_tensors_hooks`), against `layer_activation_bytes` (+ the final norm, + the
+    autocast bf16 weight copies): within 10% (kernel choices differ a little by device)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from rlhflab.plan import layer_activation_bytes
+
+    cls_cfg, cls = (
+        (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    shape = ModelShape("s", 64, 2, 128, 4, 2, 16, 100, True, qk_norm=arch == "qwen3")
+    cfg = cls_cfg(
+        hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, tie_word_embeddings=True,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(cfg).to(getattr(torch, dtype))
+    if lora:
+        pytest.importorskip("peft")
+        from rlhflab.config import LoRAConfig
+        from rlhflab.models.lora import apply_lora
+
+        apply_lora(model, LoRAConfig(r=4))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    B, S = 2, 16
+    ids = torch.randint(0, 100, (B, S), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(B, S, dtype=torch.long)
+    attn[0, :3] = 0  # left padding: SDPA gets a mask, as in rollouts
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+        model.model(input_ids=ids, attention_mask=attn)
+    rs = 4 if dtype == "float32" else 2
+    c = 2 if (autocast or rs == 2) else 4
+    per_layer = layer_activation_bytes(
+        shape, c=c, rs=rs, autocast=autocast, lora_r=4 if lora else None
+    )
+    final_norm = 4 * 64 + (0 if lora else rs * 64)
+    expected = (2 * per_layer + final_norm) * B * S
+    if autocast and not lora:  # bf16 copies of the blocks' fp32 linear weights
+        expected += 2 * (shape.linear_params() - 100 * 64)
+    assert sum(saved.values()) == pytest.approx(expected, rel=0.10)

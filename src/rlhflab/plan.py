@@ -80,7 +80,8 @@ dropout; no s² term: flash / memory-efficient SDPA kernels keep no attention ma
     frozen layer with LoRA adapters (the base needs no input for its weight gradient)
         2 RMSNorms 2·4h; q/k norms 4·(q + k); attention 4·c·q; SwiGLU 3·c·f; every adapted linear
         saves its input cast for lora_A: c_lora·d_in + c_lora·r (c_lora = c under autocast, else
-        4: peft casts the input to the adapters' fp32).
+        4: peft casts the input to the adapters' fp32); in an fp32 model without autocast there
+        is no cast, and adapters reading the same tensor (q/k/v, gate/up) share it.
     With activation checkpointing (model.gradient_checkpointing; HF non-reentrant, per layer):
         rs·h per token per layer (the layer's input) + one layer's full activations, recomputed
         during its backward.
@@ -199,11 +200,16 @@ class ModelShape:
         """Trainable LoRA parameters: r·(d_in + d_out) per adapted linear of every block."""
         return self.num_hidden_layers * r * sum(i + o for i, o in self._adapted(targets))
 
-    def _adapted(self, targets: list[str] | str) -> list[tuple[int, int]]:
+    def _names(self, targets: list[str] | str) -> list[str]:
+        """The block linears that `targets` (module-name suffixes or "all-linear") adapt."""
         dims = self.linear_dims()
         if targets == "all-linear":
-            return list(dims.values())
-        return [d for n, d in dims.items() if any(n == t or n.endswith(t) for t in targets)]
+            return list(dims)
+        return [n for n in dims if any(n == t or n.endswith(t) for t in targets)]
+
+    def _adapted(self, targets: list[str] | str) -> list[tuple[int, int]]:
+        dims = self.linear_dims()
+        return [dims[n] for n in self._names(targets)]
 
 
 def _qwen3(name, h, layers, f, heads, kv, vocab, tied) -> ModelShape:
@@ -334,8 +340,18 @@ def layer_activation_bytes(
         casts = 5 * c * h if (autocast and rs == 4) else 0
         linear_inputs = casts + c * q + c * f
         return norms + linear_inputs + qk * (4 + c) * (q + k) + 4 * c * q + 4 * c * f
+    adapted = shape._adapted(lora_targets)
     c_lora = c if autocast else 4
-    adapters = sum(c_lora * (d_in + lora_r) for d_in, _ in shape._adapted(lora_targets))
+    if not autocast and rs == 4:  # no cast: adapters reading the same input share one tensor
+        source = {"q_proj": "attn_norm", "k_proj": "attn_norm", "v_proj": "attn_norm",
+                  "gate_proj": "mlp_norm", "up_proj": "mlp_norm"}  # fmt: skip
+        dims = shape.linear_dims()
+        inputs = {source.get(n, n): dims[n][0] for n in shape._names(lora_targets)}
+        return (
+            2 * 4 * h + qk * 4 * (q + k) + 4 * c * q + 3 * c * f
+            + sum(4 * d for d in inputs.values()) + 4 * lora_r * len(adapted)
+        )  # fmt: skip
+    adapters = sum(c_lora * (d_in + lora_r) for d_in, _ in adapted)
     return 2 * 4 * h + qk * 4 * (q + k) + 4 * c * q + 3 * c * f + adapters
 
 
@@ -449,7 +465,7 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
 
     # loading: the full model on every rank's GPU, plus a full copy for the reference / critic
     extra_copy = (p.reference and not lora) or (p.critic and not lora)
-    load = w * P * (2 if extra_copy else 1)
+    load = w * P_model * (2 if extra_copy else 1)
     if fsdp and not offload:
         load += gpu.get("reward_model", 0.0)
 
