@@ -61,7 +61,8 @@ Autocast weight copies: under bf16 autocast every nn.Linear casts its fp32 weigh
 for trainable leaves during the forward; saved by autograd for the backward of the input either
 way): 2 bytes × the linear parameters (blocks + the LM head, tied or not), alive from the forward
 to the backward. Zero when the weights are already 16-bit (model.dtype bfloat16, or FSDP2 with
-mixed_precision bf16, whose unsharded layers are bf16 and freed per layer).
+mixed_precision bf16, whose unsharded layers are bf16 and freed per layer); LoRA adds 2·T (its
+fp32 adapters' casts).
 
 Activations, bytes per token per decoder layer (`layer_activation_bytes`). Korthikanti et al. 2022
 (arXiv 2205.05198, §4.1) count what autograd saves for the backward of a GPT layer,
@@ -436,6 +437,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         logits_train = elems * (8 + (2 if half else 0) + tau)
         logits_score = elems * ((c + 4) if half else 4) + elems * tau
     cast_copies = 2 * shape.linear_params() if casts_weights else 0.0
+    if lora and p.autocast:  # the fp32 adapters' bf16 casts (cached: trainable leaves)
+        cast_copies += 2 * T
     layer_unsharded = 0.0
     gathered = 0.0
     if fsdp:
