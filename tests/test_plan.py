@@ -297,3 +297,17 @@ def test_activation_formula_against_what_autograd_saves(arch, autocast, lora, dt
     if autocast and not lora:  # bf16 copies of the blocks' fp32 linear weights
         expected += 2 * (shape.linear_params() - 100 * 64)
     assert sum(saved.values()) == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "llama-3.2-1b"])
+def test_docs_tables_are_what_the_planner_says(shape, monkeypatch):
+    """docs/plan.md's what-fits rows equal bench/plan_tables.py's output (regenerate the tables
+    with `python bench/plan_tables.py` after changing a formula)."""
+    from bench import plan_tables
+
+    monkeypatch.chdir(ROOT)  # the presets are repository paths
+    doc = (ROOT / "docs/plan.md").read_text()
+    for gpus, mem in plan_tables.CLUSTERS.values():
+        cells = [plan_tables.cell(shape, job, gpus, mem) for job in plan_tables.JOBS]
+        params = BUILTIN_SHAPES[shape].params() / 1e9
+        assert f"| {shape} ({params:.2f} B) | " + " | ".join(cells) + " |" in doc
