@@ -215,7 +215,8 @@ def test_qwen3_8b_full_grpo_with_reference_fits_4x48gb_under_fsdp2_with_offload(
     assert offload["fits"] and offload["components"]["optimizer_state"] == 0
     assert offload["host_gib"] == pytest.approx((16 + 4) * 8.19e9 / 4 / GIB, rel=0.01)
     # today's loader puts the policy and its reference copy on every GPU first: flagged
-    assert not offload["load_fits"]
+    assert not offload["load_fits"] and offload["binding_constraint"] == "load"
+    assert resident["binding_constraint"] == "steady state (rollout)"
 
 
 def test_usable_memory_calibration():

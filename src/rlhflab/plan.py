@@ -362,6 +362,7 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     Returns a dict: `components` {name: GiB} (each term at its own peak), `phases`
     {phase: GiB of its transient terms}, `resident_gib`, `binding_phase`, `per_gpu_gib`
     (resident + the largest phase), `usable_gib`, `fits`, `load_peak_gib`, `load_fits`,
+    `binding_constraint` ("load", or "steady state (<phase>)"),
     `host_gib` (per rank, offloaded state), `params_b`, `trainable_b`.
     Raises ValueError on an unknown strategy or dtype, or gpus / micro_batch < 1.
     """
@@ -496,6 +497,10 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         "fits": total / GIB <= usable,
         "load_peak_gib": load / GIB,
         "load_fits": load / GIB <= usable,
+        # what does not fit first: "load" when only today's loading peak is over the card
+        "binding_constraint": (
+            "load" if total / GIB <= usable < load / GIB else f"steady state ({binding})"
+        ),
         "host_gib": sum(host.values()) / GIB,
         "calibration": dict(CALIBRATION),
     }
