@@ -262,6 +262,22 @@ def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rlhflab.plan import plan, render
+
+    over = [a for a in args.args if "=" in a]
+    cfgs = [a for a in args.args if "=" not in a]
+    if len(cfgs) > 1:
+        raise ConfigError(f"plan: at most one CONFIG, got {' '.join(cfgs)}")
+    model = args.model
+    result = plan(model, gpus=args.gpus, gpu_memory_gib=args.gpu_memory,
+                  config=cfgs[0] if cfgs else None, overrides=over, prompt_len=args.prompt_len,
+                  completion_len=args.completion_len, reference_dtype=args.reference_dtype,
+                  activation_checkpointing=args.activation_checkpointing)  # fmt: skip
+    print(json.dumps(result, indent=2)) if args.json else render(result)
+    return 0
+
+
 def package_version() -> str:
     """The installed distribution's version (`importlib.metadata`); the source tree's
     `rlhflab.__version__` when the package is not installed (run from a checkout)."""
@@ -486,6 +502,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_cmd_prm_vs_orm)
+
+    p = sub.add_parser("plan", help="per-GPU memory estimate of a run (docs/plan.md)")
+    p.add_argument("args", nargs="*", metavar="[CONFIG] key.path=value", help="preset + overrides")
+    p.add_argument("--model", required=True, help="qwen3-0.6b|1.7b|4b|8b, llama-3.2-1b|3b, "
+                   "llama-3.1-8b, or a local model directory (its config.json)")  # fmt: skip
+    p.add_argument("--gpus", type=_positive_int, default=1, help="GPUs (ranks), default 1")
+    p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="per GPU")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256)")
+    p.add_argument("--completion-len", type=int, default=None, help="overrides the config's")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="as model.gradient_checkpointing=true")  # fmt: skip
+    p.add_argument("--reference-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the frozen reference's dtype (default model.dtype, as today)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 

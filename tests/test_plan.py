@@ -1,0 +1,314 @@
+"""`rlhflab plan`: parameter counts of the built-in shapes against the published totals, every
+memory term of a tiny shape computed by hand, and issue #25's must-show verdicts for Qwen3-8B."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhflab.cli import main
+from rlhflab.plan import (
+    BUILTIN_SHAPES,
+    GIB,
+    ModelShape,
+    PlanInputs,
+    estimate,
+    plan,
+    resolve_shape,
+    usable_gib,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = str(ROOT / "configs/pg/grpo.yaml")
+
+# (total, non-embedding) parameters in billions, from the model cards (Qwen3: "Number of
+# Parameters" / "(Non-Embedding)"; Llama: the safetensors totals), to the cards' rounding.
+PUBLISHED = {
+    "qwen3-0.6b": (0.60, 0.44),
+    "qwen3-1.7b": (1.7, 1.4),
+    "qwen3-4b": (4.0, 3.6),
+    "qwen3-8b": (8.19, 6.95),
+    "llama-3.2-1b": (1.24, None),
+    "llama-3.2-3b": (3.21, None),
+    "llama-3.1-8b": (8.03, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_builtin_parameter_counts_match_the_published_totals(name):
+    shape = BUILTIN_SHAPES[name]
+    total, non_embedding = PUBLISHED[name]
+    assert round(shape.params() / 1e9, _digits(total)) == pytest.approx(total)
+    if non_embedding is not None:
+        inside = shape.params() - shape.embedding_params()
+        assert round(inside / 1e9, _digits(non_embedding)) == pytest.approx(non_embedding)
+
+
+def _digits(x: float) -> int:
+    return len(str(x).split(".")[1])
+
+
+TINY = ModelShape("tiny", 8, 2, 16, 2, 1, 4, 10, True, qk_norm=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_equals_the_transformers_model(arch, tied):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls_cfg, cls = (
+        (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    shape = dataclasses.replace(TINY, tie_word_embeddings=tied, qk_norm=arch == "qwen3")
+    cfg = cls_cfg(
+        hidden_size=8, num_hidden_layers=2, intermediate_size=16, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, vocab_size=10, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = cls(cfg)
+    assert sum(p.numel() for p in model.parameters()) == shape.params()
+    # by hand: layer = q 64 + k 32 + v 32 + o 64 + MLP 384 + norms 16 (+ q/k norms 8)
+    layer = 592 + (8 if arch == "qwen3" else 0)
+    assert shape.params() == 2 * layer + 80 * (1 if tied else 2) + 8
+
+
+def test_lora_parameter_count_equals_peft():
+    pytest.importorskip("peft")
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rlhflab.config import LoRAConfig
+    from rlhflab.models.lora import apply_lora
+
+    cfg = Qwen3Config(
+        hidden_size=8, num_hidden_layers=2, intermediate_size=16, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, vocab_size=10, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = apply_lora(Qwen3ForCausalLM(cfg), LoRAConfig(r=3))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # r · Σ(d_in + d_out) over q(8,8) k(8,4) v(8,4) o(8,8) gate(8,16) up(8,16) down(16,8), 2 layers
+    assert trainable == TINY.lora_params(3) == 2 * 3 * (16 + 12 + 12 + 16 + 24 + 24 + 24)
+    assert TINY.lora_params(3, ["q_proj", "v_proj"]) == 2 * 3 * (16 + 12)
+
+
+def _tiny_sft(**kw) -> PlanInputs:
+    base = dict(
+        trainer="sft", gpus=1, gpu_memory_gib=1.0, strategy="none", model_dtype="float32",
+        autocast=False, micro_batch=2, prompt_len=0, completion_len=5,
+    )  # fmt: skip
+    return PlanInputs(**{**base, **kw})
+
+
+def test_tiny_components_by_hand():
+    r = estimate(TINY, _tiny_sft())
+    P = 1288  # 2 · 600 + 80 (tied embedding) + 8 (final norm)
+    comps = {k: v * GIB for k, v in r["components"].items()}
+    assert comps["parameters"] == pytest.approx(4 * P, rel=1e-12)
+    assert comps["gradients"] == pytest.approx(4 * P, rel=1e-12)
+    assert comps["optimizer_state"] == pytest.approx(8 * P, rel=1e-12)
+    # fp32, no autocast (c = rs = 4), per token per layer: norms 2·(32 + 32) = 128; linear
+    # inputs o 4·8 + down 4·16 = 96; q/k norms (4 + 4)·(8 + 4) = 96; attention 4·4·8 = 128;
+    # SwiGLU 4·4·16 = 256 → 704. 10 tokens, 2 layers, + final norm & head input (32+32+32)·10.
+    assert comps["activations"] == pytest.approx(704 * 10 * 2 + 96 * 10, rel=1e-12)
+    # logits (2, 5 + 1, 10) fp32: saved 4 + gradient 4 bytes each
+    assert comps["logits"] == pytest.approx(8 * 2 * 6 * 10, rel=1e-12)
+    assert comps["rollout_kv_cache"] == 0 and comps["autocast_weight_copies"] == 0
+    assert r["per_gpu_gib"] * GIB == pytest.approx(16 * P + 15040 + 960, rel=1e-12)
+    assert r["binding_phase"] == "train"
+
+
+def test_autocast_checkpointing_and_temperature_terms():
+    amp = estimate(TINY, _tiny_sft(autocast=True))
+    # every linear weight (blocks 2·(64+32+32+64+384) + LM head 80) gets a bf16 copy
+    assert amp["components"]["autocast_weight_copies"] * GIB == pytest.approx(2 * (2 * 576 + 80))
+    # bf16 logits add their 2-byte copy: 10 bytes per element
+    assert amp["components"]["logits"] * GIB == pytest.approx(10 * 120)
+    ckpt = estimate(TINY, _tiny_sft(activation_checkpointing=True))
+    # layer inputs 4·8 per token per layer + one layer recomputed + outside the layers
+    assert ckpt["components"]["activations"] * GIB == pytest.approx(2 * 32 * 10 + 704 * 10 + 960)
+    hot = estimate(TINY, _tiny_sft(trainer="policy_gradient", temperature=0.7))
+    assert hot["components"]["logits"] * GIB == pytest.approx(12 * 120)
+
+
+def test_rollout_kv_cache_by_hand():
+    p = _tiny_sft(trainer="policy_gradient", prompt_len=3, rollout_rows=4, rollout_rows_global=4)
+    r = estimate(TINY, p)
+    # 2 (k, v) · 2 layers · 1 kv head · 4 head_dim · 4 bytes, per token; 4 rows × 8 tokens
+    assert r["components"]["rollout_kv_cache"] * GIB == pytest.approx(64 * 32)
+
+
+def test_sharding_offload_and_lora():
+    one = estimate(TINY, _tiny_sft())
+    ddp = estimate(TINY, _tiny_sft(gpus=4, strategy="ddp"))
+    fsdp = estimate(TINY, _tiny_sft(gpus=4, strategy="fsdp2"))
+    off = estimate(TINY, _tiny_sft(gpus=4, strategy="fsdp2", cpu_offload=True))
+    for key in ("parameters", "gradients", "optimizer_state"):
+        assert ddp["components"][key] == one["components"][key]
+        assert fsdp["components"][key] == pytest.approx(one["components"][key] / 4)
+        assert off["components"][key] == 0
+        assert off["host_components"][key] == pytest.approx(one["components"][key] / 4)
+    lora = estimate(TINY, _tiny_sft(lora_r=3, model_dtype="bfloat16"))
+    T = TINY.lora_params(3)
+    assert lora["components"]["parameters"] * GIB == pytest.approx(2 * 1288 + 4 * T)
+    assert lora["components"]["optimizer_state"] * GIB == pytest.approx(8 * T)
+
+
+def test_local_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="qwen3",
+                hidden_size=8,
+                num_hidden_layers=2,
+                intermediate_size=16,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=4,
+                vocab_size=10,
+                tie_word_embeddings=True,
+            )
+        )
+    )
+    assert dataclasses.replace(resolve_shape(str(tmp_path)), name="tiny") == TINY
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        resolve_shape(str(tmp_path))
+
+
+# -- issue #25's must-show, with sensible settings: prompt 256 + 768 new tokens, micro-batch 4,
+#    activation checkpointing, GRPO's preset (16 prompts × 8 samples per step).
+
+
+def test_qwen3_8b_full_fine_tuning_does_not_fit_one_80gb_gpu():
+    r = plan("qwen3-8b", gpus=1, gpu_memory_gib=80, overrides=[
+        "trainer=sft", "train.max_len=1024", "train.micro_batch_size=1", "train.batch_size=64",
+        "model.gradient_checkpointing=true",
+    ])  # fmt: skip
+    assert not r["fits"] and r["max_micro_batch"] == 0
+    # fp32 weights + gradients + AdamW: 16 bytes per parameter alone exceed the card
+    assert r["resident_gib"] == pytest.approx(16 * BUILTIN_SHAPES["qwen3-8b"].params() / GIB)
+    assert r["resident_gib"] > 80
+
+
+def test_qwen3_8b_lora_grpo_fits_one_48gb_gpu():
+    r = plan("qwen3-8b", gpus=1, gpu_memory_gib=48, config=GRPO, prompt_len=256, overrides=[
+        "rollout.max_new_tokens=768", "train.micro_batch_size=4", "kl.coef=0.04",
+        "model.lora.r=16", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
+    ])  # fmt: skip
+    assert r["fits"] and r["load_fits"] and r["max_micro_batch"] >= 4
+    assert r["components"]["reference"] == 0  # the base with adapters disabled
+
+
+def test_qwen3_8b_full_grpo_with_reference_fits_4x48gb_under_fsdp2_with_offload():
+    over = [
+        "rollout.max_new_tokens=768", "train.micro_batch_size=4", "kl.coef=0.04",
+        "parallel.strategy=fsdp2", "parallel.mixed_precision=bf16",
+        "model.gradient_checkpointing=true",
+    ]  # fmt: skip
+    kw = dict(gpus=4, gpu_memory_gib=48, config=GRPO, prompt_len=256)
+    resident = plan("qwen3-8b", overrides=over, **kw)
+    offload = plan("qwen3-8b", overrides=[*over, "parallel.cpu_offload=true"], **kw)
+    # on the GPU: 1/4 of 16 bytes per parameter + the reference, then the rollout gathers the
+    # whole bf16 policy: over 48 GB. With CPUOffloadPolicy the state lives on the host.
+    assert not resident["fits"]
+    assert offload["fits"] and offload["components"]["optimizer_state"] == 0
+    assert offload["host_gib"] == pytest.approx((16 + 4) * 8.19e9 / 4 / GIB, rel=0.01)
+    # today's loader puts the policy and its reference copy on every GPU first: flagged
+    assert not offload["load_fits"] and offload["binding_constraint"] == "load"
+    assert resident["binding_constraint"] == "steady state (rollout)"
+
+
+def test_usable_memory_calibration():
+    assert usable_gib(80, {"fixed_gib": 2.0, "fragmentation": 0.25}) == pytest.approx(62.4)
+
+
+def test_cli_json_and_errors(capsys):
+    assert main(["plan", "--model", "qwen3-0.6b", "--gpus", "2", "--gpu-memory", "24",
+                 "--json", "trainer=sft", "parallel.strategy=fsdp2"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["per_gpu_gib"], float) and isinstance(out["fits"], bool)
+    assert out["inputs"]["strategy"] == "fsdp2" and "parameters" in out["components"]
+    assert main(["plan", "--model", "qwen9-1b", "--gpu-memory", "24"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model: 'qwen9-1b'") and "\n" not in err
+    assert main(["plan", "--model", "qwen3-0.6b", "--gpu-memory", "24", "train.nope=1"]) == 2
+    assert "unknown config key 'train.nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arch, autocast, lora, dtype",
+    [
+        ("qwen3", False, False, "float32"),
+        ("llama", False, False, "float32"),
+        ("qwen3", True, False, "float32"),
+        ("qwen3", False, True, "float32"),
+        ("qwen3", True, True, "bfloat16"),
+    ],
+)
+def test_activation_formula_against_what_autograd_saves(arch, autocast, lora, dtype):
+    """Bytes of the distinct non-parameter tensors autograd saves in a forward of the decoder
+    layers (`saved_tensors_hooks`), against `layer_activation_bytes` (+ the final norm, + the
+    autocast bf16 weight copies): within 10% (kernel choices differ a little by device)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from rlhflab.plan import layer_activation_bytes
+
+    cls_cfg, cls = (
+        (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    shape = ModelShape("s", 64, 2, 128, 4, 2, 16, 100, True, qk_norm=arch == "qwen3")
+    cfg = cls_cfg(
+        hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, tie_word_embeddings=True,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(cfg).to(getattr(torch, dtype))
+    if lora:
+        pytest.importorskip("peft")
+        from rlhflab.config import LoRAConfig
+        from rlhflab.models.lora import apply_lora
+
+        apply_lora(model, LoRAConfig(r=4))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    B, S = 2, 16
+    ids = torch.randint(0, 100, (B, S), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(B, S, dtype=torch.long)
+    attn[0, :3] = 0  # left padding: SDPA gets a mask, as in rollouts
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+        model.model(input_ids=ids, attention_mask=attn)
+    rs = 4 if dtype == "float32" else 2
+    c = 2 if (autocast or rs == 2) else 4
+    per_layer = layer_activation_bytes(
+        shape, c=c, rs=rs, autocast=autocast, lora_r=4 if lora else None
+    )
+    final_norm = 4 * 64 + (0 if lora else rs * 64)
+    expected = (2 * per_layer + final_norm) * B * S
+    if autocast and not lora:  # bf16 copies of the blocks' fp32 linear weights
+        expected += 2 * (shape.linear_params() - 100 * 64)
+    assert sum(saved.values()) == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "llama-3.2-1b"])
+def test_docs_tables_are_what_the_planner_says(shape, monkeypatch):
+    """docs/plan.md's what-fits rows equal bench/plan_tables.py's output (regenerate the tables
+    with `python bench/plan_tables.py` after changing a formula)."""
+    from bench import plan_tables
+
+    monkeypatch.chdir(ROOT)  # the presets are repository paths
+    doc = (ROOT / "docs/plan.md").read_text()
+    for gpus, mem in plan_tables.CLUSTERS.values():
+        cells = [plan_tables.cell(shape, job, gpus, mem) for job in plan_tables.JOBS]
+        params = BUILTIN_SHAPES[shape].params() / 1e9
+        assert f"| {shape} ({params:.2f} B) | " + " | ".join(cells) + " |" in doc
