@@ -47,10 +47,21 @@ def test_compare_help_says_both_families(capsys):
 
 def test_train_overrides_may_follow_options():
     # README: `rlhflab train configs/pg/grpo.yaml --nproc 8 parallel.strategy=fsdp2`
-    args = parse_args(["train", GRPO, "a.b=1", "--nproc", "8", "c.d=2", "--resume", "e.f=3"])
+    args = parse_args(["train", GRPO, "a.b=1", "--nproc", "8", "c.d=2", "--resume", "runs/x"])
     assert args.overrides == ["a.b=1", "c.d=2"]
-    assert (args.nproc, args.resume) == (8, "e.f=3")  # --resume takes the next word, as before
+    assert (args.nproc, args.resume) == (8, "runs/x")  # --resume takes a path after it
     assert parse_args(["train", GRPO, "--allow-config-change", "x=1"]).overrides == ["x=1"]
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--res"])
+def test_resume_never_takes_an_override_as_the_run(flag):
+    # issue 23: `rlhflab train CONFIG --resume optim.lr=5e-4` resumed a run named "optim.lr=5e-4"
+    args = parse_args(["train", GRPO, "a.b=1", flag, "optim.lr=5e-4", "c_d.e-f=x=y"])
+    assert args.resume == "latest"  # --resume without PATH
+    assert args.overrides == ["a.b=1", "optim.lr=5e-4", "c_d.e-f=x=y"]
+    assert parse_args(["train", GRPO, "--resume", "runs/a=b"]).resume == "runs/a=b"  # a path
+    assert parse_args(["train", GRPO, "--resume=lr=1"]).resume == "lr=1"  # explicit PATH
+    assert parse_args(["train", GRPO, "x=1", "--resume"]).resume == "latest"
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 
 from rlhflab.errors import ConfigError, HealthStop, Interrupted, RlhfLabError
@@ -294,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="continue a run: a run directory or checkpoint directory; without PATH the newest "
-        "committed checkpoint of a run of this name (an error if there is none)",
+        "committed checkpoint of a run of this name (an error if there is none). A key=value "
+        "word after --resume is an override, never the PATH (write --resume=PATH for a path "
+        "that looks like key=value)",
     )
     p.add_argument(
         "--allow-config-change",
@@ -498,6 +501,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     overrides, in order; anything else left over is still an error (exit 2, argparse's message).
     """
     parser = build_parser()
+    argv = _resume_before_override(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
         if args.command == "train" and not any(e.startswith("-") for e in extra):
@@ -505,6 +509,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
+
+
+_OVERRIDE_WORD = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
+
+
+def _resume_before_override(argv: list[str]) -> list[str]:
+    """`argv` with `train ... --resume KEY=VALUE` rewritten as `--resume=latest KEY=VALUE`:
+    `--resume` without PATH (the newest checkpoint of this run), then the override.
+
+    `--resume` takes an optional PATH (`nargs='?'`), so argparse would take the override after it
+    as the run to resume. Rule: a separate word after `--resume` (or an unambiguous prefix of it,
+    which argparse accepts) that starts like `dotted.key=` is an override; a path of that form must
+    be written `--resume=PATH`. Other commands, and words after `--`, are left as they are.
+    """
+    if not argv or argv[0] != "train":
+        return argv
+    out = list(argv)
+    for i, word in enumerate(out[:-1]):
+        if word == "--":
+            break
+        if len(word) >= 3 and "--resume".startswith(word) and _OVERRIDE_WORD.match(out[i + 1]):
+            out[i] = "--resume=latest"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
