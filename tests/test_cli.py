@@ -275,3 +275,31 @@ def test_prompt_dataset_errors_are_one_line_before_the_run(tmp_path, capsys):
         root,
         "reward function 'x.py:f': file not found: x.py",
     )
+
+
+def test_best_of_n_and_eval_read_answers_the_same_way_by_default():
+    # issue 23: best-of-n defaulted to tags, eval and the trainers to plain
+    from rlhflab.config import TaskConfig
+
+    bon = parse_args(["best-of-n", "p", "--rm", "x:orm", "--task", "t"]).answer_format
+    ev = parse_args(["eval", "p", "--task", "t"]).answer_format
+    assert bon == ev == TaskConfig().answer_format == "plain"
+
+
+@pytest.mark.parametrize("command", ["best-of-n", "eval"])
+def test_a_policy_trained_with_another_answer_format_is_warned_about(command, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "config.yaml").write_text("trainer: sft\ntask: {name: chain_sum, answer_format: tags}\n")
+    argv = [command, str(run / "model"), "--task", "chain_sum", "--n", "2"]
+    if command == "best-of-n":
+        argv[2:2] = ["--rm", f"{tmp_path / 'no_rm'}:orm"]
+    assert main(argv) == 2  # the model dir is empty / the RM is missing: one error line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        f"warning: {run / 'model'} was trained with task.answer_format: tags "
+        f"({run / 'config.yaml'}) but answers are read as plain; pass --answer-format tags to match"
+    )
+    assert len(err) == 2 and err[1].startswith("error: "), err
+    assert main([*argv, "--answer-format", "tags"]) == 2  # the formats agree: no warning
+    assert not capsys.readouterr().err.startswith("warning")

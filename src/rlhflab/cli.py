@@ -125,6 +125,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if (args.task is None) == (args.data is None):
         raise ConfigError("eval: give exactly one of --task NAME and --data PATH")
+    if args.task is not None and args.extractor is None:
+        _warn_answer_format(args.model, args.answer_format)
     if args.data is not None:
         results = run_prompt_eval_command(
             args.model,
@@ -205,6 +207,8 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
 
     if (args.task is None) == (args.data is None):
         raise ConfigError("best-of-n: give exactly one of --task NAME and --data PATH")
+    if args.task is not None:
+        _warn_answer_format(args.policy, args.answer_format)
     data = None
     if args.data is not None:
         data = {
@@ -238,6 +242,15 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
     )
     print(_dumps(results))
     return 0
+
+
+def _warn_answer_format(model: str, answer_format: str) -> None:
+    """Print `answer_format_warning`'s line on stderr, if any."""
+    from rlhflab.eval.cli import answer_format_warning
+
+    line = answer_format_warning(model, answer_format)
+    if line is not None:
+        print(line, file=sys.stderr)
 
 
 def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
@@ -457,7 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--answer-format", choices=["plain", "tags"], default="tags")
+    p.add_argument(
+        "--answer-format",
+        choices=["plain", "tags"],
+        default="plain",
+        help="how the answer is read from a completion, as in `rlhflab eval` and task."
+        "answer_format (default plain: the whole text; tags: the last <answer>..</answer>)",
+    )
     p.add_argument(
         "--instruction",
         default="auto",
