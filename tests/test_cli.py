@@ -303,3 +303,25 @@ def test_a_policy_trained_with_another_answer_format_is_warned_about(command, tm
     assert len(err) == 2 and err[1].startswith("error: "), err
     assert main([*argv, "--answer-format", "tags"]) == 2  # the formats agree: no warning
     assert not capsys.readouterr().err.startswith("warning")
+
+
+def test_compare_applies_each_override_to_the_presets_that_have_its_key():
+    # issue 23: `compare grpo.yaml dpo.yaml rollout.group_size=4` failed on dpo.yaml
+    from rlhflab.compare import overrides_per_preset
+
+    dpo = str(ROOT / "configs/dpo/dpo.yaml")
+    got = overrides_per_preset(
+        [GRPO, dpo],
+        ["rollout.group_size=4", "loss.args.beta=0.2", "task.config.min_terms=2", "seed=1"],
+    )
+    assert got[GRPO] == ["rollout.group_size=4", "task.config.min_terms=2", "seed=1"]
+    assert got[dpo] == ["loss.args.beta=0.2", "task.config.min_terms=2", "seed=1"]
+
+
+def test_compare_key_that_no_preset_has_is_one_line_naming_key_and_presets(tmp_path, capsys):
+    dpo = str(ROOT / "configs/dpo/dpo.yaml")
+    root = tmp_path / "runs"
+    argv = ["compare", "--root", str(root), GRPO, dpo, "rollout.grop_size=2"]
+    expected = f"no preset has the config key 'rollout.grop_size' ({GRPO}, {dpo})"
+    _fails_cleanly(argv, capsys, root, expected)
+    assert not root.exists()

@@ -421,8 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
         "args",
         nargs="+",
         metavar="PRESET.yaml | key.path=value",
-        help="presets (e.g. configs/pg/grpo.yaml configs/dpo/dpo.yaml) then overrides applied to "
-        "every preset (put --seeds/--root before them)",
+        help="presets (e.g. configs/pg/grpo.yaml configs/dpo/dpo.yaml) then overrides, each "
+        "applied to every preset that has its key (put --seeds/--root before them)",
     )
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per preset (default 3)")
     p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")

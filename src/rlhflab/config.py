@@ -812,6 +812,28 @@ def _section_class(cls: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     return cls
 
 
+def config_has_key(cls: type[BaseModel], dotted: str) -> bool:
+    """Whether the config class `cls` has the key `dotted` (`rollout.group_size`): every part
+    names a field of the section before it; below a free-form dict field (`task.config`,
+    `loss.surrogate_args`) any key counts, as the dict's own checks decide later."""
+    parts = dotted.strip().split(".")
+    for i, key in enumerate(parts):
+        if key not in cls.model_fields:
+            return False
+        annotation = cls.model_fields[key].annotation
+        candidates = [annotation]
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is Union:
+            candidates = list(typing.get_args(annotation))
+        if i == len(parts) - 1:
+            return True
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if nested:
+            cls = nested[0]
+            continue
+        return any(c is dict or typing.get_origin(c) is dict for c in candidates)
+    return True
+
+
 def _format_error(cls: type[BaseModel], err: ValidationError) -> str:
     first = err.errors()[0]
     loc = tuple(first["loc"])
