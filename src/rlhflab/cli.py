@@ -75,6 +75,7 @@ def _int_list(text: str) -> list[int]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlhflab.config import load_config
+    from rlhflab.next_steps import check_start_model, next_command
     from rlhflab.trainers import run_config
 
     if args.nproc is not None:
@@ -85,10 +86,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.allow_config_change:
         overrides.append("run.allow_config_change=true")
     cfg = load_config(args.config, overrides)
+    check_start_model(cfg)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(_dumps(results))
+    _print_next(next_command(cfg, results))
     return 0
+
+
+def _print_next(hint: str | None) -> None:
+    """Print the next-command hint (`rlhflab.next_steps`) on stderr, on rank 0 only."""
+    if hint and os.environ.get("RANK", "0") == "0":
+        print(hint, file=sys.stderr)
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
@@ -175,11 +184,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
+    from rlhflab.next_steps import after_quickstart
     from rlhflab.quickstart import run_quickstart, summary_line
 
     results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
     print(summary_line(results), file=sys.stderr)
     print(_dumps(results))
+    _print_next(after_quickstart(results))
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from rlhflab.config import load_config
 from rlhflab.errors import ConfigError
+from rlhflab.next_steps import check_start_model
 from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
 from rlhflab.tracking import read_metrics
 
@@ -163,6 +164,7 @@ def run_compare(
             )
         if cfgs[0].trainer != family:
             family = "mixed"  # GRPO beside DPO: held-out accuracy is the shared number
+        check_start_model(cfgs[0])
     signal_key, signal_name = SIGNALS.get(family, ("training signal", "reward or margin"))
     out = create_run_dir(root, "compare")
     t0 = time.perf_counter()
