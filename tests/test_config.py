@@ -126,7 +126,8 @@ def test_override_values_that_are_not_yaml_are_text():
     assert load_config(grpo, ["data.template='{prompt} '"]).data.template == "{prompt} "
     # structured and typed YAML values keep working
     raw = apply_overrides(
-        {}, ["a={eps_high: 0.3}", "b=[1, 2]", "c=2.5", "d=true", "e=null", "f='7'", "g=- x"]
+        {},
+        ["a={eps_high: 0.3}", "b=[1, 2]", "c=2.5", "d=true", "e=null", "f='7'", "g=- x", "h={}"],
     )
     assert raw == {
         "a": {"eps_high": 0.3},
@@ -136,6 +137,7 @@ def test_override_values_that_are_not_yaml_are_text():
         "e": None,
         "f": "7",
         "g": "- x",
+        "h": {},
     }
 
 

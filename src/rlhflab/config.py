@@ -872,7 +872,7 @@ def override_value(key: str, value: str) -> Any:
     text = value.strip()
     if isinstance(parsed, (dict, list)) and text[0] + text[-1] not in ("{}", "[]"):
         return value  # `Q: x`, `- a`, `{prompt} #1`: text
-    if isinstance(parsed, dict) and ":" not in text:
+    if isinstance(parsed, dict) and parsed and ":" not in text:
         return value  # `{prompt}`: a placeholder, not a mapping of nulls
     if isinstance(parsed, str) and not text.startswith(("'", '"')):
         return value
