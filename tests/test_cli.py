@@ -1,6 +1,7 @@
 """CLI wiring: every command answers --help; bad input is one line on stderr, exit code 2, before
 any training step, and no run directory is left behind."""
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlhflab.cli import build_parser, main, parse_args
+from rlhflab.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = str(ROOT / "configs/pg/grpo.yaml")
@@ -47,10 +49,21 @@ def test_compare_help_says_both_families(capsys):
 
 def test_train_overrides_may_follow_options():
     # README: `rlhflab train configs/pg/grpo.yaml --nproc 8 parallel.strategy=fsdp2`
-    args = parse_args(["train", GRPO, "a.b=1", "--nproc", "8", "c.d=2", "--resume", "e.f=3"])
+    args = parse_args(["train", GRPO, "a.b=1", "--nproc", "8", "c.d=2", "--resume", "runs/x"])
     assert args.overrides == ["a.b=1", "c.d=2"]
-    assert (args.nproc, args.resume) == (8, "e.f=3")  # --resume takes the next word, as before
+    assert (args.nproc, args.resume) == (8, "runs/x")  # --resume takes a path after it
     assert parse_args(["train", GRPO, "--allow-config-change", "x=1"]).overrides == ["x=1"]
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--res"])
+def test_resume_never_takes_an_override_as_the_run(flag):
+    # issue 23: `rlhflab train CONFIG --resume optim.lr=5e-4` resumed a run named "optim.lr=5e-4"
+    args = parse_args(["train", GRPO, "a.b=1", flag, "optim.lr=5e-4", "c_d.e-f=x=y"])
+    assert args.resume == "latest"  # --resume without PATH
+    assert args.overrides == ["a.b=1", "optim.lr=5e-4", "c_d.e-f=x=y"]
+    assert parse_args(["train", GRPO, "--resume", "runs/a=b"]).resume == "runs/a=b"  # a path
+    assert parse_args(["train", GRPO, "--resume=lr=1"]).resume == "lr=1"  # explicit PATH
+    assert parse_args(["train", GRPO, "x=1", "--resume"]).resume == "latest"
 
 
 @pytest.mark.parametrize(
@@ -263,4 +276,149 @@ def test_prompt_dataset_errors_are_one_line_before_the_run(tmp_path, capsys):
         capsys,
         root,
         "reward function 'x.py:f': file not found: x.py",
+    )
+
+
+def test_best_of_n_and_eval_read_answers_the_same_way_by_default():
+    # issue 23: best-of-n defaulted to tags, eval and the trainers to plain
+    from rlhflab.config import TaskConfig
+
+    bon = parse_args(["best-of-n", "p", "--rm", "x:orm", "--task", "t"]).answer_format
+    ev = parse_args(["eval", "p", "--task", "t"]).answer_format
+    assert bon == ev == TaskConfig().answer_format == "plain"
+
+
+@pytest.mark.parametrize("command", ["best-of-n", "eval"])
+def test_a_policy_trained_with_another_answer_format_is_warned_about(command, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "config.yaml").write_text("trainer: sft\ntask: {name: chain_sum, answer_format: tags}\n")
+    argv = [command, str(run / "model"), "--task", "chain_sum", "--n", "2"]
+    if command == "best-of-n":
+        argv[2:2] = ["--rm", f"{tmp_path / 'no_rm'}:orm"]
+    assert main(argv) == 2  # the model dir is empty / the RM is missing: one error line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        f"warning: {run / 'model'} was trained with task.answer_format: tags "
+        f"({run / 'config.yaml'}) but answers are read as plain; pass --answer-format tags to match"
+    )
+    assert len(err) == 2 and err[1].startswith("error: "), err
+    assert main([*argv, "--answer-format", "tags"]) == 2  # the formats agree: no warning
+    assert not capsys.readouterr().err.startswith("warning")
+
+
+def test_compare_applies_each_override_to_the_presets_that_have_its_key():
+    # issue 23: `compare grpo.yaml dpo.yaml rollout.group_size=4` failed on dpo.yaml
+    from rlhflab.compare import overrides_per_preset
+
+    dpo = str(ROOT / "configs/dpo/dpo.yaml")
+    got = overrides_per_preset(
+        [GRPO, dpo],
+        ["rollout.group_size=4", "loss.args.beta=0.2", "task.config.min_terms=2", "seed=1"],
+    )
+    assert got[GRPO] == ["rollout.group_size=4", "task.config.min_terms=2", "seed=1"]
+    assert got[dpo] == ["loss.args.beta=0.2", "task.config.min_terms=2", "seed=1"]
+
+
+def test_compare_key_that_no_preset_has_is_one_line_naming_key_and_presets(tmp_path, capsys):
+    dpo = str(ROOT / "configs/dpo/dpo.yaml")
+    root = tmp_path / "runs"
+    argv = ["compare", "--root", str(root), GRPO, dpo, "rollout.grop_size=2"]
+    expected = f"no preset has the config key 'rollout.grop_size' ({GRPO}, {dpo})"
+    _fails_cleanly(argv, capsys, root, expected)
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("preset", ["configs/pg/grpo.yaml", "configs/rm/orm.yaml"])
+def test_missing_sft_model_names_the_sft_command(preset, tmp_path, monkeypatch, capsys):
+    # issue 23: presets start from runs/sft/model, which no command writes (runs are timestamped)
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "out"
+    _fails_cleanly(
+        ["train", str(ROOT / preset), f"run.root={root}"],
+        capsys,
+        root,
+        "model.name_or_path: runs/sft/model does not exist",
+    )
+    expected = "model.name_or_path: runs/sft/model does not exist"
+    _fails_cleanly(["compare", "--root", str(root), GRPO], capsys, root, expected)
+    main(["train", str(ROOT / preset)])
+    err = capsys.readouterr().err
+    sft = shlex.split(err.split("`")[1])  # the SFT command in the message, as a shell reads it
+    assert sft[:3] == ["rlhflab", "train", "configs/sft/tiny_scratch.yaml"]
+    sft_cfg = load_config(ROOT / sft[2], parse_args(sft[1:]).overrides)
+    task = load_config(ROOT / preset, ["model.name_or_path=x"]).task
+    assert sft_cfg.task == task  # the SFT model is made on the preset's task
+
+
+def _run_hint(hint: str) -> argparse.Namespace:
+    """The `rlhflab ...` command after `next:` in a hint, parsed by the CLI's parser."""
+    import shlex
+
+    words = shlex.split(hint.removeprefix("next:"), comments=True)
+    assert words[0] == "rlhflab"
+    return parse_args(words[1:])
+
+
+def test_next_command_after_sft_trains_grpo_on_its_model_and_task():
+    from rlhflab.next_steps import next_command
+
+    task_over = ["task.name=chain_sum", 'task.config={"min_terms": 2, "max_terms": 2}']
+    cfg = load_config(SFT, task_over)
+    hint = next_command(cfg, {"model_dir": "runs/sft-1/model"})
+    assert hint.startswith("next: rlhflab train configs/pg/grpo.yaml ") and "\n" not in hint
+    args = _run_hint(hint)
+    grpo = load_config(ROOT / args.config, args.overrides)
+    assert grpo.model.name_or_path == "runs/sft-1/model"
+    assert grpo.task == cfg.task
+    assert next_command(cfg, {"model_dir": None}) is None  # run.save_model: false
+
+
+def test_next_command_after_rl_evaluates_the_same_heldout_split():
+    from rlhflab.next_steps import next_command
+
+    over = ["model.name_or_path=x", "task.name=chain_sum", "task.seed=3", "task.n_train=500"]
+    cfg = load_config(GRPO, [*over, "task.n_heldout=40", "task.answer_format=tags"])
+    args = _run_hint(next_command(cfg, {"model_dir": "runs/g-1/model"}))
+    assert (args.command, args.model, args.task) == ("eval", "runs/g-1/model", "chain_sum")
+    assert (args.seed, args.exclude_train, args.n) == (3, 500, 40)
+    assert (args.task_config or {}, args.answer_format, args.k) == (cfg.task.config, "tags", 8)
+
+
+def test_next_commands_after_quickstart(tmp_path):
+    from rlhflab.next_steps import after_quickstart
+    from rlhflab.quickstart import build_configs
+    from rlhflab.runs import write_yaml_atomic
+
+    sft_cfg, _ = build_configs(fast=True, root=tmp_path)
+    (tmp_path / "sft").mkdir()
+    write_yaml_atomic(tmp_path / "sft" / "config.yaml", sft_cfg.model_dump(mode="json"))
+    hint = after_quickstart({"model_dir": "q/grpo/model", "sft_run": str(tmp_path / "sft")})
+    first, second = hint.splitlines()
+    ev = _run_hint(first)
+    assert (ev.command, ev.model, ev.task, ev.task_config) == (
+        "eval",
+        "q/grpo/model",
+        sft_cfg.task.name,
+        sft_cfg.task.config,
+    )
+    train = _run_hint("next: " + second.strip())
+    rloo = load_config(ROOT / train.config, train.overrides)
+    assert rloo.model.name_or_path == str(tmp_path / "sft" / "model")
+    assert rloo.task == sft_cfg.task
+
+
+def test_train_ends_with_the_next_command(tmp_path, capsys):
+    root = tmp_path / "runs"
+    argv = ["train", SFT, "model.build.size=tiny", "model.build.tokenizer_texts=200"]
+    argv += ["task.n_train=200", "task.n_heldout=4", "train.steps=1", "train.batch_size=8"]
+    argv += ["train.micro_batch_size=8", "eval.n=0", "tracking.console=false", f"run.root={root}"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    model_dir = json.loads(captured.out)["model_dir"]
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith(
+        f"next: rlhflab train configs/pg/grpo.yaml model.name_or_path={model_dir}"
     )

@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from rlhflab.config import CONFIG_CLASSES, PGConfig, SFTConfig, config_from_dict, load_config
+from rlhflab.config import (
+    CONFIG_CLASSES,
+    PGConfig,
+    SFTConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+)
 from rlhflab.errors import ConfigError
 from rlhflab.quickstart import build_configs
 
@@ -107,3 +114,48 @@ def test_quickstart_overrides_task_for_both_stages(tmp_path):
     assert grpo.optim.lr == 5e-5
     with pytest.raises(ConfigError, match=r"must start with 'task\.', 'sft\.' or 'grpo\.'"):
         build_configs(fast=True, root=tmp_path, overrides=["optim.lr=1"])
+
+
+def test_override_values_that_are_not_yaml_are_text():
+    # issue 23: `data.template=Q: {prompt} A:` was a YAML error; `Q: x` would be a mapping
+    grpo = ROOT / "configs/pg/grpo.yaml"
+    assert load_config(grpo, ["data.template=Q: {prompt} A:"]).data.template == "Q: {prompt} A:"
+    assert load_config(grpo, ["data.template=Q: {prompt}"]).data.template == "Q: {prompt}"
+    assert load_config(grpo, ["data.template={prompt} #1"]).data.template == "{prompt} #1"
+    assert load_config(grpo, ["data.template={prompt}"]).data.template == "{prompt}"
+    assert load_config(grpo, ["data.template='{prompt} '"]).data.template == "{prompt} "
+    # structured and typed YAML values keep working
+    raw = apply_overrides(
+        {},
+        ["a={eps_high: 0.3}", "b=[1, 2]", "c=2.5", "d=true", "e=null", "f='7'", "g=- x", "h={}"],
+    )
+    assert raw == {
+        "a": {"eps_high": 0.3},
+        "b": [1, 2],
+        "c": 2.5,
+        "d": True,
+        "e": None,
+        "f": "7",
+        "g": "- x",
+        "h": {},
+    }
+
+
+@pytest.mark.parametrize("item", ["data.template=", "data.template=  "])
+def test_override_without_a_value_names_the_key(item):
+    with pytest.raises(ConfigError, match=r"override 'data\.template=' has no value"):
+        load_config(ROOT / "configs/pg/grpo.yaml", [item])
+
+
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: sft\nmodel:\n  name_or_path: x\n  bad: [1, 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    msg = str(err.value)
+    assert msg.startswith(f"{bad}: invalid YAML at line 5, column 1: ")
+    assert msg.endswith("(while parsing a flow sequence started at line 4, column 8)")
+    assert "\n" not in msg
+    bad.write_text("trainer: sft\nmodel: {name_or_path: x}\n  oops: 1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML at line 3, column 3: "):
+        load_config(bad)

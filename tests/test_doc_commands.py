@@ -78,3 +78,39 @@ def test_doc_train_command_loads(where, argv):
     args = parse_args(["train", *argv])
     overrides = [o for o in args.overrides if not _is_placeholder(o.split("=", 1)[-1])]
     load_config(ROOT / args.config, overrides)
+
+
+def _folders_docs_create() -> set[str]:
+    """Top-level folders that commands in README.md / docs/*.md write into: `pip download -d D`,
+    `python -m zipfile -e WHEEL D`, `bench/make_hh_fixture.py D`, `save_pretrained('D')`."""
+    patterns = [
+        r"pip download .*?-d (\S+)",
+        r"-m zipfile -e \S+ (\S+)",
+        r"make_hh_fixture\.py (\S+)",
+        r"save_pretrained\('([^']+)'\)",
+    ]
+    found = set()
+    for path in DOCS:
+        for block in _shell_blocks(path.read_text()):
+            for pat in patterns:
+                found |= {m.strip("/").split("/")[0] for m in re.findall(pat, block)}
+    return found
+
+
+def test_gitignore_covers_the_folders_the_docs_create():
+    # issue 23: .gitignore lacked data/, wheels/ and the SmolLM2 folder
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    folders = _folders_docs_create()
+    assert {"data", "wheels", "smollm2"} <= folders
+    for name in sorted(folders):
+        probe = f"{name}/probe.txt"
+        res = subprocess.run(["git", "check-ignore", "-q", "--no-index", probe], cwd=ROOT)
+        assert res.returncode == 0, f".gitignore does not cover {name}/"
+    # anchored at the root: the package's and the tests' own data folders stay tracked
+    for tracked in ("src/rlhflab/data/probe.py", "tests/data/probe.py"):
+        res = subprocess.run(["git", "check-ignore", "-q", "--no-index", tracked], cwd=ROOT)
+        assert res.returncode == 1, f"{tracked} is ignored"

@@ -27,6 +27,15 @@ def test_pipeline_files_validate(tmp_path, name):
     assert cfgs["dpo"].data.source == "file" and cfgs["dpo"].data.format == "hh_rlhf"
 
 
+def test_pipeline_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    from rlhflab.errors import ConfigError
+
+    bad = tmp_path / "p.yaml"
+    bad.write_text("sft_model: x\ndata: {path: a\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml: invalid YAML at line 3, column 1: "):
+        load_pipeline(bad)
+
+
 @pytest.mark.slow
 def test_pipeline_end_to_end_on_hh_fixture(tmp_path, capsys):
     sft = run_config(

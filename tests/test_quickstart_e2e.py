@@ -36,6 +36,11 @@ def test_quickstart_fast_end_to_end(tmp_path):
         assert results["health"][stage]["ok"], results["health"][stage]["failed"]
         assert results["health"][stage]["checked"]
     assert "health: '" not in proc.stderr
+    # it ends with the next useful commands, on its own models
+    assert f"next: rlhflab eval {results['model_dir']} --task " in proc.stderr
+    assert f"rlhflab train configs/pg/rloo.yaml model.name_or_path={results['sft_run']}/model" in (
+        proc.stderr
+    )
     assert "checks passed" in report
     grpo = Path(results["grpo_run"])
     for name in (

@@ -22,6 +22,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 
 from rlhflab.errors import ConfigError, HealthStop, Interrupted, RlhfLabError
@@ -74,6 +75,7 @@ def _int_list(text: str) -> list[int]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlhflab.config import load_config
+    from rlhflab.next_steps import check_start_model, next_command
     from rlhflab.trainers import run_config
 
     if args.nproc is not None:
@@ -84,10 +86,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.allow_config_change:
         overrides.append("run.allow_config_change=true")
     cfg = load_config(args.config, overrides)
+    check_start_model(cfg)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(_dumps(results))
+    _print_next(next_command(cfg, results))
     return 0
+
+
+def _print_next(hint: str | None) -> None:
+    """Print the next-command hint (`rlhflab.next_steps`) on stderr, on rank 0 only."""
+    if hint and os.environ.get("RANK", "0") == "0":
+        print(hint, file=sys.stderr)
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
@@ -124,6 +134,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if (args.task is None) == (args.data is None):
         raise ConfigError("eval: give exactly one of --task NAME and --data PATH")
+    if args.task is not None and args.extractor is None:
+        _warn_answer_format(args.model, args.answer_format)
     if args.data is not None:
         results = run_prompt_eval_command(
             args.model,
@@ -172,11 +184,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
+    from rlhflab.next_steps import after_quickstart
     from rlhflab.quickstart import run_quickstart, summary_line
 
     results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
     print(summary_line(results), file=sys.stderr)
     print(_dumps(results))
+    _print_next(after_quickstart(results))
     return 0
 
 
@@ -204,6 +218,8 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
 
     if (args.task is None) == (args.data is None):
         raise ConfigError("best-of-n: give exactly one of --task NAME and --data PATH")
+    if args.task is not None:
+        _warn_answer_format(args.policy, args.answer_format)
     data = None
     if args.data is not None:
         data = {
@@ -237,6 +253,15 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
     )
     print(_dumps(results))
     return 0
+
+
+def _warn_answer_format(model: str, answer_format: str) -> None:
+    """Print `answer_format_warning`'s line on stderr, if any."""
+    from rlhflab.eval.cli import answer_format_warning
+
+    line = answer_format_warning(model, answer_format)
+    if line is not None:
+        print(line, file=sys.stderr)
 
 
 def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
@@ -310,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="continue a run: a run directory or checkpoint directory; without PATH the newest "
-        "committed checkpoint of a run of this name (an error if there is none)",
+        "committed checkpoint of a run of this name (an error if there is none). A key=value "
+        "word after --resume is an override, never the PATH (write --resume=PATH for a path "
+        "that looks like key=value)",
     )
     p.add_argument(
         "--allow-config-change",
@@ -421,8 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
         "args",
         nargs="+",
         metavar="PRESET.yaml | key.path=value",
-        help="presets (e.g. configs/pg/grpo.yaml configs/dpo/dpo.yaml) then overrides applied to "
-        "every preset (put --seeds/--root before them)",
+        help="presets (e.g. configs/pg/grpo.yaml configs/dpo/dpo.yaml) then overrides, each "
+        "applied to every preset that has its key (put --seeds/--root before them)",
     )
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per preset (default 3)")
     p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")
@@ -470,7 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--answer-format", choices=["plain", "tags"], default="tags")
+    p.add_argument(
+        "--answer-format",
+        choices=["plain", "tags"],
+        default="plain",
+        help="how the answer is read from a completion, as in `rlhflab eval` and task."
+        "answer_format (default plain: the whole text; tags: the last <answer>..</answer>)",
+    )
     p.add_argument(
         "--instruction",
         default="auto",
@@ -529,6 +562,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     overrides, in order; anything else left over is still an error (exit 2, argparse's message).
     """
     parser = build_parser()
+    argv = _resume_before_override(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
         if args.command == "train" and not any(e.startswith("-") for e in extra):
@@ -536,6 +570,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
+
+
+_OVERRIDE_WORD = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
+
+
+def _resume_before_override(argv: list[str]) -> list[str]:
+    """`argv` with `train ... --resume KEY=VALUE` rewritten as `--resume=latest KEY=VALUE`:
+    `--resume` without PATH (the newest checkpoint of this run), then the override.
+
+    `--resume` takes an optional PATH (`nargs='?'`), so argparse would take the override after it
+    as the run to resume. Rule: a separate word after `--resume` (or an unambiguous prefix of it,
+    which argparse accepts) that starts like `dotted.key=` is an override; a path of that form must
+    be written `--resume=PATH`. Other commands, and words after `--`, are left as they are.
+    """
+    if not argv or argv[0] != "train":
+        return argv
+    out = list(argv)
+    for i, word in enumerate(out[:-1]):
+        if word == "--":
+            break
+        if len(word) >= 3 and "--resume".startswith(word) and _OVERRIDE_WORD.match(out[i + 1]):
+            out[i] = "--resume=latest"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,9 @@ Writes `<root>/compare-<timestamp>/`:
 
 The same overrides go to every preset (task, model, steps, ...), and seed i of every preset uses
 `seed=i`, so presets see the same prompts order and initial model; they differ only in their parts.
+An override whose key only some presets have (`rollout.group_size` beside a DPO preset,
+`loss.args.beta` beside a GRPO one) goes to those presets only (`overrides` of each preset in
+results.json); a key that no preset has is an error.
 Presets of both families (`policy_gradient` and `direct_alignment`) may be compared side by side
 on the same task: the table then has one row per preset with its family, held-out accuracy and its
 own training signal (reward or DPO margin, named in the row).
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from rlhflab.config import load_config
 from rlhflab.errors import ConfigError
+from rlhflab.next_steps import check_start_model
 from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
 from rlhflab.tracking import read_metrics
 
@@ -85,6 +89,52 @@ def _per_step(cfg) -> int:
     return cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 
+def overrides_per_preset(presets: list[str], overrides: list[str]) -> dict[str, list[str]]:
+    """The overrides each preset gets: every `key=value` goes to the presets whose config class
+    has `key` (`config.config_has_key`), so `rollout.group_size=4` reaches GRPO beside DPO and
+    `loss.args.beta=0.2` reaches DPO beside GRPO. A preset whose file or `trainer` cannot be read gets
+    every override (loading it then names the problem).
+
+    Raises:
+        ConfigError: one line naming the key and the presets, when no preset has the key.
+    """
+    from rlhflab.config import (
+        CONFIG_CLASSES,
+        _did_you_mean,
+        _section_class,
+        config_has_key,
+        read_yaml,
+    )
+
+    classes = {}
+    for p in presets:
+        raw = read_yaml(p) if Path(p).is_file() else None
+        trainer = raw.get("trainer") if isinstance(raw, dict) else None
+        classes[p] = CONFIG_CLASSES.get(trainer) if isinstance(trainer, str) else None
+    out: dict[str, list[str]] = {p: [] for p in presets}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        takers = [
+            p
+            for p, cls in classes.items()
+            if cls is None or "=" not in item or config_has_key(cls, key)
+        ]
+        if not takers:
+            parts = key.split(".")
+            hints = [
+                _did_you_mean(parts[-1], parent.model_fields)
+                for parent in (_section_class(cls, tuple(parts[:-1])) for cls in classes.values())
+                if parent is not None
+            ]
+            hint = next((h for h in hints if h), "")
+            raise ConfigError(
+                f"compare: no preset has the config key '{key}' ({', '.join(presets)}){hint}"
+            )
+        for p in takers:
+            out[p].append(item)
+    return out
+
+
 def run_compare(
     presets: list[str],
     *,
@@ -100,9 +150,10 @@ def run_compare(
     if seeds < 1:
         raise ConfigError(f"compare: --seeds must be >= 1 (got {seeds})")
     overrides = list(overrides or [])
+    per_preset = overrides_per_preset(presets, overrides)
     # Validate every config before the first (long) run starts.
     configs = {
-        p: [load_config(p, [*overrides, f"seed={s}"]) for s in range(seeds)] for p in presets
+        p: [load_config(p, [*per_preset[p], f"seed={s}"]) for s in range(seeds)] for p in presets
     }
     family = next(iter(configs.values()))[0].trainer
     for p, cfgs in configs.items():
@@ -113,6 +164,7 @@ def run_compare(
             )
         if cfgs[0].trainer != family:
             family = "mixed"  # GRPO beside DPO: held-out accuracy is the shared number
+        check_start_model(cfgs[0])
     signal_key, signal_name = SIGNALS.get(family, ("training signal", "reward or margin"))
     out = create_run_dir(root, "compare")
     t0 = time.perf_counter()
@@ -129,7 +181,8 @@ def run_compare(
         runs = []
         for s in range(seeds):
             cfg = load_config(
-                p, [*overrides, f"seed={s}", f"run.root={out / 'runs'}", f"run.name={name}-s{s}"]
+                p,
+                [*per_preset[p], f"seed={s}", f"run.root={out / 'runs'}", f"run.name={name}-s{s}"],
             )
             res = run_config(cfg)
             rows = read_metrics(Path(res["run_dir"]) / "metrics.jsonl")
@@ -143,6 +196,7 @@ def run_compare(
             "path": str(p),
             "family": cfg0.trainer,
             "signal": own_signal,
+            "overrides": per_preset[p],
             "composition": _composition(cfg0),
             "steps": [r["result"]["steps"] for r in runs],
             "completions_per_step": _per_step(cfg0),
@@ -218,7 +272,7 @@ def comparison_table(results: dict) -> str:
     lines.append(
         f"Mean ± std over {n} seed{'s' if n > 1 else ''}; held-out accuracy is greedy, on "
         f"{heldout} problems; the majority baseline answers every one with the most common "
-        "training answer. Overrides: "
+        "training answer. Overrides (each to the presets that have its key): "
         f"`{' '.join(results['overrides']) or 'none'}`."
     )
     return "\n".join(lines) + "\n"

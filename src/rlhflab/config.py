@@ -812,6 +812,28 @@ def _section_class(cls: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     return cls
 
 
+def config_has_key(cls: type[BaseModel], dotted: str) -> bool:
+    """Whether the config class `cls` has the key `dotted` (`rollout.group_size`): every part
+    names a field of the section before it; below a free-form dict field (`task.config`,
+    `loss.surrogate_args`) any key counts, as the dict's own checks decide later."""
+    parts = dotted.strip().split(".")
+    for i, key in enumerate(parts):
+        if key not in cls.model_fields:
+            return False
+        annotation = cls.model_fields[key].annotation
+        candidates = [annotation]
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is Union:
+            candidates = list(typing.get_args(annotation))
+        if i == len(parts) - 1:
+            return True
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if nested:
+            cls = nested[0]
+            continue
+        return any(c is dict or typing.get_origin(c) is dict for c in candidates)
+    return True
+
+
 def _format_error(cls: type[BaseModel], err: ValidationError) -> str:
     first = err.errors()[0]
     loc = tuple(first["loc"])
@@ -828,8 +850,37 @@ def _format_error(cls: type[BaseModel], err: ValidationError) -> str:
     return f"{dotted}: {msg} (got {first.get('input')!r})"
 
 
+def override_value(key: str, value: str) -> Any:
+    """The value of the override `key=value`, from its text.
+
+    Parsed as YAML (numbers, booleans, null, quoted strings, and flow-style `{a: 1}` / `[1, 2]`),
+    except that the text itself is the value when YAML fails to parse it (`Q: {prompt} A:`),
+    when YAML reads a mapping or sequence from text that is not one `{...}` / `[...]` (`Q: x`,
+    `- a`, `{prompt} #1`: write `{Q: x}` or `[a]` for those), when YAML reads a mapping without
+    any `:` (`{prompt}`: a template placeholder), or when YAML reads an unquoted string from it
+    (so `a #b` keeps ` #b`, which YAML would drop as a comment). Raises ConfigError naming `key`
+    when `value` is empty (`key=`: write `key=null` or `key=''`).
+    """
+    if not value.strip():
+        raise ConfigError(
+            f"override '{key}=' has no value (write {key}=null for none, {key}='' for empty text)"
+        )
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    text = value.strip()
+    if isinstance(parsed, (dict, list)) and text[0] + text[-1] not in ("{}", "[]"):
+        return value  # `Q: x`, `- a`, `{prompt} #1`: text
+    if isinstance(parsed, dict) and parsed and ":" not in text:
+        return value  # `{prompt}`: a placeholder, not a mapping of nulls
+    if isinstance(parsed, str) and not text.startswith(("'", '"')):
+        return value
+    return parsed
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` overrides to a nested dict; values are parsed as YAML scalars."""
+    """Apply `a.b.c=value` overrides to a nested dict; values are read by `override_value`."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key.path=value")
@@ -841,10 +892,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override '{key}': '{part}' is not a section")
             node = child
-        try:
-            node[parts[-1]] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override '{key}': cannot parse value {value!r}: {exc}") from None
+        node[parts[-1]] = override_value(key.strip(), value)
     return raw
 
 
@@ -865,15 +913,32 @@ def config_from_dict(raw: dict, *, source: str = "config") -> AnyConfig:
         raise ConfigError(f"{source}: {_format_error(cls, err)}") from None
 
 
+def read_yaml(path: str | Path) -> Any:
+    """The YAML document in the file `path` (None for an empty file).
+
+    Raises ConfigError, one line, on a syntax error:
+    `FILE: invalid YAML at line L, column C: <problem> (<context> started at line L', column C')`,
+    lines and columns 1-based (PyYAML's marks of the problem and of what it was parsing).
+    """
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and opened is not None and opened is not mark:
+            context += f" started at line {opened.line + 1}, column {opened.column + 1}"
+        detail = " ".join((f"{problem} ({context})" if context else problem).split())
+        raise ConfigError(f"{path}: invalid YAML{where}: {detail}") from None
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> AnyConfig:
     """Read a YAML preset, apply dotted overrides, validate. Errors are one-line ConfigErrors."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    raw = read_yaml(path) or {}
     raw = apply_overrides(raw, overrides or [])
     return config_from_dict(raw, source=str(path))
 

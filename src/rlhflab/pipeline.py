@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError
 
-from rlhflab.config import PromptDataConfig, Strict, apply_overrides, config_from_dict
+from rlhflab.config import PromptDataConfig, Strict, apply_overrides, config_from_dict, read_yaml
 from rlhflab.errors import ConfigError
 
 RM_PLACEHOLDER = "<the pipeline's reward model>"
@@ -93,7 +93,7 @@ def _raw(path: str, base: Path | None = None) -> dict:
         candidates += [d / path for d in (base.resolve().parent, *base.resolve().parents)]
     for p in candidates:
         if p.is_file():
-            return yaml.safe_load(p.read_text()) or {}
+            return read_yaml(p) or {}
     raise ConfigError(f"pipeline: preset not found: {path}")
 
 
@@ -162,7 +162,7 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Pipel
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"pipeline file not found: {p}")
-    raw = apply_overrides(yaml.safe_load(p.read_text()) or {}, overrides or [])
+    raw = apply_overrides(read_yaml(p) or {}, overrides or [])
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as err:

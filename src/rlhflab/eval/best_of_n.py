@@ -187,7 +187,7 @@ def run_best_of_n_command(
     ns: list[int] = (1, 2, 4, 8),
     max_new_tokens: int = 48,
     temperature: float = 1.0,
-    answer_format: str = "tags",
+    answer_format: str = "plain",
     instruction: str = "auto",
     prm_reduce: str = "min",
     out_dir: str | None = None,

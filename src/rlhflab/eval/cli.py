@@ -12,6 +12,50 @@ from rlhflab.models.loading import load_model, load_tokenizer
 from rlhflab.rewards.verifier import Verifier
 
 
+def training_answer_format(model_path: str) -> tuple[str, str] | None:
+    """(task.answer_format, path of the config.yaml) of the run that saved `model_path`, or None.
+
+    A trainer saves its model as `<run>/model` and a checkpoint as `<run>/checkpoints/<step>`,
+    with the resolved config in `<run>/config.yaml`; this looks for `config.yaml` in
+    `model_path` and its two parent folders. None for a Hub id, a folder without such a file, an
+    unreadable file, or a config without a `task.answer_format` (e.g. a reward model's).
+    """
+    from pathlib import Path
+
+    import yaml
+
+    here = Path(model_path).resolve()
+    if not here.is_dir():
+        return None
+    for folder in (here, *list(here.parents)[:2]):
+        path = folder / "config.yaml"
+        if not path.is_file():
+            continue
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            return None
+        task = raw.get("task") if isinstance(raw, dict) else None
+        fmt = task.get("answer_format") if isinstance(task, dict) else None
+        return (fmt, str(path)) if isinstance(fmt, str) else None
+    return None
+
+
+def answer_format_warning(model_path: str, answer_format: str) -> str | None:
+    """A one-line warning when `model_path` was trained with another `task.answer_format` than
+    the `answer_format` it is about to be scored with (every score could silently be 0), naming
+    both formats and the flag to pass; None when they agree or the training config is unknown
+    (`training_answer_format`)."""
+    found = training_answer_format(model_path)
+    if found is None or found[0] == answer_format:
+        return None
+    trained, path = found
+    return (
+        f"warning: {model_path} was trained with task.answer_format: {trained} ({path}) but "
+        f"answers are read as {answer_format}; pass --answer-format {trained} to match"
+    )
+
+
 def run_eval_command(
     model_path: str,
     *,
