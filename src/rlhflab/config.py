@@ -197,16 +197,28 @@ class PromptDataConfig(Strict):
 
 
 class OptimConfig(Strict):
-    """AdamW with linear warmup then a schedule; gradients clipped by global norm."""
+    """AdamW with linear warmup then a schedule; gradients clipped by global norm.
 
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    Checked here, not by torch at optimizer build: lr, eps > 0 and finite; weight_decay >= 0 and
+    finite; each of betas in [0, 1) (beta2 = 1 would divide by zero in Adam's bias correction).
+    """
+
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:  # also false for NaN
+                raise ValueError(f"beta{i + 1} = {beta!r} is outside [0, 1)")
+        return betas
 
 
 class PrecisionConfig(Strict):
