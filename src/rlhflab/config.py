@@ -309,6 +309,20 @@ class CheckpointConfig(Strict):
     keep_last: int | None = Field(2, ge=1)  # committed checkpoints kept; None keeps all
 
 
+#: `train.max_seconds` (every trainer; `rlhflab.trainers.common.TimeBudget`).
+MAX_SECONDS_DOC = (
+    "Wall-clock budget in seconds **per invocation**: each `rlhflab train` (a fresh run or a "
+    "`--resume`) gets the whole budget, counted from its own start (set-up and model loading "
+    "included); earlier invocations of the run do not count. Checked after each optimizer step "
+    "(its evaluation and checkpoint included), so every invocation makes at least one step. When "
+    "it has run out before the last step, the run stops after that step with a checkpoint (even "
+    "with checkpoint.every: 0), final_results.json says status: stopped_by_max_seconds, and "
+    "`--resume` continues with a fresh budget. Run out during the last step, its evaluation or "
+    "its checkpoint, the run is complete (status: complete); a `--resume` of a complete run "
+    "does nothing and says so. None: no budget."
+)
+
+
 class TrainBase(Strict):
     """Fault policy shared by every trainer's `train` section."""
 
@@ -441,7 +455,7 @@ class SFTTrainConfig(TrainBase):
     batch_size: int = Field(64, ge=1)  # sequences per optimizer step
     micro_batch_size: int = Field(64, ge=1)
     max_len: int = Field(256, ge=8)
-    max_seconds: float | None = Field(None, gt=0)  # stop early at this wall-clock budget
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class SFTConfig(TrainerConfig):
@@ -663,7 +677,7 @@ class PGTrainConfig(TrainBase):
     micro_batch_size: int = Field(64, ge=1)  # completions per forward/backward
     update_epochs: int = Field(1, ge=1)  # passes over each rollout batch
     minibatches: int = Field(1, ge=1)  # optimizer steps per epoch
-    max_seconds: float | None = Field(None, gt=0)
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class PGConfig(TrainerConfig):
@@ -977,7 +991,7 @@ class DPOTrainConfig(TrainBase):
     steps: int = Field(100, ge=1)  # optimizer steps in total (split evenly over rounds)
     batch_size: int = Field(32, ge=1)  # pairs (KTO: labelled completions) per optimizer step
     micro_batch_size: int = Field(32, ge=1)  # pairs per forward (chosen and rejected together)
-    max_seconds: float | None = Field(None, gt=0)
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class DPOEvalConfig(EvalConfig):
@@ -1089,7 +1103,7 @@ class RMTrainConfig(TrainBase):
     steps: int = Field(100, ge=1)
     batch_size: int = Field(32, ge=1)  # pairs (preference) or sequences (orm / prm) per step
     micro_batch_size: int = Field(32, ge=1)
-    max_seconds: float | None = Field(None, gt=0)
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class RMEvalConfig(Strict):
