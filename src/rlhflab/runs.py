@@ -24,7 +24,7 @@ from rlhflab.errors import ConfigError
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: Name parts that make a name (config key, environment variable) a secret's, when last:
 #: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, db_password, client_secret, task.config.token.
-_SECRET_NOUNS = {"token", "secret", "password", "passwd", "pwd", "credential", "credentials"}
+_SECRET_NOUNS = {"token", "secret", "password", "passwd", "credential", "credentials"}
 _SECRET_NOUNS |= {"apikey", "passphrase", "auth", "authorization", "bearer", "cookie"}
 #: "key" is a secret only after one of these ("eval_key", "sort_key", "answer_key" are not).
 _KEY_QUALIFIERS = {"api", "access", "secret", "private", "auth", "signing", "encryption"}
