@@ -99,12 +99,20 @@ def test_budget_expiring_in_the_last_step_is_complete_and_resume_does_nothing(
     run = run_dir_of(tmp_path, "sft")
     assert_same_run(reference, run)
     monkeypatch.delenv("RLHFLAB_FAULT")
-    files = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    files = {
+        p: (p.stat().st_mtime_ns, p.read_bytes())
+        for p in run.rglob("*")
+        if p.is_file() and p.name != ".lock"  # (the lock is taken, then dropped)
+    }
     capsys.readouterr()
     again = run_config(config_from_dict(raw(tmp_path, resume="latest")))
     assert again == json.loads((run / "final_results.json").read_text())
     assert "is complete (step 12)" in capsys.readouterr().err
-    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    after = {
+        p: (p.stat().st_mtime_ns, p.read_bytes())
+        for p in run.rglob("*")
+        if p.is_file() and p.name != ".lock"
+    }
     assert after == files  # nothing re-evaluated, re-saved or rewritten
     assert [r["step"] for r in metrics(run)] == [r["step"] for r in metrics(reference)]
     assert Path(again["run_dir"]) == run

@@ -13,7 +13,7 @@ def run_config(cfg) -> dict:
     """
     from rlhflab import distributed
     from rlhflab.trainers import direct_alignment, policy_gradient, reward_model, sft
-    from rlhflab.trainers.common import RunComplete
+    from rlhflab.trainers.common import RunComplete, check_launch
 
     trainers = {
         "sft": sft.train,
@@ -28,6 +28,7 @@ def run_config(cfg) -> dict:
         strategy = "ddp" if distributed.launched() else "none"
     distributed.setup(strategy, timeout_s=cfg.parallel.timeout_s)
     try:
+        check_launch(cfg)  # config-only refusals, before any model is loaded
         return trainers[cfg.trainer](cfg)
     except RunComplete as done:  # --resume of a finished run: nothing more to do
         if distributed.is_main():

@@ -258,18 +258,22 @@ def open_run(cfg, ckpt) -> Path:
     from rlhflab.rundir import check_logs, check_no_symlinks, lock_run_dir
     from rlhflab.runs import create_run_dir, write_yaml_atomic
 
+    # Rank 0 alone writes the run directory, so rank 0 alone creates and locks it; when it
+    # refuses (locked by another process, not writable), every rank stops with it
+    # (`distributed.main_then_share`: the reason printed once, no rank left in a collective).
     if ckpt is not None:
         check_no_symlinks(ckpt.run_dir)
-        if distributed.is_main():  # rank 0 alone writes it, so rank 0 alone holds the lock
-            lock_run_dir(ckpt.run_dir)
+        distributed.main_then_share(lambda: lock_run_dir(ckpt.run_dir))
         check_logs(ckpt.run_dir, ckpt)
         return ckpt.run_dir
-    run_dir = None
-    if distributed.is_main():  # rank 0 owns the run directory; the others learn its path
+
+    def create() -> str:
         run_dir = create_run_dir(cfg.run.root, cfg.run.name)
         lock_run_dir(run_dir)
         write_yaml_atomic(run_dir / "config.yaml", cfg.model_dump(mode="json"))
-    return Path(distributed.broadcast_object(str(run_dir)))
+        return str(run_dir)
+
+    return Path(distributed.main_then_share(create))  # the others learn its path
 
 
 def save_final_model(model, tokenizer, path: Path, lora=None) -> None:
@@ -320,6 +324,32 @@ class Reference:
             yield module
 
 
+def check_launch(cfg) -> None:
+    """Refusals that depend only on the config and the number of processes, made once the
+    process group is joined and before anything is read, loaded or written (so under torchrun
+    every rank refuses the same way before any collective, and the CLI prints it once): the
+    vLLM engine under torchrun, a global batch that does not split over the ranks. (The
+    trainers repeat the split checks where they shard; these come first.)
+
+    Raises:
+        ConfigError: naming the key (`rollout.engine`, `train.batch_size`,
+            `rollout.prompts_per_step`).
+    """
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None and rollout.engine == "vllm" and distributed.world_size() > 1:
+        raise ConfigError(
+            "rollout.engine 'vllm' runs in one process; use rollout.engine 'hf' under torchrun"
+        )
+    if cfg.trainer == "policy_gradient":
+        distributed.check_split(
+            cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
+            why="whole groups go to one rank",
+        )  # fmt: skip
+    else:
+        what = "examples" if cfg.trainer == "reward_model" else "rows"
+        distributed.check_split(cfg.train.batch_size, "train.batch_size", what)
+
+
 def resume_point(cfg):
     """The verified checkpoint `run.resume` asks for (None: fresh run), after checking that no
     config key that matters changed and that the enabled tracking sinks are installed. Called
@@ -327,8 +357,9 @@ def resume_point(cfg):
 
     Raises `RunComplete` (caught by `rlhflab.trainers.run_config`, which returns its results)
     when the checkpoint is the last step of a run that finished: its `final_results.json` says
-    `"status": "complete"` at that step. Nothing more is done then: no model is loaded, no file
-    is written. (A run whose last checkpoint is its last step but whose end was cut off, with no
+    `"status": "complete"` at that step, after the checks of `open_run` (the run is not in use,
+    its logs are intact). Nothing more is done then: no model is loaded, no file is written
+    (but the lock's). (A run whose last checkpoint is its last step but whose end was cut off, with no
     such results, is resumed: the final evaluation and results are done again.)"""
     from rlhflab.checkpoint import check_config_change, find_resume_checkpoint
     from rlhflab.tracking import check_tracking_extras
@@ -340,6 +371,7 @@ def resume_point(cfg):
         if ckpt.step >= cfg.train.steps:
             results = _complete_results(ckpt.run_dir, ckpt.step)
             if results is not None:
+                open_run(cfg, ckpt)  # its guards still apply: not in use, no links, logs intact
                 raise RunComplete(ckpt.run_dir, ckpt.step, results)
     return ckpt
 
