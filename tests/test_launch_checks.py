@@ -3,6 +3,8 @@ checkpoint is read, before any data or model is loaded, before any collective (s
 every rank refuses alike and the CLI prints the line once). The world size is faked here; the
 real 2-process launches are in tests/distributed/."""
 
+from pathlib import Path
+
 import pytest
 from test_checkpoint_resume import grpo_raw, sft_raw
 
@@ -10,6 +12,8 @@ from rlhflab import distributed
 from rlhflab.config import config_from_dict
 from rlhflab.errors import ConfigError
 from rlhflab.trainers import common, policy_gradient, run_config, sft
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -65,3 +69,37 @@ def test_main_then_share_in_one_process_is_the_call():
     assert distributed.main_then_share(lambda: 41 + 1) == 42
     with pytest.raises(ConfigError, match="locked"):
         distributed.main_then_share(lambda: (_ for _ in ()).throw(ConfigError("locked")))
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("kind", ["config", "oserror"])
+def test_a_refusal_rank_0_shared_is_printed_by_rank_0_alone(monkeypatch, capsys, rank, kind):
+    """What each rank's CLI does with `main_then_share`'s outcome: rank 0 prints its reason
+    (unprefixed, even after collectives started), the others exit quietly; both exit 2."""
+    import rlhflab.trainers
+    from rlhflab.cli import main
+    from rlhflab.errors import PeerRefused
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(distributed, "collectives_started", lambda: True)
+
+    def refused(cfg):
+        if rank != "0":
+            raise PeerRefused("rank 0 refused to start (ConfigError: locked)")
+        exc = (
+            ConfigError("run directory x is locked")
+            if kind == "config"
+            else PermissionError(13, "Permission denied", "/runs/x")
+        )
+        exc.shared = True
+        raise exc
+
+    monkeypatch.setattr(rlhflab.trainers, "run_config", refused)
+    sft_yaml = str(ROOT / "configs/sft/tiny_scratch.yaml")
+    assert main(["train", sft_yaml]) == 2
+    err = capsys.readouterr().err
+    if rank == "0":
+        assert err.count("error: ") == 1 and err.startswith("error: ") and "rank" not in err
+    else:
+        assert err == ""

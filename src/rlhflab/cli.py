@@ -541,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
 
         what = "disk full: " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         print(f"error: {what}{redact(str(exc))}", file=sys.stderr)
+        if getattr(exc, "shared", False):
+            _after_shared_refusal()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _say("interrupted")
