@@ -22,7 +22,10 @@ import yaml
 
 from rlhflab.checkpoint import committed_checkpoints, load_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)"),
+]
 
 TASK = {
     "name": "chain_sum",
