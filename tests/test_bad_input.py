@@ -260,6 +260,8 @@ def test_checkpoint_of_another_version_warns_with_both_versions(tmp_path, sft_ru
     import rlhflab
 
     run = Path(shutil.copytree(sft_run, tmp_path / sft_run.name))
+    # Without its final results the run's end is redone (a complete run's resume does nothing).
+    (run / "final_results.json").unlink()
     ck = committed_checkpoints(run)[-1]
     _recommit(ck, edit_manifest=lambda m: m["versions"].update({"rlhflab": "0.0.1"}))
     raw = sft_raw(tmp_path, steps=2)

@@ -159,3 +159,34 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
     bad.write_text("trainer: sft\nmodel: {name_or_path: x}\n  oops: 1\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML at line 3, column 3: "):
         load_config(bad)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("optim.betas=[1.5, 0.9]", "optim.betas"),
+        ("optim.betas=[0.9, 1.0]", "optim.betas"),  # beta2 = 1: bias correction divides by 0
+        ("optim.betas=[-0.1, 0.9]", "optim.betas"),
+        ("optim.betas=[.nan, 0.9]", "optim.betas"),
+        ("optim.eps=0", "optim.eps"),
+        ("optim.eps=-1e-8", "optim.eps"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay"),
+        ("optim.weight_decay=.inf", "optim.weight_decay"),
+        ("optim.lr=0", "optim.lr"),
+        ("optim.lr=.inf", "optim.lr"),
+        ("optim.max_grad_norm=.nan", "optim.max_grad_norm"),
+        ("value.optim.betas=[0.9, 2]", "value.optim.betas"),
+    ],
+)
+def test_invalid_adamw_values_rejected_at_load_naming_the_field(override, field):
+    # Before: betas / infinite values reached torch.optim.AdamW and ended in a traceback.
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/pg/ppo.yaml", [override])
+    msg = str(err.value)
+    assert f": {field}: " in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("betas", ["[0.0, 0.0]", "[0.9, 0.999]", "[0.999999, 0.5]"])
+def test_valid_adamw_betas_accepted(betas):
+    cfg = load_config(ROOT / "configs/pg/ppo.yaml", [f"optim.betas={betas}"])
+    assert all(0.0 <= b < 1.0 for b in cfg.optim.betas)

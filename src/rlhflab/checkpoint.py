@@ -699,10 +699,12 @@ class Checkpointer:
             raise halt
         faults.hit("step_end", step)
 
-    def finish(self, step: int, state: dict) -> None:
+    def finish(self, step: int, state: dict, *, stopped: bool = False) -> None:
         """The checkpoint at the end of training (skipped when `step` was just saved, and with
-        `every` = 0: then only a stop signal or a health stop writes one)."""
-        if step > 0 and self.every and self.last_saved != step:
+        `every` = 0: then only a stop signal, a health stop or `stopped` writes one). `stopped`:
+        training ended before its last step (`train.max_seconds`), so the run will be resumed
+        from here."""
+        if step > 0 and (self.every or stopped) and self.last_saved != step:
             self.save(step, state)
 
     def _retain(self, newest: Path) -> None:

@@ -19,13 +19,14 @@ SIGTERM / SIGINT writes a committed checkpoint and exits with 128 + the signal n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
 import re
 import sys
 
-from rlhflab.errors import ConfigError, HealthStop, Interrupted, RlhfLabError
+from rlhflab.errors import ConfigError, HealthStop, Interrupted, PeerRefused, RlhfLabError
 
 EXIT_USER_ERROR = 2
 
@@ -612,16 +613,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return exc.exit_code
+    except PeerRefused:  # under torchrun: rank 0 refused to start and prints why
+        _after_shared_refusal()
+        return EXIT_USER_ERROR
     except RlhfLabError as exc:
         from rlhflab.runs import redact
 
-        _say(f"error: {redact(str(exc))}")
+        shared = getattr(exc, "shared", False)
+        _say(f"error: {redact(str(exc))}", shared=shared)
+        if shared:
+            _after_shared_refusal()
         return EXIT_USER_ERROR
     except OSError as exc:  # disk full, permissions, a path that vanished: one line, redacted
         from rlhflab.runs import redact
 
         what = "disk full: " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         print(f"error: {what}{redact(str(exc))}", file=sys.stderr)
+        if getattr(exc, "shared", False):
+            _after_shared_refusal()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _say("interrupted")
@@ -638,16 +647,26 @@ def main(argv: list[str] | None = None) -> int:
             sys.modules["rlhflab.distributed"].teardown()
 
 
-def _say(line: str) -> None:
+def _after_shared_refusal() -> None:
+    """Every rank waits here until rank 0 has printed the refusal it shared: torchrun stops the
+    other workers (SIGTERM) as soon as one exits, which must not cut rank 0 off before it."""
+    ours = sys.modules.get("rlhflab.distributed")
+    if ours is not None:
+        with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
+            ours.barrier()
+
+
+def _say(line: str, shared: bool = False) -> None:
     """Print a one-line message on stderr. Under torchrun: before the first collective every rank
     fails the same way (validation of the same config and data), so only rank 0 prints; after
-    it, each failing rank prints its line prefixed with its rank."""
+    it, each failing rank prints its line prefixed with its rank. `shared`: a refusal rank 0
+    shared with every rank (`distributed.main_then_share`): rank 0 prints it, unprefixed."""
     rank = os.environ.get("RANK")
     if rank is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         print(line, file=sys.stderr)
         return
     ours = sys.modules.get("rlhflab.distributed")
-    if ours is not None and ours.collectives_started():
+    if ours is not None and ours.collectives_started() and not shared:
         print(f"rank {rank}: {line}", file=sys.stderr)
     elif rank == "0":
         print(line, file=sys.stderr)

@@ -197,16 +197,28 @@ class PromptDataConfig(Strict):
 
 
 class OptimConfig(Strict):
-    """AdamW with linear warmup then a schedule; gradients clipped by global norm."""
+    """AdamW with linear warmup then a schedule; gradients clipped by global norm.
 
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    Checked here, not by torch at optimizer build: lr, eps > 0 and finite; weight_decay >= 0 and
+    finite; each of betas in [0, 1) (beta2 = 1 would divide by zero in Adam's bias correction).
+    """
+
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:  # also false for NaN
+                raise ValueError(f"beta{i + 1} = {beta!r} is outside [0, 1)")
+        return betas
 
 
 class PrecisionConfig(Strict):
@@ -295,6 +307,20 @@ class CheckpointConfig(Strict):
     # bytes per parameter: 1.6 GB for 135 M parameters)
     every: int = Field(50, ge=0)
     keep_last: int | None = Field(2, ge=1)  # committed checkpoints kept; None keeps all
+
+
+#: `train.max_seconds` (every trainer; `rlhflab.trainers.common.TimeBudget`).
+MAX_SECONDS_DOC = (
+    "Wall-clock budget in seconds **per invocation**: each `rlhflab train` (a fresh run or a "
+    "`--resume`) gets the whole budget, counted from its own start (set-up and model loading "
+    "included); earlier invocations of the run do not count. Checked after each optimizer step "
+    "(its evaluation and checkpoint included), so every invocation makes at least one step. When "
+    "it has run out before the last step, the run stops after that step with a checkpoint (even "
+    "with checkpoint.every: 0), final_results.json says status: stopped_by_max_seconds, and "
+    "`--resume` continues with a fresh budget. Run out during the last step, its evaluation or "
+    "its checkpoint, the run is complete (status: complete); a `--resume` of a complete run "
+    "does nothing and says so. None: no budget."
+)
 
 
 class TrainBase(Strict):
@@ -429,7 +455,7 @@ class SFTTrainConfig(TrainBase):
     batch_size: int = Field(64, ge=1)  # sequences per optimizer step
     micro_batch_size: int = Field(64, ge=1)
     max_len: int = Field(256, ge=8)
-    max_seconds: float | None = Field(None, gt=0)  # stop early at this wall-clock budget
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class SFTConfig(TrainerConfig):
@@ -651,7 +677,7 @@ class PGTrainConfig(TrainBase):
     micro_batch_size: int = Field(64, ge=1)  # completions per forward/backward
     update_epochs: int = Field(1, ge=1)  # passes over each rollout batch
     minibatches: int = Field(1, ge=1)  # optimizer steps per epoch
-    max_seconds: float | None = Field(None, gt=0)
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class PGConfig(TrainerConfig):
@@ -1030,7 +1056,7 @@ class DPOTrainConfig(TrainBase):
     steps: int = Field(100, ge=1)  # optimizer steps in total (split evenly over rounds)
     batch_size: int = Field(32, ge=1)  # pairs (KTO: labelled completions) per optimizer step
     micro_batch_size: int = Field(32, ge=1)  # pairs per forward (chosen and rejected together)
-    max_seconds: float | None = Field(None, gt=0)
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class DPOEvalConfig(EvalConfig):
@@ -1142,7 +1168,7 @@ class RMTrainConfig(TrainBase):
     steps: int = Field(100, ge=1)
     batch_size: int = Field(32, ge=1)  # pairs (preference) or sequences (orm / prm) per step
     micro_batch_size: int = Field(32, ge=1)
-    max_seconds: float | None = Field(None, gt=0)
+    max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
 class RMEvalConfig(Strict):

@@ -16,6 +16,7 @@ What the trainers call (nothing else in the package touches torch.distributed):
     gather_cat(t)                      every rank's rows, concatenated in rank order
     all_gather_object / broadcast_object
     any_rank(flag)                     True when any rank says True (stop signals, errors)
+    main_then_share(fn)                rank 0 runs fn; its result, or its refusal, on every rank
     wrap(model, parallel)              none | ddp | fsdp2 (see below)
     sync_grads(model)                  after the last micro-batch of an optimizer step
     gathered(model)                    full parameters on every rank while sampling
@@ -51,15 +52,19 @@ Strategies (`parallel.strategy`):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, PeerRefused, RlhfLabError
 
 # "owned": this module started the default process group (under torchrun). A group that another
 # library starts in a single process (vLLM's world-1 group) is neither used nor destroyed here.
@@ -101,6 +106,7 @@ def setup(strategy: str = "none", timeout_s: float = 600.0) -> None:
         _STATE["device"] = torch.device("cuda", local_rank)
     else:
         _STATE["device"] = torch.device("cpu")
+    exit_with_parent()
     if not dist.is_initialized():
         dist.init_process_group(
             backend_for(_STATE["device"]), timeout=datetime.timedelta(seconds=timeout_s)
@@ -118,6 +124,51 @@ def backend_for(dev: torch.device) -> str:
     synchronisation per collective. On CPU: "gloo". Returns e.g. "cpu:gloo,cuda:nccl".
     """
     return "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+
+
+#: Seconds a worker whose launcher died may spend on its graceful stop (finish the step, write a
+#: checkpoint) before it exits at once: a peer may be gone too, and a collective with it would
+#: otherwise wait for `parallel.timeout_s`.
+PARENT_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def exit_with_parent(grace_s: float = PARENT_GRACE_S, poll_s: float = 0.5) -> bool:
+    """Make this worker follow its launcher (torchrun's agent, its parent process) when the
+    launcher dies, even by SIGKILL, which it cannot forward: no orphan keeps training.
+
+    On Linux the kernel sends this process SIGTERM when its parent dies
+    (`prctl(PR_SET_PDEATHSIG, SIGTERM)`), which takes the graceful path of a stop signal
+    (`rlhflab.checkpoint.StopSignals`: finish the step, checkpoint, exit 143) or, outside the
+    training loop, ends the process. A daemon thread also polls `os.getppid()` every `poll_s`
+    seconds (elsewhere than Linux it sends the SIGTERM itself); once the parent is gone it
+    gives the graceful stop `grace_s` seconds, then ends the process with `os._exit(143)`
+    (a rank stuck in a collective with a dead peer cannot stop by itself). Checkpoints are
+    committed atomically, so the last committed one stays intact whenever the exit comes.
+    Idempotent; returns whether the kernel signal is armed."""
+    if _STATE.get("watchdog"):
+        return _STATE["watchdog"] == "pdeathsig"
+    parent = os.getppid()
+    armed = False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux: the watchdog alone
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        if not armed:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + int(signal.SIGTERM))
+
+    threading.Thread(target=watch, name="rlhflab-parent-watchdog", daemon=True).start()
+    _STATE["watchdog"] = "pdeathsig" if armed else "poll"
+    if armed and os.getppid() != parent:  # died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+    return armed
 
 
 def teardown() -> None:
@@ -308,6 +359,32 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def main_then_share(fn) -> Any:
+    """`fn()` run on rank 0 alone (with one process: simply `fn()`), its result on every rank.
+
+    When rank 0's `fn` refuses (an `RlhfLabError` such as a locked run directory, or an OSError),
+    the other ranks learn it instead of waiting in their next collective for a rank that is
+    gone ("[gloo] Connection closed by peer"): rank 0 re-raises its error, marked `shared`
+    (the CLI prints it once, without a rank prefix), and every other rank raises `PeerRefused`
+    (the CLI exits quietly with the same code). Anything else (a bug) propagates on rank 0."""
+    if not _on():
+        return fn()
+    outcome, error = None, None
+    if is_main():
+        try:
+            outcome = ("ok", fn())
+        except (RlhfLabError, OSError) as exc:
+            error = exc
+            outcome = ("refused", f"{type(exc).__name__}: {exc}")
+    outcome = broadcast_object(outcome)
+    if outcome[0] == "ok":
+        return outcome[1]
+    if error is not None:
+        error.shared = True
+        raise error
+    raise PeerRefused(f"rank 0 refused to start ({outcome[1]})")
 
 
 # ---------------------------------------------------------------------------------------------

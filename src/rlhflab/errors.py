@@ -44,6 +44,12 @@ class NonFiniteError(RlhfLabError):
     """A loss or gradient became NaN/inf (message names the step and the metric)."""
 
 
+class PeerRefused(RlhfLabError):
+    """Under torchrun: rank 0 refused to start (a locked run directory, a file it alone writes)
+    and told this rank why (`rlhflab.distributed.main_then_share`). Rank 0 prints the reason;
+    this rank exits quietly with the same exit code (2)."""
+
+
 class Interrupted(Exception):
     """Training stopped on SIGTERM / SIGINT after writing a committed checkpoint.
 

@@ -9,6 +9,8 @@ variable `RLHFLAB_FAULT` is set.
     checkpoint_file@2=sigkill SIGKILL while writing a checkpoint, right after its 2nd file
     loss@4=nan                the loss of step 4 becomes NaN (also: inf)
     checkpoint_file@8=enospc  the 8th checkpoint file written fails with "No space left on device"
+    eval@4=expire             `train.max_seconds` runs out during the held-out evaluation at
+                              step 4 (`rlhflab.trainers.common.TimeBudget`; no sleeping)
 
 A rule prefixed with `rank<r>:` (e.g. `rank1:step_mid@3=sigkill`) fires only in the
 data-parallel process of that rank (torchrun's RANK); unprefixed rules fire in every process.
@@ -17,9 +19,9 @@ data-parallel process of that rank (torchrun's RANK); unprefixed rules fire in e
 gradients after the sum over ranks and before clipping are written by rank 0 to
 `<dir>/grads-<k>.safetensors` (k counts optimizer steps of the process from 1).
 
-Points and counters are chosen by the trainers (`step_*`, `loss`: the optimizer step number;
-`checkpoint_file`: files written by this process since start). Actions: sigkill, sigterm, sigint,
-nan, inf, enospc. The tests use these to kill a run at a chosen step, crash a writer after i files and
+Points and counters are chosen by the trainers (`step_*`, `loss`, `eval`: the optimizer step
+number; `checkpoint_file`: files written by this process since start). Actions: sigkill, sigterm,
+sigint, nan, inf, enospc, expire. The tests use these to kill a run at a chosen step, crash a writer after i files and
 inject a non-finite loss, so that every fault scenario is reproducible to the step.
 """
 
@@ -52,7 +54,7 @@ def _parse(spec: str) -> dict[tuple[str, int], str]:
             rules[(point, int(n))] = action
         except ValueError:
             raise ValueError(f"{FAULT_ENV}: cannot parse rule {part!r}") from None
-        if action not in _SIGNALS and action not in _VALUES and action != "enospc":
+        if action not in _SIGNALS and action not in _VALUES and action not in ("enospc", "expire"):
             raise ValueError(f"{FAULT_ENV}: unknown action {action!r} in {part!r}")
     return rules
 
@@ -62,14 +64,29 @@ def _action(point: str, n: int) -> str | None:
     return _parse(spec).get((point, n)) if spec else None
 
 
+_EXPIRED = {"now": False}
+
+
 def hit(point: str, n: int) -> None:
     """Send the configured signal to this process if a rule names (point, n); for "enospc"
-    raise the OSError of a full disk."""
+    raise the OSError of a full disk; for "expire" make the time budget run out (`expired`)."""
     action = _action(point, n)
     if action in _SIGNALS:
         os.kill(os.getpid(), _SIGNALS[action])
     elif action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    elif action == "expire":
+        _EXPIRED["now"] = True
+
+
+def expired() -> bool:
+    """Whether an "expire" rule has fired in this process (the time budget is then spent)."""
+    return _EXPIRED["now"]
+
+
+def clear_expired() -> None:
+    """Forget a fired "expire" rule (a new run's budget starts unspent)."""
+    _EXPIRED["now"] = False
 
 
 def corrupt(point: str, n: int, value: torch.Tensor) -> torch.Tensor:

@@ -22,14 +22,55 @@ from typing import Any
 from rlhflab.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-#: Environment variables whose values are secrets (WANDB_API_KEY, HF_TOKEN, OPENAI_API_KEY, ...).
-_SECRET_NAME = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+#: Name parts that make a name (config key, environment variable) a secret's, when last:
+#: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, db_password, client_secret, task.config.token.
+_SECRET_NOUNS = {"token", "secret", "password", "passwd", "credential", "credentials"}
+_SECRET_NOUNS |= {"apikey", "passphrase", "auth", "authorization", "bearer", "cookie"}
+#: "key" is a secret only after one of these ("eval_key", "sort_key", "answer_key" are not).
+_KEY_QUALIFIERS = {"api", "access", "secret", "private", "auth", "signing", "encryption"}
+_KEY_QUALIFIERS |= {"client", "license", "master", "session", "ssh", "gpg", "service"}
+#: "token" after one of these names a tokenizer's special token ("pad_token: <pad>"), no secret.
+_SPECIAL_TOKEN_ROLES = {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "stop", "start", "end"}
+_SPECIAL_TOKEN_ROLES |= {"special", "additional", "reward", "image", "chat", "think"}
+#: Values that are flags, not secrets (HF_HUB_DISABLE_IMPLICIT_TOKEN=1): never searched for.
+_FLAG_VALUES = {"", "0", "1", "true", "false", "yes", "no", "on", "off", "none", "null"}
 REDACTED = "***"
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a config key or environment variable name names a secret.
+
+    The name is split into parts at '_', '-', '.', '/', spaces and lower-to-upper case changes,
+    and the last part decides (the head noun of the compound): `token`, `secret`, `password`,
+    `credential(s)`, `apikey`, `auth`... are secrets (`HF_TOKEN`, `client_secret`, `apiKey`);
+    `key` only after `api`, `access`, `secret`, `private`... (`WANDB_API_KEY`, `access_key`, not
+    `eval_key`); `token` not after a tokenizer role (`pad_token`, `eos_token`). Plural or longer
+    words are other words: `max_new_tokens`, `tokenizer`, `stop_token_ids`,
+    `TOKENIZERS_PARALLELISM` are not secrets.
+    """
+    parts = [p.lower() for p in re.split(r"[_\-./\s]+|(?<=[a-z0-9])(?=[A-Z])", str(name)) if p]
+    if not parts:
+        return False
+    last, before = parts[-1], parts[-2] if len(parts) > 1 else ""
+    if last == "key":
+        return before in _KEY_QUALIFIERS
+    if last == "token":
+        return before not in _SPECIAL_TOKEN_ROLES
+    return last in _SECRET_NOUNS
+
+
 def secret_values() -> list[str]:
-    """Values of environment variables named like secrets (8+ characters), longest first."""
-    values = {v for k, v in os.environ.items() if _SECRET_NAME.search(k) and v and len(v) >= 8}
+    """Values of environment variables named like secrets (`is_secret_name`), longest first.
+
+    Any length counts (a 6-character token is still a secret); only flag-like values (`1`,
+    `true`, `off`, empty...) are left out, since they cannot be secrets and would otherwise
+    replace every '1' in every string.
+    """
+    values = {
+        v
+        for k, v in os.environ.items()
+        if is_secret_name(k) and v.strip().lower() not in _FLAG_VALUES
+    }
     return sorted(values, key=len, reverse=True)
 
 
@@ -49,27 +90,36 @@ def redact_obj(obj: Any) -> Any:
     """A copy of a JSON-like object (dicts, lists, tuples, scalars) with secrets replaced by
     '***' inside string values only; numbers, bools, None and dict keys are returned as they are.
 
+    Two rules: (1) every secret environment value (`secret_values`) is replaced wherever it
+    occurs inside a string; (2) every string or number under a dict key that names a secret
+    (`is_secret_name`: `token`, `api_key`, `password`...) is replaced whole, whatever its
+    length and whether or not it is in the environment (`task.config: {token: hf_abc123}`);
+    bools and None under such a key stay (`use_auth_token: true` is not a secret).
+
     Everything written into a run directory (config, metrics, samples, results, checkpoint
     state) goes through this before serialisation, so a token that reached a config value or a
     prompt never lands on disk, while a secret made of digits that also occurs inside a logged
     number or an RNG state cannot corrupt the file.
     """
     secrets = secret_values()
-    if not secrets:
-        return obj
 
-    def walk(x: Any) -> Any:
+    def walk(x: Any, under_secret: bool = False) -> Any:
         if isinstance(x, os.PathLike):
             x = os.fspath(x)
+        if under_secret and isinstance(x, str | int | float) and not isinstance(x, bool):
+            return REDACTED
         if isinstance(x, str):
             for secret in secrets:
                 if secret in x:
                     x = x.replace(secret, REDACTED)
             return x
         if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
+            return {
+                k: walk(v, under_secret or (isinstance(k, str) and is_secret_name(k)))
+                for k, v in x.items()
+            }
         if isinstance(x, list | tuple):
-            return [walk(v) for v in x]
+            return [walk(v, under_secret) for v in x]
         return x
 
     return walk(obj)

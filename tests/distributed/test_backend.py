@@ -35,6 +35,8 @@ def test_backend_on_cpu_is_gloo():
 @pytest.fixture
 def fresh_state(monkeypatch):
     saved = dict(distributed._STATE)
+    # no parent-death signal or watchdog thread for the test process itself
+    monkeypatch.setattr(distributed, "exit_with_parent", lambda *a, **k: False)
     yield
     distributed._STATE.clear()
     distributed._STATE.update(saved)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def run_config(cfg) -> dict:
     """Run the trainer named by `cfg.trainer`; returns its final results.
@@ -11,6 +13,7 @@ def run_config(cfg) -> dict:
     """
     from rlhflab import distributed
     from rlhflab.trainers import direct_alignment, policy_gradient, reward_model, sft
+    from rlhflab.trainers.common import RunComplete, check_launch
 
     trainers = {
         "sft": sft.train,
@@ -25,6 +28,11 @@ def run_config(cfg) -> dict:
         strategy = "ddp" if distributed.launched() else "none"
     distributed.setup(strategy, timeout_s=cfg.parallel.timeout_s)
     try:
+        check_launch(cfg)  # config-only refusals, before any model is loaded
         return trainers[cfg.trainer](cfg)
+    except RunComplete as done:  # --resume of a finished run: nothing more to do
+        if distributed.is_main():
+            print(f"{done}; its results: {done.run_dir / 'final_results.json'}", file=sys.stderr)
+        return done.results
     finally:
         release_locks()  # the run directory's lock (also dropped by the OS at process exit)

@@ -71,6 +71,7 @@ from rlhflab.tracking import Tracker, progress, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
+    TimeBudget,
     check_context_fit,
     default_device,
     grad_norm_and_clip,
@@ -467,6 +468,7 @@ def train(cfg: DPOConfig) -> dict:
     else:
         initial_eval = run_eval(0) if heldout_tasks else {}
         initial_pref = pref_eval(0)
+    budget = TimeBudget(cfg.train.max_seconds, cfg.train.steps, t_start)
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             if verifiable and step > 1 and (step - 1) % steps_per_round == 0:
@@ -602,10 +604,10 @@ def train(cfg: DPOConfig) -> dict:
             checkpointer.end_step(
                 step, stop, state, on_stop=(tracker.close, samples.close), halt=health.halt()
             )
-            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+            if budget.expired(step):  # per invocation; never after the last step
                 break
-    checkpointer.finish(steps_done, state())
+    budget.say_stop(tracker)
+    checkpointer.finish(steps_done, state(), stopped=budget.stopped_at is not None)
 
     # -- 4. Held-out evaluation, model, plots, results.
     final_pref = pref_eval(steps_done)
@@ -618,6 +620,7 @@ def train(cfg: DPOConfig) -> dict:
         "trainer": "direct_alignment",
         "loss": cfg.loss.name,
         "steps": steps_done,
+        "status": budget.status,  # complete | stopped_by_max_seconds
         "final_loss": last_loss,
         "train_rows": len(rows),
         "dropped": drops,

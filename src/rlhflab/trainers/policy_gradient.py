@@ -69,6 +69,7 @@ from rlhflab.trainers.common import (
     NonFiniteGuard,
     Reference,
     ShuffledStream,
+    TimeBudget,
     check_generation_budget,
     check_lengths,
     default_device,
@@ -274,6 +275,7 @@ def train(cfg: PGConfig) -> dict:
         load_running_norm_state({})
         initial_eval = run_eval(0) if heldout else {}
     steps_done = ckpt.step if ckpt is not None else 0
+    budget = TimeBudget(cfg.train.max_seconds, cfg.train.steps, t_start)
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
@@ -518,10 +520,10 @@ def train(cfg: PGConfig) -> dict:
             checkpointer.end_step(
                 step, stop, state, on_stop=(tracker.close, samples.close), halt=health.halt()
             )
-            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+            if budget.expired(step):  # per invocation; never after the last step
                 break
-    checkpointer.finish(steps_done, state())
+    budget.say_stop(tracker)
+    checkpointer.finish(steps_done, state(), stopped=budget.stopped_at is not None)
 
     final_eval = run_eval(steps_done) if heldout else {}
     tracker.close()
@@ -537,6 +539,7 @@ def train(cfg: PGConfig) -> dict:
     results = {
         "trainer": "policy_gradient",
         "steps": steps_done,
+        "status": budget.status,  # complete | stopped_by_max_seconds
         "heldout_accuracy_before": initial_eval.get("accuracy"),
         "heldout_accuracy": final_eval.get("accuracy"),
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),

@@ -65,6 +65,7 @@ from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
+    TimeBudget,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
@@ -168,6 +169,7 @@ def train(cfg: RMConfig) -> dict:
     steps_done = ckpt.step if ckpt is not None else 0
     if ckpt is not None:
         last_loss = checkpointer.resume(ckpt, tracker, cfg.train.steps)["last_loss"]
+    budget = TimeBudget(cfg.train.max_seconds, cfg.train.steps, t_start)
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
@@ -213,10 +215,10 @@ def train(cfg: RMConfig) -> dict:
                 tracker.log(step, metrics)
             tracker.advance(step, metrics)
             checkpointer.end_step(step, stop, state, on_stop=(tracker.close,), halt=health.halt())
-            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+            if budget.expired(step):  # per invocation; never after the last step
                 break
-    checkpointer.finish(steps_done, state())
+    budget.say_stop(tracker)
+    checkpointer.finish(steps_done, state(), stopped=budget.stopped_at is not None)
 
     # -- 3. Held-out RM metrics (and best-of-N with the sampling policy).
     model.eval()
@@ -273,6 +275,7 @@ def train(cfg: RMConfig) -> dict:
         "trainer": "reward_model",
         "kind": cfg.kind,
         "steps": steps_done,
+        "status": budget.status,  # complete | stopped_by_max_seconds
         "final_loss": last_loss,
         "train_examples": len(train_items),
         "eval_examples": len(eval_items),

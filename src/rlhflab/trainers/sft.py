@@ -40,6 +40,7 @@ from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
+    TimeBudget,
     default_device,
     grad_norm_and_clip,
     heldout_eval,
@@ -163,6 +164,7 @@ def train(cfg: SFTConfig) -> dict:
     if ckpt is not None:
         last_loss = checkpointer.resume(ckpt, tracker, cfg.train.steps)["last_loss"]
     steps_done = ckpt.step if ckpt is not None else 0
+    budget = TimeBudget(cfg.train.max_seconds, cfg.train.steps, t_start)
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
@@ -212,10 +214,10 @@ def train(cfg: SFTConfig) -> dict:
                 metrics.update({f"eval/{k}": v for k, v in run_eval(step).items()})
             tracker.advance(step, metrics)
             checkpointer.end_step(step, stop, state, on_stop=(tracker.close,), halt=health.halt())
-            if cfg.train.max_seconds and time.perf_counter() - t_start > cfg.train.max_seconds:
-                tracker.print(f"stopping at step {step}: train.max_seconds reached")
+            if budget.expired(step):  # per invocation; never after the last step
                 break
-    checkpointer.finish(steps_done, state())
+    budget.say_stop(tracker)
+    checkpointer.finish(steps_done, state(), stopped=budget.stopped_at is not None)
 
     # -- 3. Held-out evaluation.
     final_eval = run_eval(steps_done) if heldout else {}
@@ -227,6 +229,7 @@ def train(cfg: SFTConfig) -> dict:
     results = {
         "trainer": "sft",
         "steps": steps_done,
+        "status": budget.status,  # complete | stopped_by_max_seconds
         "final_loss": last_loss,
         "examples": len(pairs),
         "dropped": drops,

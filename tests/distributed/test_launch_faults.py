@@ -1,0 +1,180 @@
+"""Launch faults under torchrun (2 processes, gloo on CPU): the launcher killed with SIGKILL takes
+its workers down (no orphan keeps training) and leaves the last committed checkpoint intact; a
+refusal by rank 0 alone (the run directory locked by another process) is one line, printed
+once, with no rank left waiting in a collective ("[gloo] Connection closed by peer").
+
+Two torchrun launches in all (~10-30 s each), so the tests are marked slow (CI runs them).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhflab.checkpoint import committed_checkpoints, load_checkpoint
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)"),
+]
+
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "n_train": 64,
+    "n_heldout": 8,
+    "seed": 0,
+    "answer_format": "plain",
+    "reward": "binary",
+}
+
+
+def _raw(root: Path) -> dict:
+    """A tiny from-scratch SFT run far too long to finish: it is killed, or refused."""
+    return {
+        "trainer": "sft",
+        "model": {
+            "build": {
+                "size": "tiny",
+                "vocab_size": 300,
+                "max_position_embeddings": 64,
+                "tokenizer_texts": 100,
+            }
+        },
+        "task": TASK,
+        "precision": {"threads": 1},
+        "tracking": {"console": False},
+        "train": {"steps": 100000, "batch_size": 8, "micro_batch_size": 4, "max_len": 48},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 0},
+        "checkpoint": {"every": 3, "keep_last": 2},
+        "parallel": {"timeout_s": 120},
+        "run": {"name": "sft", "root": str(root)},
+    }
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHFLAB_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _torchrun(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node=2", "-m", "rlhflab", *args]  # fmt: skip
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict:
+    """A 2-rank run whose torchrun launcher is killed with SIGKILL once training has committed a
+    checkpoint; what became of its workers."""
+    tmp = tmp_path_factory.mktemp("launch")
+    cfg = tmp / "sft.yaml"
+    cfg.write_text(yaml.safe_dump(_raw(tmp / "runs")))
+    log = (tmp / "torchrun.log").open("w")
+    launcher = subprocess.Popen(
+        _torchrun(["train", str(cfg)]), env=_env(), stdout=log, stderr=subprocess.STDOUT
+    )
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and launcher.poll() is None:
+            runs = list((tmp / "runs").glob("sft-*"))
+            if runs and len(committed_checkpoints(runs[0])) >= 2:
+                break
+            time.sleep(0.2)
+        assert launcher.poll() is None, (tmp / "torchrun.log").read_text()[-3000:]
+        workers = [p for p in _children(launcher.pid) if b"rlhflab" in _cmdline(p)]
+        assert len(workers) == 2, workers  # torchrun's agent is the workers' parent
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15 and any(_alive(p) for p in workers):
+            time.sleep(0.1)
+        left = [p for p in workers if _alive(p)]
+        return {"run": runs[0], "cfg": cfg, "left": left, "exit_s": time.monotonic() - t0}
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in workers:  # never leave an orphan behind, whatever the outcome
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        t1 = time.monotonic()
+        while time.monotonic() - t1 < 10 and any(_alive(p) for p in workers):
+            time.sleep(0.1)  # gone, and their lock of the run directory with them
+        log.close()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_sigkill_of_the_launcher_takes_its_workers_down(killed):
+    # Before: both workers went on training, orphaned, until their 100000 steps were done.
+    assert killed["left"] == [], f"workers still running {killed['exit_s']:.1f} s after"
+    last = committed_checkpoints(killed["run"])[-1]
+    ckpt = load_checkpoint(last)  # verifies every file against the manifest
+    assert ckpt.step >= 3 and ckpt.state["world_size"] == 2
+
+
+def test_locked_run_dir_refusal_is_one_line_printed_once(killed):
+    run = killed["run"]
+    fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "another process" holds the run
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        res = subprocess.run(
+            _torchrun(["train", str(killed["cfg"]), "--resume", str(run)]),
+            env=_env(), capture_output=True, text=True, timeout=240, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    assert res.returncode != 0
+    reason = (
+        f"error: run directory {run} is in use by process {os.getpid()} (lock {run / '.lock'}); "
+        "wait for it to finish or stop it first"
+    )
+    errors = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [reason], res.stderr[-3000:]
+    # Before: rank 1 went on alone and died in its first collective with a traceback.
+    assert "Connection closed by peer" not in res.stderr, res.stderr[-3000:]
+    assert not re.search(r'File ".*rlhflab', res.stderr), res.stderr[-3000:]  # no worker traceback
+    assert "rank 1: " not in res.stderr and "rank 0: " not in res.stderr
+    # torchrun's summary: the first rank to leave left with the user-error code (2), none with
+    # the code of a crash (1).
+    assert re.search(r"exitcode\s*:\s*2 ", res.stderr), res.stderr[-3000:]
+    assert not re.search(r"exitcode\s*:\s*1 ", res.stderr), res.stderr[-3000:]
