@@ -120,7 +120,11 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
         rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", "-m", "rlhflab", *rest]
-    return subprocess.call(cmd)
+    from rlhflab.distributed import arm_parent_death_signal
+
+    # torchrun follows this process: killed (even by SIGKILL), it takes torchrun and the workers
+    # with it instead of leaving them training as orphans.
+    return subprocess.call(cmd, preexec_fn=arm_parent_death_signal)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -133,6 +133,18 @@ PARENT_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def arm_parent_death_signal() -> bool:
+    """Ask the kernel to send this process SIGTERM when its parent dies (Linux
+    `prctl(PR_SET_PDEATHSIG, SIGTERM)`); returns False where that is not available. Also the
+    `preexec_fn` of the torchrun child that `rlhflab train --nproc` starts, so that killing
+    `rlhflab` (even by SIGKILL) stops torchrun, which stops its workers."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def exit_with_parent(grace_s: float = PARENT_GRACE_S, poll_s: float = 0.5) -> bool:
     """Make this worker follow its launcher (torchrun's agent, its parent process) when the
     launcher dies, even by SIGKILL, which it cannot forward: no orphan keeps training.
@@ -149,12 +161,7 @@ def exit_with_parent(grace_s: float = PARENT_GRACE_S, poll_s: float = 0.5) -> bo
     if _STATE.get("watchdog"):
         return _STATE["watchdog"] == "pdeathsig"
     parent = os.getppid()
-    armed = False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
-    except (OSError, AttributeError):  # not Linux: the watchdog alone
-        pass
+    armed = arm_parent_death_signal()  # False where not Linux: the watchdog alone
 
     def watch() -> None:
         while os.getppid() == parent:

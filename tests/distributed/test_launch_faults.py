@@ -178,3 +178,40 @@ def test_locked_run_dir_refusal_is_one_line_printed_once(killed):
     # the code of a crash (1).
     assert re.search(r"exitcode\s*:\s*2 ", res.stderr), res.stderr[-3000:]
     assert not re.search(r"exitcode\s*:\s*1 ", res.stderr), res.stderr[-3000:]
+
+
+def test_sigkill_of_rlhflab_nproc_takes_torchrun_and_workers_down(tmp_path):
+    """`rlhflab train --nproc 2` starts torchrun as its child; killing rlhflab with SIGKILL
+    (which it cannot forward) stops torchrun and its workers too."""
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(yaml.safe_dump(_raw(tmp_path / "runs")))
+    log = (tmp_path / "rlhflab.log").open("w")
+    cmd = [sys.executable, "-m", "rlhflab", "train", str(cfg), "--nproc", "2"]
+    top = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    procs: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and top.poll() is None:
+            runs = list((tmp_path / "runs").glob("sft-*"))
+            if runs and len(committed_checkpoints(runs[0])) >= 1:
+                break
+            time.sleep(0.2)
+        assert top.poll() is None, (tmp_path / "rlhflab.log").read_text()[-3000:]
+        agents = _children(top.pid)
+        assert len(agents) == 1, agents  # torchrun
+        procs = agents + _children(agents[0])
+        assert len(procs) == 3, procs  # torchrun and its two workers
+        top.send_signal(signal.SIGKILL)
+        top.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20 and any(_alive(p) for p in procs):
+            time.sleep(0.1)
+        # Before: torchrun (and so its workers) went on training, orphaned.
+        assert [p for p in procs if _alive(p)] == []
+    finally:
+        if top.poll() is None:
+            top.kill()
+        for p in procs:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        log.close()
