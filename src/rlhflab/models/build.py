@@ -187,7 +187,7 @@ def write_model_card(path: str | os.PathLike[str], config, *, auto_class: str) -
             "rlhflab's from-scratch GPT (`model.build.arch: gpt`, `model_type` "
             f'"{GPTConfig.model_type}"). transformers does not know this architecture: '
             "**`import rlhflab` before loading it** (the import registers it with "
-            "transformers' Auto classes; `pip install rlhflab`). Without it, transformers "
+            "transformers' Auto classes; rlhflab must be installed). Without it, transformers "
             f"says it does not recognise model type {GPTConfig.model_type}.",
             "",
             "```python",
