@@ -304,3 +304,21 @@ def test_checkpoint_every_0_and_save_model_false_write_neither(tmp_path):
     assert committed_checkpoints(run_dir) == []
     assert not (run_dir / "model").exists() and res["model_dir"] is None
     assert (run_dir / "final_results.json").exists()
+
+
+def test_sft_health_summary_lists_only_the_checks_that_apply(tmp_path):
+    # 7 of the checks apply to SFT: loss and gradient checks, parameter change, the sampled
+    # softmax check and the log-probability bound it feeds; none of the rollout checks.
+    res = run_config(_sft(tmp_path, steps=4, health={"window": 3}))
+    checked = res["health"]["checked"]
+    assert checked == [
+        "nonfinite",
+        "prob_sum",
+        "logp_positive",
+        "grad_norm_zero",
+        "grad_norm_exploding",
+        "params_frozen",
+        "loss_flat",
+    ]
+    saved = json.loads(Path(res["run_dir"], "final_results.json").read_text())
+    assert saved["health"]["checked"] == checked
