@@ -30,10 +30,11 @@ EXIT_USER_ERROR = 2
 
 
 def _dumps(results: dict) -> str:
-    """Results as JSON for stdout, secrets redacted in string values."""
-    from rlhflab.runs import redact_obj
+    """Results as JSON for stdout, secrets redacted in string values, NaN / inf as null with a
+    `<key>_note` (`rlhflab.runs.to_json`)."""
+    from rlhflab.runs import to_json
 
-    return json.dumps(redact_obj(results), indent=2, default=str)
+    return to_json(results, indent=2, default=str)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -143,7 +144,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             seed=args.seed,
             engine=args.engine,
         )
-        print(json.dumps(results, indent=2))
+        print(_dumps(results))
         return 0
     results = run_eval_command(
         args.model,
@@ -194,7 +195,7 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
     from rlhflab.pipeline import run_pipeline
 
     results = run_pipeline(args.pipeline, overrides=args.overrides, root=args.root)
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 

@@ -33,10 +33,9 @@ console = Console(stderr=True)
 
 
 def _jsonable(value: Any) -> Any:
+    # NaN / inf stay floats here: metrics.jsonl gets null and a `<key>_note` (runs.to_json)
     if hasattr(value, "item"):
         value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # json has no NaN/inf; keep them visible as strings
     return value
 
 
@@ -277,14 +276,14 @@ class Tracker:
         row.update({k: _jsonable(v) for k, v in metrics.items()})
         self.file.write(redact_json(row) + "\n")
         self.file.flush()
-        numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
+        numbers = {k: v for k, v in row.items() if isinstance(v, int | float) and math.isfinite(v)}
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
         if self._trackio is not None:
             self._trackio.log(numbers, step=step)
         if self._tb is not None:
             for k, v in row.items():
-                if isinstance(v, int | float) and k != "step":
+                if isinstance(v, int | float) and math.isfinite(v) and k != "step":
                     self._tb.add_scalar(k, v, step)
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
