@@ -706,7 +706,7 @@ class Checkpointer:
                 close()
             if stop.requested:
                 raise Interrupted(stop.requested, step, saved)
-            halt.checkpoint = saved
+            halt.checkpoint, halt.run_dir = saved, self.run_dir
             raise halt
         faults.hit("step_end", step)
 

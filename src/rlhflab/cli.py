@@ -521,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except HealthStop as exc:
         print(
-            f"health: {exc}; stopped (health.on_fail: stop), checkpoint {exc.checkpoint}",
+            f"health: {exc}; stopped (health.on_fail: stop), checkpoint {exc.checkpoint}"
+            + (f"; results in {exc.run_dir}/final_results.json" if exc.run_dir else ""),
             file=sys.stderr,
         )
         return exc.exit_code

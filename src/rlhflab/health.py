@@ -617,7 +617,10 @@ class HealthMonitor:
             self._params = _param_sample(self.model)
 
     def halt(self) -> HealthStop | None:
-        """The HealthStop to raise after this step's checkpoint (on_fail "stop"), else None."""
+        """The HealthStop to raise after this step's checkpoint (on_fail "stop"), else None; it
+        carries the summary so far (`health`) for the stopped run's final_results.json."""
+        if self._halt is not None:
+            self._halt.health = self._report()
         return self._halt
 
     def summary(self) -> dict:
@@ -633,6 +636,9 @@ class HealthMonitor:
             self.ran.add(hacking.name)
         if hacking in self.checks and drop and self.evals[-1][0] not in self._judged_evals:
             self._record(hacking, self.evals[-1][0], drop)
+        return self._report()
+
+    def _report(self) -> dict:
         return {
             "ok": not self.failures,
             "failed": {k: dict(v) for k, v in self.failures.items()},

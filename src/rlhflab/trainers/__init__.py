@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+import time
+
+from rlhflab.errors import HealthStop
+
+
+def train_recording_stops(train, cfg) -> dict:
+    """`train(cfg)` (a trainer family's `train`); when a health check stops the run (HealthStop,
+    exit code 3), its final_results.json (`"status": "stopped_by_health"`) and plots are written
+    (`common.write_stopped_results`) before the exception propagates."""
+    t0 = time.perf_counter()
+    try:
+        return train(cfg)
+    except HealthStop as exc:
+        from rlhflab.trainers.common import write_stopped_results
+
+        write_stopped_results(cfg, exc, time.perf_counter() - t0)
+        raise
+
 
 def run_config(cfg) -> dict:
     """Run the trainer named by `cfg.trainer`; returns its final results.
@@ -25,6 +43,6 @@ def run_config(cfg) -> dict:
         strategy = "ddp" if distributed.launched() else "none"
     distributed.setup(strategy, timeout_s=cfg.parallel.timeout_s)
     try:
-        return trainers[cfg.trainer](cfg)
+        return train_recording_stops(trainers[cfg.trainer], cfg)
     finally:
         release_locks()  # the run directory's lock (also dropped by the OS at process exit)
