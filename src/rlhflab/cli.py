@@ -87,8 +87,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
-        print(_dumps(results))
+        _print_summary(results)
     return 0
+
+
+def _print_summary(results: dict) -> None:
+    """A few lines on stdout (`rlhflab.summary.summary_lines`, secrets redacted); the full
+    results are in the run's final_results.json."""
+    from rlhflab.runs import redact
+    from rlhflab.summary import summary_lines
+
+    for line in summary_lines(results):
+        print(redact(line))
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
@@ -514,8 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.argv = argv
+    from rlhflab.quiet import quiet_transformers
+
     try:
-        return args.func(args)
+        with quiet_transformers():  # transformers' bars and un-actionable FutureWarnings
+            return args.func(args)
     except Interrupted as exc:
         _say(f"interrupted: {exc}; continue with --resume")
         return exc.exit_code
@@ -525,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f"; results in {exc.run_dir}/final_results.json" if exc.run_dir else ""),
             file=sys.stderr,
         )
+        if getattr(exc, "results", None) and os.environ.get("RANK", "0") == "0":
+            _print_summary(exc.results)
         return exc.exit_code
     except RlhfLabError as exc:
         from rlhflab.runs import redact

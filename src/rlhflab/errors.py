@@ -77,4 +77,5 @@ class HealthStop(Exception):
         self.checkpoint: Path | None = None
         self.run_dir: Path | None = None  # set with `checkpoint`, by the checkpointer
         self.health: dict | None = None  # the monitor's summary when it stopped the run
+        self.results: dict | None = None  # what final_results.json got (rank 0)
         super().__init__(f"health check '{name}' failed at step {step}: {detail}")

@@ -17,7 +17,7 @@ def train_recording_stops(train, cfg) -> dict:
     except HealthStop as exc:
         from rlhflab.trainers.common import write_stopped_results
 
-        write_stopped_results(cfg, exc, time.perf_counter() - t0)
+        exc.results = write_stopped_results(cfg, exc, time.perf_counter() - t0)
         raise
 
 
@@ -42,7 +42,10 @@ def run_config(cfg) -> dict:
     if strategy == "auto":
         strategy = "ddp" if distributed.launched() else "none"
     distributed.setup(strategy, timeout_s=cfg.parallel.timeout_s)
+    from rlhflab.quiet import quiet_transformers
+
     try:
-        return train_recording_stops(trainers[cfg.trainer], cfg)
+        with quiet_transformers():  # transformers' bars and un-actionable FutureWarnings
+            return train_recording_stops(trainers[cfg.trainer], cfg)
     finally:
         release_locks()  # the run directory's lock (also dropped by the OS at process exit)
