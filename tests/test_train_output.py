@@ -3,6 +3,7 @@ progress lines outside a terminal, and no transformers progress bars or FutureWa
 user cannot act on."""
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -105,3 +106,27 @@ def test_train_prints_a_summary_and_progress_lines_off_a_terminal(tmp_path):
     for noise in ("Writing model shards", "Loading weights", "FutureWarning", "past_key_values"):
         assert noise not in out.stderr, noise
     assert Path(final["model_dir"]).is_dir()
+
+
+def test_quiet_transformers_does_not_import_transformers_and_applies_on_import(tmp_path):
+    # A command that fails on its config stays fast: quieting imports neither transformers nor
+    # torch; imported later inside the context, transformers gets the quiet settings at once.
+    (tmp_path / "bad.yaml").write_text("trainer: sft\nbogus: 1\n")
+    code = (
+        "import sys\n"
+        "from rlhflab.cli import main\n"
+        f"assert main(['train', {str(tmp_path / 'bad.yaml')!r}]) == 2\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+        "from rlhflab.quiet import quiet_transformers\n"
+        "with quiet_transformers():\n"
+        "    from transformers.utils import logging as hf_logging\n"
+        "    print(hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity())\n"
+        "print(hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity())\n"
+    )
+    drop = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")  # transformers' defaults
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["[]", "False 40", "True 30"]  # ERROR, then WARNING

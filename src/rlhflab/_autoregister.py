@@ -14,6 +14,9 @@ and transformers' modelling code (seconds), so `import rlhflab` does not import 
 
 `import rlhflab` itself imports only the standard library. A registration that fails (a broken
 torch install) is a warning, never an error inside the user's `import transformers`.
+
+`when_imported(fn)` lets other code (`rlhflab.quiet`) act on transformers without importing it:
+`fn` runs right away if transformers is imported, else from the same hook.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import warnings
 
 _TARGET = "transformers"
+_CALLBACKS: list = []  # when_imported: run once, after transformers/__init__.py
 
 
 def register_models() -> None:
@@ -62,7 +66,35 @@ class _Loader:
                 spec.loader = self.loader
             if getattr(module, "__loader__", None) is self:
                 module.__loader__ = self.loader
+        _run_callbacks()
         _register_quietly()
+
+
+def _run_callbacks() -> None:
+    while _CALLBACKS:
+        fn = _CALLBACKS.pop(0)
+        try:
+            fn()
+        except Exception as exc:  # never break the user's own `import transformers`
+            warnings.warn(f"rlhflab: {fn!r} failed after transformers' import: {exc}", stacklevel=2)
+
+
+def when_imported(fn) -> object:
+    """Call `fn()` once transformers is imported: now if it is, else right after its first
+    import (the hook of `install`). Returns a token for `cancel`."""
+    if _TARGET in sys.modules:
+        fn()
+        return fn
+    _CALLBACKS.append(fn)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    return fn
+
+
+def cancel(token: object) -> None:
+    """Drop a `when_imported` callback that has not run yet (nothing if it has)."""
+    if token in _CALLBACKS:
+        _CALLBACKS.remove(token)
 
 
 class _Finder:

@@ -30,32 +30,47 @@ def quiet_transformers():
     """Context manager: transformers' progress bars off and its logging at ERROR for the
     duration, and the FutureWarnings in `UNACTIONABLE_FUTURE_WARNINGS` ignored; the previous
     settings (verbosity, progress bars, warning filters) are restored on exit. Nested use is
-    fine. Without transformers installed, only the warning filters apply."""
-    try:
+    fine. It does not import transformers (seconds, with torch): when transformers is not
+    imported yet, the settings are applied right after its first import
+    (`rlhflab._autoregister.when_imported`), so a command that fails before loading a model
+    stays fast."""
+    from rlhflab import _autoregister
+
+    saved: dict = {}
+
+    def apply() -> None:
         from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        hf_logging = None
+
+        saved.update(
+            verbosity=hf_logging.get_verbosity(),
+            bars=hf_logging.is_progress_bar_enabled(),
+            hub_bars_off=_hub_bars_disabled(),
+        )
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
     with warnings.catch_warnings():
         for pattern in UNACTIONABLE_FUTURE_WARNINGS:
             warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
-        if hf_logging is None:
-            yield
-            return
-        verbosity = hf_logging.get_verbosity()
-        bars = hf_logging.is_progress_bar_enabled()
-        hub_bars_off = _hub_bars_disabled()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        token = _autoregister.when_imported(apply)
         try:
             yield
         finally:
-            hf_logging.set_verbosity(verbosity)
-            if bars:
-                with warnings.catch_warnings():  # the hub warns when its env var disables bars
-                    warnings.simplefilter("ignore")
-                    hf_logging.enable_progress_bar()
-                if hub_bars_off:
-                    _disable_hub_bars()
+            _autoregister.cancel(token)
+            if saved:
+                _restore(saved)
+
+
+def _restore(saved: dict) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity(saved["verbosity"])
+    if saved["bars"]:
+        with warnings.catch_warnings():  # the hub warns when its env var disables bars
+            warnings.simplefilter("ignore")
+            hf_logging.enable_progress_bar()
+        if saved["hub_bars_off"]:
+            _disable_hub_bars()
 
 
 def _hub_bars_disabled() -> bool:
