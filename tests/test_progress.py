@@ -77,3 +77,14 @@ def test_plain_line_format():
     assert tracking.plain_line("sft", 0, 10, {"eval/accuracy": 0.25}, ("eval/accuracy",), 3.0) == (
         "sft step 0/10  eval/accuracy=0.25  elapsed 0:00:03"
     )
+
+
+def test_a_disabled_tracker_prints_nothing(monkeypatch, tmp_path):
+    # data-parallel ranks other than 0 hold a disabled tracker: print / log / close are no-ops
+    out = io.StringIO()
+    monkeypatch.setattr(tracking, "console", Console(file=out, force_terminal=False))
+    tracker = Tracker(tmp_path, total_steps=2, headline=("train/loss",), enabled=False)
+    tracker.print("run directory: x")
+    tracker.log(1, {"train/loss": 1.0})
+    tracker.close()
+    assert out.getvalue() == "" and not (tmp_path / "metrics.jsonl").exists()

@@ -191,6 +191,8 @@ class Tracker:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.progress = None
+        self.plain = False  # outside a terminal: one printed line per logged step (below)
+        self.total_steps, self.description = total_steps, description
         self._wandb = self._tb = self._trackio = None
         self._wandb_mod = self._wandb_id = None
         self._trackio_run: dict | None = None
@@ -221,9 +223,6 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
-        self.progress = None
-        self.plain = False  # one printed line per logged step instead of a live bar
-        self.total_steps, self.description = total_steps, description
         if console_enabled and not _live_console():
             self.plain = True
         elif console_enabled:
