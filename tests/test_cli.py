@@ -417,7 +417,8 @@ def test_train_ends_with_the_next_command(tmp_path, capsys):
     argv += ["train.micro_batch_size=8", "eval.n=0", "tracking.console=false", f"run.root={root}"]
     assert main(argv) == 0
     captured = capsys.readouterr()
-    model_dir = json.loads(captured.out)["model_dir"]
+    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    model_dir = json.loads((run_dir / "final_results.json").read_text())["model_dir"]
     last = captured.err.strip().splitlines()[-1]
     assert last.startswith(
         f"next: rlhflab train configs/pg/grpo.yaml model.name_or_path={model_dir}"

@@ -226,3 +226,19 @@ def test_params_frozen_on_a_model(tiny_model):
     with torch.no_grad():
         next(tiny_model.parameters()).add_(1e-3)
     assert h.check(2, {})["health/params_frozen"] == 0.0
+
+
+def test_summary_counts_only_the_checks_that_had_inputs():
+    # SFT-like metrics (no rollout, advantages, KL or reward) and evaluations without a
+    # training signal: only the loss and gradient checks apply; reward_hacking does not.
+    h = _monitor([], window=3)
+    for s in range(1, 5):
+        h.check(s, {"train/loss": 1.0 / s, "optim/grad_norm": 0.5})
+        h.observe_eval(s, {"accuracy": 0.5 - 0.1 * s, "accuracy_stderr": 0.01})
+    s = h.summary()
+    assert s["ok"]
+    assert s["checked"] == ["nonfinite", "grad_norm_zero", "grad_norm_exploding", "loss_flat"]
+    # survives a checkpoint round trip
+    again = _monitor([], window=3)
+    again.load(h.state())
+    assert again.summary()["checked"] == s["checked"]

@@ -107,10 +107,11 @@ def test_resumed_sft_run_continues_the_same_wandb_and_trackio_runs(tmp_path, mon
     init = calls_w[0][1]
     assert (init["project"], init["tags"], init["group"]) == ("study", ["sft", "tiny"], "g1")
     assert init["name"] == run_dir.name and "id" not in init
-    assert sorted({c[1] for c in calls_w if c[0] == "log"}) == [1, 2, 3, 4]
+    # step 0: the held-out evaluation before training (SFT evaluates at step 0, issue 23)
+    assert sorted({c[1] for c in calls_w if c[0] == "log"}) == [0, 1, 2, 3, 4]
     assert calls_w[-1] == ("finish",)
     assert calls_t[0][1]["name"] == run_dir.name and "resume" not in calls_t[0][1]
-    assert sorted({c[1] for c in calls_t if c[0] == "log"}) == [1, 2, 3, 4]
+    assert sorted({c[1] for c in calls_t if c[0] == "log"}) == [0, 1, 2, 3, 4]
     ckpt = run_dir / "checkpoints" / "step-00000002"
     saved = json.loads((ckpt / "state.json").read_text())["stateful"]["tracker"]
     assert saved == {"wandb_id": "run0", "trackio": {"project": "rlhflab", "name": run_dir.name}}

@@ -78,7 +78,14 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from rlhflab import distributed, faults
 from rlhflab.errors import CheckpointError, ConfigError, DiskFullError, Interrupted
 from rlhflab.models.lora import is_lora, load_trainable_state, trainable_state
-from rlhflab.runs import is_run_of, redact_json, redact_obj, write_json_atomic
+from rlhflab.runs import (
+    decode_nonfinite,
+    encode_nonfinite,
+    is_run_of,
+    redact_json,
+    redact_obj,
+    write_json_atomic,
+)
 
 CHECKPOINTS = "checkpoints"
 COMMITTED = "COMMITTED"
@@ -327,7 +334,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
     extra = {p.name for p in path.iterdir()} - set(listed) - {MANIFEST, COMMITTED}
     if extra:
         raise CheckpointError(f"checkpoint {path}: unexpected file(s) {sorted(extra)}")
-    state = check_state_schema(path, json.loads((path / STATE).read_text()))
+    state = check_state_schema(
+        path, json.loads((path / STATE).read_text(), object_hook=decode_nonfinite)
+    )
     return Checkpoint(path=path, step=int(state["step"]), state=state, manifest=manifest)
 
 
@@ -606,7 +615,9 @@ class Checkpointer:
                 "file_offsets": offsets,
                 "config": self.config,
             }
-            self._write(tmp, STATE, lambda p: p.write_text(redact_json(full_state)))
+            # NaN / inf (a skipped step's loss) are tagged, not nulled: resuming restores them
+            text = redact_json(encode_nonfinite(full_state))
+            self._write(tmp, STATE, lambda p: p.write_text(text))
             files = {
                 p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                 for p in sorted(tmp.iterdir())
@@ -695,7 +706,7 @@ class Checkpointer:
                 close()
             if stop.requested:
                 raise Interrupted(stop.requested, step, saved)
-            halt.checkpoint = saved
+            halt.checkpoint, halt.run_dir = saved, self.run_dir
             raise halt
         faults.hit("step_end", step)
 

@@ -32,10 +32,11 @@ EXIT_USER_ERROR = 2
 
 
 def _dumps(results: dict) -> str:
-    """Results as JSON for stdout, secrets redacted in string values."""
-    from rlhflab.runs import redact_obj
+    """Results as JSON for stdout, secrets redacted in string values, NaN / inf as null with a
+    `<key>_note` (`rlhflab.runs.to_json`)."""
+    from rlhflab.runs import to_json
 
-    return json.dumps(redact_obj(results), indent=2, default=str)
+    return to_json(results, indent=2, default=str)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +91,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_start_model(cfg)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
-        print(_dumps(results))
+        _print_summary(results)
     _print_next(next_command(cfg, results))
     return 0
 
@@ -99,6 +100,16 @@ def _print_next(hint: str | None) -> None:
     """Print the next-command hint (`rlhflab.next_steps`) on stderr, on rank 0 only."""
     if hint and os.environ.get("RANK", "0") == "0":
         print(hint, file=sys.stderr)
+
+
+def _print_summary(results: dict) -> None:
+    """A few lines on stdout (`rlhflab.summary.summary_lines`, secrets redacted); the full
+    results are in the run's final_results.json."""
+    from rlhflab.runs import redact
+    from rlhflab.summary import summary_lines
+
+    for line in summary_lines(results):
+        print(redact(line))
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
@@ -160,7 +171,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             seed=args.seed,
             engine=args.engine,
         )
-        print(json.dumps(results, indent=2))
+        print(_dumps(results))
         return 0
     results = run_eval_command(
         args.model,
@@ -213,7 +224,7 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
     from rlhflab.pipeline import run_pipeline
 
     results = run_pipeline(args.pipeline, overrides=args.overrides, root=args.root)
-    print(json.dumps(results, indent=2))
+    print(_dumps(results))
     return 0
 
 
@@ -606,16 +617,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.argv = argv
+    from rlhflab.quiet import quiet_transformers
+
     try:
-        return args.func(args)
+        with quiet_transformers():  # transformers' bars and un-actionable FutureWarnings
+            return args.func(args)
     except Interrupted as exc:
         _say(f"interrupted: {exc}; continue with --resume")
         return exc.exit_code
     except HealthStop as exc:
         print(
-            f"health: {exc}; stopped (health.on_fail: stop), checkpoint {exc.checkpoint}",
+            f"health: {exc}; stopped (health.on_fail: stop), checkpoint {exc.checkpoint}"
+            + (f"; results in {exc.run_dir}/final_results.json" if exc.run_dir else ""),
             file=sys.stderr,
         )
+        if getattr(exc, "results", None) and os.environ.get("RANK", "0") == "0":
+            _print_summary(exc.results)
         return exc.exit_code
     except PeerRefused:  # under torchrun: rank 0 refused to start and prints why
         _after_shared_refusal()

@@ -81,4 +81,7 @@ class HealthStop(Exception):
     def __init__(self, name: str, step: int, detail: str) -> None:
         self.name, self.step, self.detail = name, step, detail
         self.checkpoint: Path | None = None
+        self.run_dir: Path | None = None  # set with `checkpoint`, by the checkpointer
+        self.health: dict | None = None  # the monitor's summary when it stopped the run
+        self.results: dict | None = None  # what final_results.json got (rank 0)
         super().__init__(f"health check '{name}' failed at step {step}: {detail}")

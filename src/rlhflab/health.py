@@ -450,6 +450,9 @@ class HealthMonitor:
         self.log_vocab = math.log(vocab) if vocab and vocab > 1 else None
         self._halt: HealthStop | None = None
         self._judged_evals: set[int] = set()  # eval steps already judged by reward_hacking
+        # Checks that had their inputs at least once: those that apply to this trainer (SFT has
+        # no rollout, advantages or KL; an RM has no LM head), listed in `summary()["checked"]`.
+        self.ran: set[str] = set()
 
     def observe_eval(self, step: int, result: dict) -> None:
         """Record a held-out evaluation (keys accuracy, accuracy_stderr) for `reward_hacking`,
@@ -462,8 +465,10 @@ class HealthMonitor:
 
     def _heldout_drop(self) -> float | None:
         """> 0 when the newest eval is below the best earlier one by more than max(hacking_drop,
-        2 combined standard errors) while the training reward rose by more than hacking_drop."""
-        if len(self.evals) < 2:
+        2 combined standard errors) while the training reward rose by more than hacking_drop.
+        None (not judged) with fewer than two evaluations, or when no evaluation has a training
+        signal to compare (SFT and RM push up none: `training_signal`)."""
+        if len(self.evals) < 2 or all(e[3] is None for e in self.evals):
             return None
         *earlier, (_, acc, se, reward) = self.evals
         _, best, best_se, best_reward = max(earlier, key=lambda e: e[1])
@@ -554,6 +559,7 @@ class HealthMonitor:
             if value is None:
                 continue
             value = float(value)
+            self.ran.add(c.name)
             bad = c.fails(value, cfg)
             self.streak[c.name] = self.streak[c.name] + 1 if bad else 0
             failing = bad and (not c.sustained or self.streak[c.name] >= cfg.patience)
@@ -592,6 +598,7 @@ class HealthMonitor:
             "signal": list(self.signal),
             "evals": self.evals,
             "judged_evals": sorted(self._judged_evals),
+            "ran": sorted(self.ran),
         }
 
     def load(self, state: dict) -> None:
@@ -605,23 +612,35 @@ class HealthMonitor:
         self.signal.extend(state["signal"] if "signal" in state else state["rewards"])
         self.evals = [tuple(e) for e in state["evals"]]
         self._judged_evals = set(state["judged_evals"])
+        self.ran = set(state.get("ran", ()))  # checkpoints before "ran": the checks re-run
         if self._params is not None:
             self._params = _param_sample(self.model)
 
     def halt(self) -> HealthStop | None:
-        """The HealthStop to raise after this step's checkpoint (on_fail "stop"), else None."""
+        """The HealthStop to raise after this step's checkpoint (on_fail "stop"), else None; it
+        carries the summary so far (`health`) for the stopped run's final_results.json."""
+        if self._halt is not None:
+            self._halt.health = self._report()
         return self._halt
 
     def summary(self) -> dict:
         """{"ok": bool, "failed": {name: {first_step, count, value}}, "checked": [names]} for
-        final_results.json; `count` is the number of steps the check failed. The final held-out
-        evaluation (after the last step) is judged here for `reward_hacking`."""
+        final_results.json; `count` is the number of steps the check failed. `checked` lists the
+        enabled checks that apply to this run, i.e. that had their inputs on at least one step
+        (SFT: the loss, gradient, parameter and sampled-softmax checks; not the rollout,
+        advantage, KL or reward checks), in `CHECKS` order. The final held-out evaluation (after
+        the last step) is judged here for `reward_hacking`."""
         hacking = CHECKS["reward_hacking"]
         drop = self._heldout_drop()
+        if hacking in self.checks and drop is not None:
+            self.ran.add(hacking.name)
         if hacking in self.checks and drop and self.evals[-1][0] not in self._judged_evals:
             self._record(hacking, self.evals[-1][0], drop)
+        return self._report()
+
+    def _report(self) -> dict:
         return {
             "ok": not self.failures,
             "failed": {k: dict(v) for k, v in self.failures.items()},
-            "checked": [c.name for c in self.checks],
+            "checked": [c.name for c in self.checks if c.name in self.ran],
         }

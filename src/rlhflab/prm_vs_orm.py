@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 
@@ -49,7 +48,7 @@ def run_prm_vs_orm(
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.reward_model import RewardModelScorer
     from rlhflab.rewards.verifier import Verifier
-    from rlhflab.runs import create_run_dir
+    from rlhflab.runs import create_run_dir, to_json
     from rlhflab.trainers import run_config
 
     t0 = time.perf_counter()
@@ -88,7 +87,7 @@ def run_prm_vs_orm(
                     "prompt": p.question,
                     "completion": solution_text(steps, f"<answer>{p.answer}</answer>"),
                 }
-                fh.write(json.dumps(row) + "\n")
+                fh.write(to_json(row) + "\n")
         sft = run_config(
             config_from_dict(
                 {
@@ -186,5 +185,5 @@ def run_prm_vs_orm(
         "out_dir": str(out_dir),
     }
     with open(out_dir / "prm_vs_orm.json", "w") as fh:
-        json.dump(summary, fh, indent=2, default=str)
+        fh.write(to_json(summary, indent=2, default=str) + "\n")
     return summary

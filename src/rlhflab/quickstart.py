@@ -61,7 +61,7 @@ def run_quickstart(
     *, fast: bool = False, root: str = "runs", overrides: list[str] | None = None
 ) -> dict:
     """Run the whole job; returns the final results (also written to final_results.json)."""
-    from rlhflab.trainers import policy_gradient, sft
+    from rlhflab.trainers import policy_gradient, sft, train_recording_stops
 
     t0 = time.perf_counter()
     name = "quickstart-fast" if fast else "quickstart"
@@ -70,7 +70,7 @@ def run_quickstart(
     run_dir = create_run_dir(root, name)
     sft_cfg, grpo_cfg = build_configs(fast=fast, root=run_dir, overrides=overrides)
 
-    sft_results = sft.train(sft_cfg)
+    sft_results = train_recording_stops(sft.train, sft_cfg)
     grpo_cfg = grpo_cfg.model_copy(
         update={
             "model": grpo_cfg.model.model_copy(update={"name_or_path": sft_results["model_dir"]})
@@ -78,7 +78,7 @@ def run_quickstart(
     )
     write_yaml_atomic(run_dir / "grpo_config.yaml", grpo_cfg.model_dump(mode="json"))
     write_yaml_atomic(run_dir / "sft_config.yaml", sft_cfg.model_dump(mode="json"))
-    rl_results = policy_gradient.train(grpo_cfg)
+    rl_results = train_recording_stops(policy_gradient.train, grpo_cfg)
 
     acc_sft = rl_results["heldout_accuracy_before"]
     acc_rl = rl_results["heldout_accuracy"]

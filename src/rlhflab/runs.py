@@ -12,6 +12,7 @@ Layout of a finished run:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -125,9 +126,90 @@ def redact_obj(obj: Any) -> Any:
     return walk(obj)
 
 
+#: Why a value is null, written beside it (`<key>_note`) where the value was NaN or ±inf.
+NONFINITE_NOTES = {
+    "nan": "undefined (NaN): nothing to compute it from, e.g. a mean, accuracy or standard error "
+    "over too few items, an AUC with one class absent, or a non-finite loss",
+    "inf": "infinite (+inf): the value overflowed or divided by zero",
+    "-inf": "infinite (-inf): the value overflowed or divided by zero",
+}
+
+
+def _nonfinite_kind(x: Any) -> str | None:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if x != x else ("inf" if x > 0 else "-inf")
+    return None
+
+
+def finite_json(obj: Any) -> Any:
+    """A copy of a JSON-like object in which no float is NaN or ±inf: each such value becomes
+    None, and in a dict, key `k` then gets a neighbour `k + "_note"` saying why (from
+    `NONFINITE_NOTES`, unless the dict already has that key: a writer that knows the reason
+    sets it). A list holding such values gets the note under its own key:
+    `"xs": [0.5, null], "xs_note": "null entries: undefined (NaN): ..."`.
+
+    JSON has no NaN or Infinity: `json.dumps` writes the bare tokens `NaN` / `Infinity`, which
+    are not JSON and which most readers (jq, JavaScript, strict parsers) reject.
+    """
+
+    def walk(x: Any) -> tuple[Any, str | None]:  # (copy, note when x held a non-finite float)
+        kind = _nonfinite_kind(x)
+        if kind is not None:
+            return None, NONFINITE_NOTES[kind]
+        if isinstance(x, dict):
+            out: dict = {}
+            notes: dict = {}
+            for k, v in x.items():
+                out[k], note = walk(v)
+                if note is not None and isinstance(k, str) and f"{k}_note" not in x:
+                    notes[f"{k}_note"] = note
+            for k, note in notes.items():
+                out[k] = note
+            return out, None
+        if isinstance(x, list | tuple):
+            items = [walk(v) for v in x]
+            note = next((n for _, n in items if n is not None), None)
+            return [v for v, _ in items], (None if note is None else f"null entries: {note}")
+        return x, None
+
+    return walk(obj)[0]
+
+
+def to_json(obj: Any, **dumps_kwargs) -> str:
+    """The one way rlhflab serialises JSON into files: secrets redacted in string values
+    (`redact_obj`), NaN / ±inf written as null with a `<key>_note` beside them
+    (`finite_json`), and `allow_nan=False`, so a non-finite number that slipped past raises
+    ValueError instead of writing invalid JSON."""
+    return json.dumps(finite_json(redact_obj(obj)), allow_nan=False, **dumps_kwargs)
+
+
+_FLOAT_TAG = "__nonfinite_float__"
+
+
+def encode_nonfinite(obj: Any) -> Any:
+    """A copy of a JSON-like object with each NaN / ±inf float replaced by the object
+    `{"__nonfinite_float__": "nan" | "inf" | "-inf"}`: for state that must round-trip exactly
+    (checkpoint state.json, read back with `json.loads(text, object_hook=decode_nonfinite)`)."""
+    kind = _nonfinite_kind(obj)
+    if kind is not None:
+        return {_FLOAT_TAG: kind}
+    if isinstance(obj, dict):
+        return {k: encode_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [encode_nonfinite(v) for v in obj]
+    return obj
+
+
+def decode_nonfinite(d: dict) -> Any:
+    """`json.loads` object_hook undoing `encode_nonfinite`."""
+    if len(d) == 1 and _FLOAT_TAG in d:
+        return float(d[_FLOAT_TAG])
+    return d
+
+
 def redact_json(obj: Any, **dumps_kwargs) -> str:
-    """`json.dumps` of `redact_obj(obj)`."""
-    return json.dumps(redact_obj(obj), **dumps_kwargs)
+    """`to_json` (secrets redacted, no NaN / Infinity); kept under its old name."""
+    return to_json(obj, **dumps_kwargs)
 
 
 def is_run_of(dirname: str, name: str) -> bool:
@@ -191,7 +273,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Atomic write of `obj` as pretty JSON, secrets redacted in string values only."""
+    """Atomic write of `obj` as pretty JSON (`to_json`: secrets redacted in string values only,
+    NaN / ±inf as null with a `<key>_note`)."""
     _write_atomic(path, redact_json(obj, indent=2, sort_keys=False) + "\n")
 
 

@@ -1,8 +1,11 @@
 """One `.log(step, metrics)` for every sink: metrics.jsonl (always), the console, and optionally
 Weights & Biases, trackio or TensorBoard (imported lazily, only when enabled).
 
-The console shows a progress bar with ETA and a few headline metrics; every metric of every step
-goes to `metrics.jsonl` as one JSON object per line: {"step": int, "time_s": float, ...}.
+The console shows a progress bar with ETA and a few headline metrics on a terminal; outside one
+(CI, `nohup`, a pipe, a log file) it prints one plain line per logging interval instead
+(`plain_line`: step, headline metrics, elapsed, ETA), so a log shows progress while the run goes.
+Every metric of every step goes to `metrics.jsonl` as one JSON object per line:
+{"step": int, "time_s": float, ...}.
 
 wandb and trackio: the options of `tracking.wandb` / `tracking.trackio` (project, entity, group,
 tags, name) go to `init`; an option left unset is not passed, so wandb's own WANDB_* variables
@@ -33,10 +36,9 @@ console = Console(stderr=True)
 
 
 def _jsonable(value: Any) -> Any:
+    # NaN / inf stay floats here: metrics.jsonl gets null and a `<key>_note` (runs.to_json)
     if hasattr(value, "item"):
         value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # json has no NaN/inf; keep them visible as strings
     return value
 
 
@@ -189,6 +191,8 @@ class Tracker:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.progress = None
+        self.plain = False  # outside a terminal: one printed line per logged step (below)
+        self.total_steps, self.description = total_steps, description
         self._wandb = self._tb = self._trackio = None
         self._wandb_mod = self._wandb_id = None
         self._trackio_run: dict | None = None
@@ -219,8 +223,9 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
-        self.progress = None
-        if console_enabled:
+        if console_enabled and not _live_console():
+            self.plain = True
+        elif console_enabled:
             self.progress = Progress(
                 *_bar_columns(),
                 TextColumn("{task.fields[info]}"),
@@ -277,15 +282,21 @@ class Tracker:
         row.update({k: _jsonable(v) for k, v in metrics.items()})
         self.file.write(redact_json(row) + "\n")
         self.file.flush()
-        numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
+        numbers = {k: v for k, v in row.items() if isinstance(v, int | float) and math.isfinite(v)}
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
         if self._trackio is not None:
             self._trackio.log(numbers, step=step)
         if self._tb is not None:
             for k, v in row.items():
-                if isinstance(v, int | float) and k != "step":
+                if isinstance(v, int | float) and math.isfinite(v) and k != "step":
                     self._tb.add_scalar(k, v, step)
+        if self.plain and any(k in row for k in self.headline):
+            line = plain_line(
+                self.description, step, self.total_steps, row, self.headline, row["time_s"]
+            )
+            console.file.write(line + "\n")
+            console.file.flush()
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """Rollout samples of `step` (prompt, completion, reward, ...) as a table named
@@ -309,9 +320,12 @@ class Tracker:
         self.progress.update(self.task, completed=step, info=" ".join(shown))
 
     def print(self, message: str) -> None:
-        """A line on the console above the progress bar."""
+        """A line on the console above the progress bar (outside a terminal: a plain line)."""
         if self.progress is not None:
             self.progress.console.print(message)
+        elif self.plain:
+            console.file.write(message + "\n")
+            console.file.flush()
 
     def warn(self, message: str) -> None:
         """A warning line: on the console above the progress bar, or on stderr when the console
@@ -349,6 +363,40 @@ class Tracker:
 _LIVE: list[Progress] = []
 
 
+def _live_console() -> bool:
+    """Whether the console can draw a live progress bar (an interactive terminal)."""
+    return console.is_terminal and not console.is_dumb_terminal
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def plain_line(
+    description: str,
+    step: int,
+    total: int,
+    row: dict[str, Any],
+    headline: tuple[str, ...],
+    elapsed_s: float,
+) -> str:
+    """The line printed per logged step outside a terminal, e.g.
+    `sft step 20/130  train/loss=0.912  elapsed 0:00:14  eta 0:01:17`: the headline metrics in
+    `row` (numbers to 4 significant digits, others as they are), the time since the tracker
+    started and a linear ETA (elapsed / step × steps left; none at step 0)."""
+    parts = [f"{description} step {step}/{total}"]
+    for key in headline:
+        if key in row:
+            v = row[key]
+            shown = f"{v:.4g}" if isinstance(v, float) else str(v)
+            parts.append(f"{key}={shown}")
+    parts.append(f"elapsed {_duration(elapsed_s)}")
+    if 0 < step < total:
+        parts.append(f"eta {_duration(elapsed_s / step * (total - step))}")
+    return "  ".join(parts)
+
+
 class _Bar:
     """The handle `phase` yields: `advance(n)` moves its bar (nothing when there is none)."""
 
@@ -368,7 +416,7 @@ def progress_wanted() -> bool:
 
     if os.environ.get("RLHFLAB_PROGRESS", "1") == "0":
         return False
-    return console.is_terminal and not console.is_dumb_terminal and distributed.is_main()
+    return _live_console() and distributed.is_main()
 
 
 def _bar_columns() -> tuple:

@@ -162,3 +162,15 @@ def test_template_is_used_as_is_for_task_and_dataset_rows(tiny_tokenizer):
     assert t.train[0].columns["answer"] == t.train[0].problem.answer
     with pytest.raises(DataError, match=r"data\.template: row 0 has a conversational prompt"):
         load_prompt_source(_data(path=f"{FIX}/conversational.jsonl", template=template))
+
+
+def test_heldout_prompt_equal_to_a_training_prompt_up_to_case_is_dropped(tmp_path):
+    train = tmp_path / "train.jsonl"
+    test = tmp_path / "test.jsonl"
+    train.write_text("".join(json.dumps({"q": q}) + "\n" for q in ["Spell bird", "Add 2 and 3"]))
+    held = ["SPELL  BIRD", "Add 2 and 3\u00a0", "spell fish", "Spell Fish"]
+    test.write_text("".join(json.dumps({"q": q}) + "\n" for q in held))
+    s = load_prompt_dataset(_data(path=str(train), prompt_column="q", heldout_path=str(test)))
+    # rows 0 and 1 are training prompts up to case / whitespace; row 3 repeats row 2
+    assert s.n_heldout_overlap_dropped == 2 and s.n_heldout_internal_dupes_dropped == 1
+    assert [r.prompt for r in s.heldout] == ["spell fish"]

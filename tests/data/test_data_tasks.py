@@ -3,7 +3,7 @@
 import pytest
 import reasoning_gym
 
-from rlhflab.data.tasks import Problem, make_splits, make_task_dataset, score_answer
+from rlhflab.data.tasks import Problem, dedup_key, make_splits, make_task_dataset, score_answer
 from rlhflab.errors import ConfigError, DataError
 
 # 2 terms of 1 digit joined by + or -: at most 10 * 10 * 2 = 200 distinct questions.
@@ -106,6 +106,45 @@ def test_splits_drop_heldout_questions_seen_in_training():
     assert kept == held_q
     assert splits.n_heldout_overlap_dropped == overlap > 0
     assert splits.n_heldout_internal_dupes_dropped == dupes
+
+
+def test_dedup_key_normalises_case_whitespace_and_unicode_forms():
+    assert dedup_key("  Spell  this\tword:\nBIRD ") == "spell this word: bird"
+    # NFKC: full-width letters and the "fi" ligature become their plain forms; non-breaking
+    # space is whitespace; German sharp s case-folds to "ss".
+    assert dedup_key("\uff22ird\u00a0\ufb01sh Stra\u00dfe") == "bird fish strasse"
+    assert dedup_key("bird") != dedup_key("bard")
+
+
+def test_heldout_drops_questions_that_differ_from_training_only_by_case():
+    # spell_backward draws capitalised and lower-case forms of the same word: at these sizes
+    # exact-match deduplication kept 3 held-out words whose question is a training question
+    # up to case ("... : Bird" vs "... : bird").
+    splits = make_splits(
+        "spell_backward",
+        config={"min_word_len": 3, "max_word_len": 5},
+        n_train=2000,
+        n_heldout=200,
+        seed=0,
+    )
+    train_q = {p.question.casefold() for p in splits.train}
+    assert len(splits.heldout) == 200
+    assert not [p.question for p in splits.heldout if p.question.casefold() in train_q]
+    # The count reported counts those drops too: recount with a naive loop.
+    ds = reasoning_gym.create_dataset(
+        "spell_backward", size=1000, seed=10**9, min_word_len=3, max_word_len=5
+    )
+    train_norm = {" ".join(q.split()) for q in train_q}
+    kept, overlap, i = [], 0, 0
+    while len(kept) < 200:
+        q = " ".join(ds[i]["question"].split()).casefold()
+        i += 1
+        if q in train_norm:
+            overlap += 1
+        elif q not in kept:
+            kept.append(q)
+    assert kept == [" ".join(p.question.split()).casefold() for p in splits.heldout]
+    assert splits.n_heldout_overlap_dropped == overlap
 
 
 def test_splits_are_deterministic():

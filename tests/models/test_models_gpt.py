@@ -166,3 +166,55 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         m(x).logits.logsumexp(-1).sum().backward()
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=0)
+
+
+_LOAD_IN_FRESH_PROCESS = """
+import sys
+{first}
+from transformers import AutoModelForCausalLM
+import torch
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+x = torch.load(sys.argv[2])
+torch.save(model(x).logits, sys.argv[3])
+print(type(model).__name__)
+"""
+
+
+@pytest.mark.parametrize("first", ["import rlhflab", "import transformers; import rlhflab"])
+def test_saved_gpt_loads_with_plain_auto_class_after_import_rlhflab(
+    tmp_path, tiny_tokenizer, first
+):
+    # A fresh interpreter that imports rlhflab (before or after transformers), never
+    # rlhflab.models.gpt, loads a saved GPT with plain AutoModelForCausalLM.from_pretrained.
+    import subprocess
+    import sys
+
+    from rlhflab.models.build import save_pretrained
+
+    model = build_model(tiny_tokenizer, size="tiny", arch="gpt", max_position_embeddings=64).eval()
+    save_pretrained(model, tiny_tokenizer, tmp_path / "model")
+    x = torch.randint(0, model.config.vocab_size, (2, 7))
+    torch.save(x, tmp_path / "x.pt")
+    code = _LOAD_IN_FRESH_PROCESS.format(first=first)
+    args = [str(tmp_path / "model"), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "GPTForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model(x).logits, atol=0, rtol=0)
+    # The model card says what to import.
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "import rlhflab" in card and "rlhflab_gpt" in card
+
+
+def test_import_rlhflab_stays_light():
+    # `import rlhflab` registers the GPT lazily: it imports neither torch nor transformers.
+    import subprocess
+    import sys
+
+    code = "import sys, rlhflab; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

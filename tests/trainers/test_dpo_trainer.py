@@ -332,3 +332,55 @@ def test_compare_grpo_beside_dpo(sft_model_dir, tmp_path):
         assert results["presets"][name]["heldout_accuracy"][0] is not None
     table = (Path(res["out_dir"]) / "comparison.md").read_text()
     assert "| grpo | policy_gradient: " in table and "| dpo | direct_alignment: " in table
+
+
+class _FakeVerifier:
+    """Scores completions 1, 0, 1, 0, ... (binary) or 0.5 each (partial)."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def score_batch(self, texts, rows):
+        if self.reward == "partial":
+            return [0.5] * len(texts)
+        return [float(i % 2 == 0) for i in range(len(texts))]
+
+
+@pytest.mark.parametrize(
+    ("reward", "components", "key", "value"),
+    [
+        ("binary", None, "sample_accuracy", 0.5),  # 1, 0, 1, 0, ...: half correct
+        ("partial", None, "sample_verifier_score_mean", 0.5),
+        ("binary", "rm", "sample_reward_mean", 0.25),  # the components' total, 0.25 each
+    ],
+)
+def test_pair_sampling_names_the_mean_label_for_what_it_is(
+    tiny_model, tiny_tokenizer, monkeypatch, reward, components, key, value
+):
+    # A reward model's (or any reward components') mean score is a mean reward, not an accuracy.
+    import random
+    from types import SimpleNamespace
+
+    from rlhflab.data.tasks import make_splits
+    from rlhflab.trainers import direct_alignment
+
+    monkeypatch.setattr(
+        direct_alignment,
+        "score_components",
+        lambda comps, supplied, **kw: (torch.full((len(supplied["texts"]),), 0.25), {}),
+    )
+    problems = make_splits(
+        "chain_sum", config={"min_terms": 2, "max_terms": 2}, n_train=3, n_heldout=0
+    ).train
+    vcfg = SimpleNamespace(
+        samples_per_prompt=4, max_new_tokens=3, temperature=1.0, chosen="sampled",
+        reward=[object()] if components else None,
+    )  # fmt: skip
+    _, counts = direct_alignment.verifiable_pairs(
+        tiny_model, tiny_tokenizer, problems, _FakeVerifier(reward), vcfg,
+        SimpleNamespace(answer_format="plain"), generator=torch.Generator().manual_seed(0),
+        rng=random.Random(0), chunk=8, autocast_dtype=None,
+    )  # fmt: skip
+    names = {"sample_accuracy", "sample_verifier_score_mean", "sample_reward_mean"}
+    assert names & set(counts) == {key}
+    assert counts[key] == value

@@ -270,7 +270,22 @@ def test_on_fail_stop_commits_a_checkpoint_and_raises(tmp_path, monkeypatch):
     (run_dir,) = list(tmp_path.glob("sft-*"))
     assert [p.name for p in committed_checkpoints(run_dir)] == [exc.checkpoint.name]
     assert exc.checkpoint.name.endswith("00000003")
-    assert not (run_dir / "final_results.json").exists()
+    # The stopped run still has its results and plots (issue 23).
+    final = json.loads((run_dir / "final_results.json").read_text())
+    assert final["status"] == "stopped_by_health"
+    assert final["failed_checks"] == ["params_frozen"]
+    assert final["stopped_by"]["check"] == "params_frozen" and final["stopped_by"]["step"] == 3
+    assert final["steps"] == 3 and final["checkpoint"] == str(exc.checkpoint)
+    assert final["health"]["failed"]["params_frozen"]["first_step"] == 3
+    assert final["run_dir"] == str(run_dir)
+    assert (run_dir / "plots" / "loss.png").exists()
+    # --resume (the check set to warn) continues and replaces them with the finished run's.
+    monkeypatch.undo()
+    run = {"name": "sft", "root": str(tmp_path), "resume": str(exc.checkpoint)}
+    res = run_config(_sft(tmp_path, steps=10, health={"on_fail": "warn"}, run=run))
+    assert res["run_dir"] == str(run_dir) and res["steps"] == 10
+    final = json.loads((run_dir / "final_results.json").read_text())
+    assert final.get("status") != "stopped_by_health" and final["steps"] == 10
 
 
 def test_on_fail_stop_exit_code_from_the_cli(tmp_path, monkeypatch, capsys):
@@ -304,3 +319,21 @@ def test_checkpoint_every_0_and_save_model_false_write_neither(tmp_path):
     assert committed_checkpoints(run_dir) == []
     assert not (run_dir / "model").exists() and res["model_dir"] is None
     assert (run_dir / "final_results.json").exists()
+
+
+def test_sft_health_summary_lists_only_the_checks_that_apply(tmp_path):
+    # 7 of the checks apply to SFT: loss and gradient checks, parameter change, the sampled
+    # softmax check and the log-probability bound it feeds; none of the rollout checks.
+    res = run_config(_sft(tmp_path, steps=4, health={"window": 3}))
+    checked = res["health"]["checked"]
+    assert checked == [
+        "nonfinite",
+        "prob_sum",
+        "logp_positive",
+        "grad_norm_zero",
+        "grad_norm_exploding",
+        "params_frozen",
+        "loss_flat",
+    ]
+    saved = json.loads(Path(res["run_dir"], "final_results.json").read_text())
+    assert saved["health"]["checked"] == checked

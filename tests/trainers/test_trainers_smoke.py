@@ -147,3 +147,21 @@ def test_sft_micro_batches_match_one_batch(tmp_path):
     wa, wb = _weights(a["model_dir"]), _weights(b["model_dir"])
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0)
+
+
+def test_sft_evaluates_at_step_0_without_changing_training(tmp_path):
+    # SFT evaluates the held-out set before its first step, like the RL trainers; greedy
+    # evaluation draws from no generator, so training is the same as without any evaluation.
+    ev = run_config(_sft_cfg(tmp_path / "eval", steps=4))
+    rows = _rows(ev["run_dir"])
+    first_eval = next(r for r in rows if "eval/accuracy" in r)
+    assert first_eval["step"] == 0 and rows.index(first_eval) < min(
+        i for i, r in enumerate(rows) if "train/loss" in r
+    )
+    assert ev["heldout_accuracy_before"] == first_eval["eval/accuracy"]
+    cfg = _sft_cfg(tmp_path / "no-eval", steps=4)
+    quiet = run_config(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"n": 0})}))
+    assert quiet["heldout_accuracy_before"] is None
+    assert ev["final_loss"] == quiet["final_loss"]  # bit for bit
+    wa, wb = _weights(ev["model_dir"]), _weights(quiet["model_dir"])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

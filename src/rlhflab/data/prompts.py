@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhflab.data.formatting import render_messages, render_prompt, with_instruction
+from rlhflab.data.tasks import dedup_key
 from rlhflab.errors import ConfigError, DataError
 
 Messages = list[dict[str, str]]
@@ -108,10 +109,11 @@ class PromptSplits:
 
 
 def prompt_key(prompt: str | Messages) -> str:
-    """The text two prompts are compared by when deduplicating: stripped contents, roles kept."""
+    """The text two prompts are compared by when deduplicating: each content normalised by
+    `rlhflab.data.tasks.dedup_key` (Unicode NFKC, case-folded, whitespace collapsed), roles kept."""
     if isinstance(prompt, str):
-        return prompt.strip()
-    return json.dumps([[m["role"], m["content"].strip()] for m in prompt])
+        return dedup_key(prompt)
+    return json.dumps([[m["role"], dedup_key(m["content"])] for m in prompt])
 
 
 def render_row(

@@ -6,7 +6,8 @@ Source: reasoning_gym (https://github.com/open-thought/reasoning-gym), 0.1.25. T
 * Item i of a dataset is generated from `Random(seed + i)`, so two datasets whose seeds are closer
   than their sizes share items. Held-out data is drawn from `seed + heldout_seed_offset` (1e9 by
   default) and, because small configurations have small problem spaces anyway, deduplicated
-  against the training questions by text.
+  against the training questions by normalised text (`dedup_key`: Unicode NFKC, case-folded,
+  whitespace collapsed), so "Bird" and "bird" count as the same question.
 * `composite` wants `reasoning_gym.composite.DatasetSpec` objects, not dicts.
 * Some verifiers raise on malformed answers (prime_factorization); scoring through
   `rlhflab.rewards.Verifier` catches that. `Problem.score` is the raw call.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +62,22 @@ class Problem:
 def score_answer(problem: Problem, answer_text: str | None) -> float:
     """Same as `problem.score(answer_text)`."""
     return problem.score(answer_text)
+
+
+_WHITESPACE = re.compile(r"\s+")
+
+
+def dedup_key(text: str) -> str:
+    """The form two questions (or prompts) are compared in when held-out data is deduplicated
+    against training data: Unicode NFKC, case-folded, every run of whitespace one space, no
+    leading or trailing whitespace.
+
+    Questions that differ only by case (spell_backward's "Bird" and "bird"), by spacing or by
+    Unicode compatibility forms (full-width letters, ligatures) test the same skill on what is
+    for the model almost the same input, so a held-out question equal to a training question
+    under this key is not held out. Example: `dedup_key("  Spell  BIRD\u00a0") == "spell bird"`.
+    """
+    return _WHITESPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
 
 
 def dataset_names() -> list[str]:
@@ -221,9 +240,10 @@ class Splits:
         train: `n_train` problems from `train_seed`; may repeat questions (that is the training
             distribution of a small problem space).
         heldout: `n_heldout` problems with distinct questions, none of which occurs in `train`.
-        n_heldout_overlap_dropped: held-out draws dropped because their question is in `train`.
+        n_heldout_overlap_dropped: held-out draws dropped because their question is in `train`
+            (compared by `dedup_key`: NFKC, case-folded, whitespace collapsed).
         n_heldout_internal_dupes_dropped: held-out draws dropped as repeats of an earlier held-out
-            question.
+            question (same comparison).
         train_seed, heldout_seed: the reasoning_gym seeds used.
     """
 
@@ -249,7 +269,8 @@ def make_splits(
 
     Train items are `make_task_dataset(name, seed=seed)[0:n_train]`. Held-out items come from
     `seed + heldout_seed_offset`: draws are taken in index order and a draw is dropped if its
-    stripped question is a training question (counted in `n_heldout_overlap_dropped`) or an earlier
+    question, normalised by `dedup_key` (NFKC, case-folded, whitespace collapsed), is a training
+    question (counted in `n_heldout_overlap_dropped`) or an earlier
     held-out question (`n_heldout_internal_dupes_dropped`), until `n_heldout` are kept.
 
     Args:
@@ -276,7 +297,7 @@ def make_splits(
     if n_train > 0:
         train_ds = make_task_dataset(name, size=n_train, seed=seed, config=config)
         train = problems_from_dataset(train_ds, name)
-    seen = {p.question.strip() for p in train}
+    seen = {dedup_key(p.question) for p in train}
 
     heldout: list[Problem] = []
     n_overlap = n_dupes = 0
@@ -291,7 +312,7 @@ def make_splits(
             while drawn < size and len(heldout) < n_heldout:
                 problem = _problem(ds[drawn], ds, name)
                 drawn += 1
-                q = problem.question.strip()
+                q = dedup_key(problem.question)
                 if q in seen:
                     n_overlap += 1
                 elif q in heldout_questions:

@@ -11,13 +11,13 @@ Ties in RM score are broken by sample order within the subset (which is random).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
 from rlhflab.data.reward_data import sample_and_score
 from rlhflab.eval.accuracy import mean_and_stderr
 from rlhflab.rollout.sampler import pack
+from rlhflab.runs import to_json
 
 
 def selection_curve(
@@ -135,7 +135,7 @@ def write_rejection_sft(
             if (min_score is not None and scores[best] < min_score) or not texts[best].strip():
                 continue
             row = {"prompt": problem.question, "completion": texts[best], "rm_score": scores[best]}
-            fh.write(json.dumps(row) + "\n")
+            fh.write(to_json(row) + "\n")
             rows += 1
     return rows
 
@@ -259,7 +259,7 @@ def run_best_of_n_command(
         os.makedirs(out_dir, exist_ok=True)
         plot_curves(res["curves"], os.path.join(out_dir, "best_of_n.png"))
         with open(os.path.join(out_dir, "best_of_n.json"), "w") as fh:
-            json.dump(summary, fh, indent=2)
+            fh.write(to_json(summary, indent=2) + "\n")
         summary["plot"] = os.path.join(out_dir, "best_of_n.png")
     if write_sft:
         # Rejection sampling writes training data: it draws its own pool from the TRAINING split

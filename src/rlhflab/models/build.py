@@ -141,13 +141,60 @@ def save_pretrained(
     path: str | os.PathLike[str],
     state_dict: dict | None = None,
 ) -> None:
-    """Write `model` (safetensors, config, generation config) and `tokenizer` to directory `path`.
+    """Write `model` (safetensors, config, generation config), `tokenizer` and a model card
+    (README.md, `write_model_card`) to directory `path`.
 
     The directory is created if needed and loads back with `rlhflab.models.load_model` /
-    `load_tokenizer` or plain `AutoModelForCausalLM.from_pretrained`. `state_dict` replaces the
-    model's own (a full state gathered from sharded parameters).
+    `load_tokenizer` or plain `AutoModelForCausalLM.from_pretrained` (for the from-scratch GPT,
+    after `import rlhflab`). `state_dict` replaces the model's own (a full state gathered from
+    sharded parameters).
     """
     os.makedirs(path, exist_ok=True)
     # safetensors is the default (and only format in v5)
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
+    write_model_card(path, model.config, auto_class="AutoModelForCausalLM")
+
+
+def write_model_card(path: str | os.PathLike[str], config, *, auto_class: str) -> None:
+    """Write `<path>/README.md`: what the directory holds and how to load it with plain
+    transformers (`auto_class`, e.g. "AutoModelForCausalLM"). For rlhflab's own GPT
+    (`model_type` "rlhflab_gpt") it says that `import rlhflab` must come first: that import
+    registers the architecture with transformers' Auto classes (`rlhflab._autoregister`)."""
+    from rlhflab import __version__
+
+    model_type = getattr(config, "model_type", "?")
+    arch = ", ".join(getattr(config, "architectures", None) or []) or model_type
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [rlhflab]",
+        "---",
+        "",
+        f"# {arch} saved by rlhflab {__version__}",
+        "",
+    ]
+    load = [
+        "```python",
+        f"from transformers import AutoTokenizer, {auto_class}",
+        "",
+        f'model = {auto_class}.from_pretrained("path/to/this/dir")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/dir")',
+        "```",
+    ]
+    if model_type == GPTConfig.model_type:
+        lines += [
+            "rlhflab's from-scratch GPT (`model.build.arch: gpt`, `model_type` "
+            f'"{GPTConfig.model_type}"). transformers does not know this architecture: '
+            "**`import rlhflab` before loading it** (the import registers it with "
+            "transformers' Auto classes; rlhflab must be installed). Without it, transformers "
+            f"says it does not recognise model type {GPTConfig.model_type}.",
+            "",
+            "```python",
+            "import rlhflab  # registers the rlhflab_gpt architecture",
+            *load[1:],
+        ]
+    else:
+        lines += [f"A standard `{model_type}` model: plain transformers loads it.", "", *load]
+    with open(os.path.join(path, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")

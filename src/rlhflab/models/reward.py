@@ -278,3 +278,6 @@ def save_reward_model(
     model.save_pretrained(path, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    from rlhflab.models.build import write_model_card
+
+    write_model_card(path, model.config, auto_class="AutoModelForSequenceClassification")

@@ -3,6 +3,23 @@
 from __future__ import annotations
 
 import sys
+import time
+
+from rlhflab.errors import HealthStop
+
+
+def train_recording_stops(train, cfg) -> dict:
+    """`train(cfg)` (a trainer family's `train`); when a health check stops the run (HealthStop,
+    exit code 3), its final_results.json (`"status": "stopped_by_health"`) and plots are written
+    (`common.write_stopped_results`) before the exception propagates."""
+    t0 = time.perf_counter()
+    try:
+        return train(cfg)
+    except HealthStop as exc:
+        from rlhflab.trainers.common import write_stopped_results
+
+        exc.results = write_stopped_results(cfg, exc, time.perf_counter() - t0)
+        raise
 
 
 def run_config(cfg) -> dict:
@@ -27,9 +44,12 @@ def run_config(cfg) -> dict:
     if strategy == "auto":
         strategy = "ddp" if distributed.launched() else "none"
     distributed.setup(strategy, timeout_s=cfg.parallel.timeout_s)
+    from rlhflab.quiet import quiet_transformers
+
     try:
         check_launch(cfg)  # config-only refusals, before any model is loaded
-        return trainers[cfg.trainer](cfg)
+        with quiet_transformers():  # transformers' bars and un-actionable FutureWarnings
+            return train_recording_stops(trainers[cfg.trainer], cfg)
     except RunComplete as done:  # --resume of a finished run: nothing more to do
         if distributed.is_main():
             print(f"{done}; its results: {done.run_dir / 'final_results.json'}", file=sys.stderr)

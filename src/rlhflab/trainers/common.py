@@ -580,3 +580,47 @@ def heldout_eval(
     tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
     faults.hit("eval", step)
     return res
+
+
+def write_stopped_results(cfg, exc, wall_s: float) -> dict | None:
+    """final_results.json and plots/ of a run that a health check stopped (`health.on_fail:
+    stop`, exit code 3), written by rank 0 after the step's committed checkpoint.
+
+    Args:
+        cfg: the run's config (`trainer` names the family).
+        exc: the `HealthStop` raised by `Checkpointer.end_step` (`run_dir`, `checkpoint` set;
+            `health`: the monitor's summary, None when another rank stopped).
+        wall_s: seconds since the trainer started.
+
+    Returns:
+        The results written, with `"status": "stopped_by_health"`, `failed_checks` (names, in
+        the order they failed: the monitor's record, or the stopping check alone) and
+        `stopped_by` (check, step, detail); None when nothing is written (no run directory yet,
+        or a rank other than 0).
+    """
+    from rlhflab.plots import plot_run
+    from rlhflab.runs import write_json_atomic
+    from rlhflab.tracking import read_metrics
+
+    run_dir = getattr(exc, "run_dir", None)
+    if run_dir is None or not distributed.is_main():
+        return None
+    health = exc.health or {"ok": False, "failed": {}, "checked": []}
+    failed = list(health["failed"]) or [exc.name]
+    results = {
+        "trainer": cfg.trainer,
+        "status": "stopped_by_health",
+        "failed_checks": failed,
+        "stopped_by": {"check": exc.name, "step": exc.step, "detail": exc.detail},
+        "steps": exc.step,
+        "checkpoint": str(exc.checkpoint) if exc.checkpoint is not None else None,
+        "health": health,
+        "wall_s": round(wall_s, 2),
+        "run_dir": str(run_dir),
+        "model_dir": None,  # no final model: resume from `checkpoint` with --resume
+        "world_size": distributed.world_size(),
+    }
+    metrics = Path(run_dir) / "metrics.jsonl"
+    plot_run(read_metrics(metrics) if metrics.exists() else [], Path(run_dir) / "plots")
+    write_json_atomic(Path(run_dir) / "final_results.json", results)
+    return results

@@ -186,7 +186,13 @@ def verifiable_pairs(
 ):  # fmt: skip
     """Sample K completions per prompt row from `model`, score them (the task's verifier, or
     `vcfg.reward` components: reward functions, a reward model), pair best with worst. Prompts
-    carry `system` and the answer-format `instruction` (`render_row`)."""
+    carry `system` and the answer-format `instruction` (`render_row`).
+
+    Returns (pairs, counts): `pairs_from_scored_samples`' counts plus the mean label of the
+    sampled completions under one of three names: `sample_accuracy` (binary verifier: the
+    fraction correct), `sample_verifier_score_mean` (partial-credit verifier) or
+    `sample_reward_mean` (the weighted sum of the `verifiable.reward` components, e.g. a reward
+    model's score: never an accuracy)."""
     prompts = [render_row(tokenizer, p, system=system, instruction=instruction) for p in problems]
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     K = vcfg.samples_per_prompt
@@ -236,7 +242,16 @@ def verifiable_pairs(
     pairs, counts = pairs_from_scored_samples(
         prompts, samples, score_rows, gold=gold, chosen_source=vcfg.chosen, rng=rng
     )
-    counts["sample_accuracy"] = sum(scores) / max(1, len(scores))
+    # The mean label of the sampled completions, named for what it is: an accuracy only when it
+    # is the fraction a binary verifier marks correct; a partial-credit verifier gives a mean
+    # score, reward components (functions, a reward model) a mean weighted-sum reward.
+    mean = sum(scores) / max(1, len(scores))
+    if vcfg.reward is not None:
+        counts["sample_reward_mean"] = mean
+    elif getattr(verifier, "reward", "binary") == "binary":
+        counts["sample_accuracy"] = mean
+    else:
+        counts["sample_verifier_score_mean"] = mean
     return pairs, counts
 
 

@@ -9,8 +9,8 @@ from a reasoning_gym task (question → answer in the configured answer format) 
 row trains every assistant turn (data.assistant_turns "all"): mask is 0 on the user turns between
 them; a `text` row trains every token.
 
-Phases: 0 set-up and validation (nothing written yet) → 1 run directory → 2 training steps →
-3 held-out evaluation → 4 save model, plots, final_results.json.
+Phases: 0 set-up and validation (nothing written yet) → 1 run directory → held-out evaluation
+at step 0 → 2 training steps → 3 held-out evaluation → 4 save model, plots, final_results.json.
 """
 
 from __future__ import annotations
@@ -159,10 +159,16 @@ def train(cfg: SFTConfig) -> dict:
     )
 
     def state() -> dict:
-        return {"last_loss": last_loss}
+        return {"last_loss": last_loss, "initial_eval": initial_eval}
 
     if ckpt is not None:
-        last_loss = checkpointer.resume(ckpt, tracker, cfg.train.steps)["last_loss"]
+        st = checkpointer.resume(ckpt, tracker, cfg.train.steps)
+        last_loss = st["last_loss"]
+        initial_eval = st.get("initial_eval", {})  # checkpoints before it: unknown
+    else:
+        # Step 0, like the RL trainers: the held-out accuracy before training. Greedy decoding
+        # draws from no generator, so the training stream (data order, RNGs) is unchanged.
+        initial_eval = run_eval(0) if heldout else {}
     steps_done = ckpt.step if ckpt is not None else 0
     budget = TimeBudget(cfg.train.max_seconds, cfg.train.steps, t_start)
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
@@ -233,6 +239,7 @@ def train(cfg: SFTConfig) -> dict:
         "final_loss": last_loss,
         "examples": len(pairs),
         "dropped": drops,
+        "heldout_accuracy_before": initial_eval.get("accuracy"),
         "heldout_accuracy": final_eval.get("accuracy"),
         "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
         "heldout_n": final_eval.get("n", 0),

@@ -1,0 +1,87 @@
+"""Quiet transformers while rlhflab's own code runs: no weight-loading / shard-writing progress
+bars, no info or warning log lines, and no FutureWarnings about arguments rlhflab (not the user)
+passes. Everything is restored on exit, so a user's own transformers calls and warnings are left
+as they were.
+
+    with quiet_transformers():
+        results = run_config(cfg)
+
+What is silenced, and why the user cannot act on it:
+* transformers' tqdm bars ("Loading weights", "Writing model shards"): one per model load or save,
+  interleaved with rlhflab's own progress display;
+* transformers' log lines below ERROR (e.g. "`past_key_values`/`cache_params` are deprecated",
+  newly initialised reward heads, which rlhflab initialises on purpose);
+* FutureWarnings raised inside transformers about arguments rlhflab passes (`past_key_values` →
+  `cache`): filtered by message and category only, so a user's own warnings still show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+#: FutureWarning messages (regular expressions, matched at the start) of deprecations in calls
+#: that rlhflab makes, not the user.
+UNACTIONABLE_FUTURE_WARNINGS: tuple[str, ...] = (r"`past_key_values` is deprecated",)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Context manager: transformers' progress bars off and its logging at ERROR for the
+    duration, and the FutureWarnings in `UNACTIONABLE_FUTURE_WARNINGS` ignored; the previous
+    settings (verbosity, progress bars, warning filters) are restored on exit. Nested use is
+    fine. It does not import transformers (seconds, with torch): when transformers is not
+    imported yet, the settings are applied right after its first import
+    (`rlhflab._autoregister.when_imported`), so a command that fails before loading a model
+    stays fast."""
+    from rlhflab import _autoregister
+
+    saved: dict = {}
+
+    def apply() -> None:
+        from transformers.utils import logging as hf_logging
+
+        saved.update(
+            verbosity=hf_logging.get_verbosity(),
+            bars=hf_logging.is_progress_bar_enabled(),
+            hub_bars_off=_hub_bars_disabled(),
+        )
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+    with warnings.catch_warnings():
+        for pattern in UNACTIONABLE_FUTURE_WARNINGS:
+            warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+        token = _autoregister.when_imported(apply)
+        try:
+            yield
+        finally:
+            _autoregister.cancel(token)
+            if saved:
+                _restore(saved)
+
+
+def _restore(saved: dict) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity(saved["verbosity"])
+    if saved["bars"]:
+        with warnings.catch_warnings():  # the hub warns when its env var disables bars
+            warnings.simplefilter("ignore")
+            hf_logging.enable_progress_bar()
+        if saved["hub_bars_off"]:
+            _disable_hub_bars()
+
+
+def _hub_bars_disabled() -> bool:
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(are_progress_bars_disabled())
+
+
+def _disable_hub_bars() -> None:
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()

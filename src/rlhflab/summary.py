@@ -1,0 +1,123 @@
+"""The few lines `rlhflab train` prints when a run ends; the full results stay in the run's
+final_results.json.
+
+    sft finished: 130 steps in 0:01:35, final loss 0.605
+    held-out accuracy: 46.0% ± 3.5 (n=200; before training 0.0%; majority-answer baseline 2.0%)
+    health: all 7 checks passed
+    run directory: runs/sft-20261126-011741 (final_results.json, metrics.jsonl, plots/, model/)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def _num(x: Any) -> float | None:
+    """A finite float, or None (missing, null, NaN)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _heldout_line(r: dict) -> str | None:
+    """Held-out task accuracy (or mean reward on prompt datasets) ± standard error."""
+    acc = _num(r.get("heldout_accuracy"))
+    if acc is None:
+        return None
+    is_acc = r.get("heldout_metric", "accuracy") == "accuracy"
+
+    def show(v: float) -> str:
+        return f"{100 * v:.1f}%" if is_acc else f"{v:.3f}"
+
+    se = _num(r.get("heldout_accuracy_stderr"))
+    text = f"held-out {'accuracy' if is_acc else 'mean reward'}: {show(acc)}"
+    if se is not None:
+        text += f" ± {100 * se:.1f}" if is_acc else f" ± {se:.3f}"
+    extra = [f"n={r['heldout_n']}"] if r.get("heldout_n") else []
+    before = _num(r.get("heldout_accuracy_before"))
+    if before is not None:
+        extra.append(f"before training {show(before)}")
+    base = _num(r.get("heldout_majority_baseline"))
+    if base is not None:
+        extra.append(f"majority-answer baseline {show(base)}")
+    return text + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def _other_eval_lines(r: dict) -> list[str]:
+    """Direct alignment's held-out preference accuracy; a reward model's held-out metrics."""
+    lines = []
+    pref = _num(r.get("heldout_pref_accuracy"))
+    if pref is not None:
+        before = _num(r.get("heldout_pref_accuracy_before"))
+        tail = f"; before training {100 * before:.1f}%" if before is not None else ""
+        n = r.get("heldout_pref_n")
+        lines.append(f"held-out preference accuracy: {100 * pref:.1f}% (n={n}{tail})")
+    ev = r.get("eval")
+    if r.get("trainer") == "reward_model" and isinstance(ev, dict):
+        keys = ("accuracy", "auc", "step_accuracy", "solution_auc", "ece")
+        shown = [f"{k} {_num(ev[k]):.3f}" for k in keys if _num(ev.get(k)) is not None]
+        if shown:
+            lines.append(f"held-out reward-model eval: {', '.join(shown)}")
+    return lines
+
+
+def _health_line(h: Any) -> str | None:
+    if not isinstance(h, dict):
+        return None
+    n = len(h.get("checked", []))
+    if h.get("ok"):
+        return f"health: all {n} checks passed"
+    failed = ", ".join(
+        f"{name} (first at step {f.get('first_step')}, {f.get('count')} steps)"
+        for name, f in h.get("failed", {}).items()
+    )
+    return f"health: {len(h.get('failed', {}))} of {n} checks failed: {failed} (docs/health.md)"
+
+
+def summary_lines(results: dict) -> list[str]:
+    """A few lines for the console at the end of `rlhflab train`, from a trainer's final results
+    (the dict also written to final_results.json): what ran and how long, the held-out accuracy
+    ± standard error (before → after where known), the health summary and the run directory.
+    Missing or null values are left out, so every trainer family (and a run stopped by a health
+    check, `"status": "stopped_by_health"`) gets its own subset. Values are not redacted here:
+    the caller prints them through `rlhflab.runs.redact`."""
+    r = results
+    name = r.get("trainer", "run")
+    steps = r.get("steps")
+    head = f"{name} {'stopped by a health check' if r.get('status') == 'stopped_by_health' else 'finished'}"
+    parts = []
+    if steps is not None:
+        parts.append(f"{steps} steps")
+    wall = _num(r.get("wall_s"))
+    if wall is not None:
+        parts.append(f"in {_duration(wall)}")
+    text = f"{head}: {' '.join(parts)}" if parts else head
+    loss = _num(r.get("final_loss"))
+    if loss is not None:
+        text += f", final loss {loss:.4g}"
+    lines = [text]
+    stopped = r.get("stopped_by")
+    if isinstance(stopped, dict):
+        lines.append(
+            f"stopped by: {stopped.get('check')} at step {stopped.get('step')}: "
+            f"{stopped.get('detail')}; resume from {r.get('checkpoint')} with --resume"
+        )
+    heldout = _heldout_line(r)
+    if heldout:
+        lines.append(heldout)
+    lines += _other_eval_lines(r)
+    health = _health_line(r.get("health"))
+    if health:
+        lines.append(health)
+    if r.get("run_dir"):
+        files = ["final_results.json", "metrics.jsonl", "plots/"]
+        if r.get("model_dir"):
+            files.append("model/")
+        lines.append(f"run directory: {r['run_dir']} ({', '.join(files)})")
+    return lines
