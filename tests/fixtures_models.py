@@ -1,7 +1,7 @@
 """Shared fixtures: a small tokenizer trained on task text, and a tiny model built from it.
 
 Import the fixtures into a conftest.py to use them:
-    from fixtures_models import tiny_model, tiny_tokenizer  # noqa: F401
+    from fixtures_models import tiny_model, tiny_model64, tiny_tokenizer  # noqa: F401
 """
 
 import pytest
@@ -34,3 +34,14 @@ def tiny_model(tiny_tokenizer):
     from rlhflab.models.build import build_model
 
     return build_model(tiny_tokenizer, size="tiny", max_position_embeddings=128, seed=0)
+
+
+@pytest.fixture
+def tiny_model64(tiny_model):
+    """`tiny_model` in float64, for exactness tests that compare two computations of the same
+    quantity (micro-batches vs one batch, packed vs padded, cached vs recomputed): in float32
+    their difference depends on the CPU kernels torch picks; in float64 it is ~1e-16 relative
+    (`float64_exact`: the RMSNorm layers compute in float64 too)."""
+    from rlhflab.models.loading import float64_exact
+
+    return float64_exact(tiny_model)

@@ -94,7 +94,10 @@ class ModelConfig(Strict):
 
     name_or_path: str | None = None
     build: BuildConfig | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Parameter dtype of a loaded model (its AdamW state follows). "float64" is for exactness
+    # checks (tests/distributed: N ranks x micro-batches = one process), where float32 sums
+    # legitimately differ with the CPU kernels torch picks (AVX-512 / AVX2 / scalar).
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     attn_implementation: str | None = None  # None: flash_attention_2 if installed on GPU, else sdpa
     trust_remote_code: bool = False
     gguf_file: str | None = None

@@ -103,6 +103,13 @@ def _compute_dtype(logits: Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def upcast(x: Tensor) -> Tensor:
+    """`x` in the dtype that losses are computed in: float64 stays float64 (a `model.dtype:
+    float64` run keeps its precision end to end), every other dtype (bf16, fp16, fp32, ints)
+    becomes float32. Same shape; differentiable (the gradient is cast back)."""
+    return x.to(_compute_dtype(x))
+
+
 def _check_chunk_size(chunk_size: int) -> None:
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

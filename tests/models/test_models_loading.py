@@ -96,3 +96,35 @@ def test_relative_path_with_one_slash_is_a_path_when_it_exists(saved_dir, monkey
     monkeypatch.chdir(saved_dir.parent.parent)
     rel = f"{saved_dir.parent.name}/{saved_dir.name}"
     assert load_tokenizer(rel).eos_token == "<|end|>"
+
+
+def test_float64_is_float64_end_to_end(saved_dir):
+    """`model.dtype: float64` (exactness tests): parameters in float64, and the RMSNorm layers,
+    which transformers computes in float32 whatever the input dtype, compute in float64 too.
+    Without that a "float64" model rounds every hidden state to float32 at each norm."""
+    model = load_model(str(saved_dir), dtype="float64")
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    norm = model.model.norm
+    x = torch.randn(3, 5, model.config.hidden_size, dtype=torch.float64) * 3
+    want = norm.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    got = norm(x)
+    assert got.dtype == torch.float64
+    # float64 rounding of a mean of ~64 squares and a few products (float32 would be ~1e-7)
+    tol = 1e3 * torch.finfo(torch.float64).eps * want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
+def test_model_dtype_applies_to_a_built_model():
+    """`model.dtype` is not ignored for `model.build` (a built model starts in float32)."""
+    from fixtures_models import task_texts
+
+    from rlhflab.config import ModelConfig
+    from rlhflab.trainers.common import prepare_model
+
+    build = {"size": "tiny", "vocab_size": 300, "max_position_embeddings": 32}
+    for dtype, want in (("float64", torch.float64), ("bfloat16", torch.bfloat16)):
+        cfg = ModelConfig.model_validate({"build": build, "dtype": dtype})
+        _, model = prepare_model(
+            cfg, device=torch.device("cpu"), seed=0, tokenizer_texts=lambda: task_texts(100)
+        )
+        assert {p.dtype for p in model.parameters()} == {want}, dtype

@@ -28,7 +28,10 @@ def _run(root, name, **loss):
                 "vocab_size": 300,
                 "max_position_embeddings": 64,
                 "tokenizer_texts": 300,
-            }
+            },
+            # float64: the two runs differ by TIS weights within rounding of 1, whose effect
+            # on the weights is then far below any tolerance (in float32 it depends on the CPU)
+            "dtype": "float64",
         },
         "task": {
             "name": "chain_sum",
@@ -58,15 +61,21 @@ def test_hf_engine_mismatch_is_zero_and_tis_changes_nothing(tmp_path):
     plain, w_plain = _run(tmp_path, "plain")
     tis, w_tis = _run(tmp_path, "tis", tis={"enabled": True, "cap": 2.0})
     assert len(plain) == len(tis) == 2
-    for r in plain + tis:
-        assert r["rollout/logp_diff_mean"] < 1e-5 and r["rollout/logp_diff_max"] < 1e-5
-        assert 0.0 <= r["rollout/sampler_kl"] < 1e-9
+    tol = 1e4 * torch.finfo(torch.float64).eps  # float64 rounding, with margin
+    for r in plain + tis:  # log-probs of size ~10: sampler (KV cache) vs trainer (packed)
+        assert r["rollout/logp_diff_mean"] < 10 * tol and r["rollout/logp_diff_max"] < 10 * tol
+        assert 0.0 <= r["rollout/sampler_kl"] < 10 * tol
     for r in tis:
-        assert r["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert r["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=10 * tol)
         assert r["rollout/tis_capped_frac"] == 0.0
     assert "rollout/tis_weight_mean" not in plain[0]
     for a, b in zip(plain, tis, strict=True):
-        assert math.isclose(a["policy/loss"], b["policy/loss"], rel_tol=1e-4, abs_tol=1e-7)
+        assert math.isclose(a["policy/loss"], b["policy/loss"], rel_tol=tol, abs_tol=tol)
     assert all(r["optim/grad_norm"] > 1e-3 for r in plain)
-    for k in w_plain:  # the same training run, up to the rounding of weights ≈ 1
-        torch.testing.assert_close(w_tis[k], w_plain[k], atol=1e-4, rtol=0)
+    # The same training run up to TIS weights within rounding of 1: gradients differ by at most
+    # tol·|g| (|g| <= grad_norm), which AdamW turns into at most lr·δ/eps_adam per step.
+    g_max = max(r["optim/grad_norm"] for r in plain)
+    atol = len(plain) * 1e-2 / 1e-8 * tol * g_max  # optim.lr, AdamW's default eps
+    for k in w_plain:
+        assert w_plain[k].dtype == torch.float64
+        torch.testing.assert_close(w_tis[k], w_plain[k], atol=atol, rtol=0)

@@ -7,6 +7,7 @@ exception is chained (`raise ... from`) for debugging but never shown as the use
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -19,6 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float64": torch.float64,
 }
 
 
@@ -99,7 +101,8 @@ def load_model(
         name_or_path: Hub id ("Qwen/Qwen3-0.6B") or local directory (from `save_pretrained`).
             An existing local path wins; names starting with ".", "~" or "/" or with two or more
             "/" are always paths (see `_looks_like_path`).
-        dtype: "float32", "bfloat16" or "float16" (parameter dtype).
+        dtype: "float32", "bfloat16", "float16" or "float64" (parameter dtype; float64 for
+            exactness tests that must not depend on the CPU's float32 kernels).
         attn_implementation: passed to transformers; None picks `default_attn_implementation`.
         trust_remote_code: allow model code shipped with the checkpoint.
         gguf_file: file name inside `name_or_path` for GGUF checkpoints (needs the `gguf`
@@ -134,12 +137,40 @@ def load_model(
         raise _load_error("model", name_or_path, resolved, exc) from exc
     if gguf_file is not None:
         model = dequantised(model)
+    if dtype == "float64":
+        model = float64_exact(model)
     try:
         model = model.to(device)
     except Exception as exc:
         raise ModelError(
             f"cannot move model '{name_or_path}' to device {device!r}: {_one_line(exc)}"
         ) from exc
+    return model
+
+
+def _rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm forward (weight · x / sqrt(mean(x²) + eps)), computed in float32
+    for half and float32 inputs as transformers does, and in float64 for float64 inputs."""
+    input_dtype = hidden_states.dtype
+    x = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(input_dtype)
+
+
+def float64_exact(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in float64 end to end: parameters cast to float64, and transformers' RMSNorm
+    layers (Llama, Qwen2/3, Mistral, ...: a module class named `*RMSNorm` with a
+    `variance_epsilon`), which cast their input to float32 whatever its dtype (an upcast meant
+    for bf16/fp16, a downcast of float64), compute in float64 instead.
+
+    Without the second part, a "float64" model rounds every hidden state, and its gradient in
+    the backward pass, to float32 at each norm: two computations of the same quantity that add
+    in other orders (micro-batches, ranks, packed rows) then differ by ~1e-7 relative instead of
+    ~1e-16. Used by `model.dtype: float64` (exactness tests). Mutates and returns `model`."""
+    model.to(torch.float64)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm, module)
     return model
 
 

@@ -75,14 +75,16 @@ def apply_lora(
     """Inject LoRA adapters into `model` in place and freeze every other parameter.
 
     Args:
-        model: a transformers model (causal LM or sequence classifier) in fp32/bf16, any device.
+        model: a transformers model (causal LM or sequence classifier) in fp32/bf16/fp16/fp64,
+            any device.
         lora_cfg: the `model.lora` section (`rlhflab.config.LoRAConfig`) or None (no-op).
         keep_trainable: modules whose parameters stay trainable beside the adapters (a reward
             model's score head).
 
     Returns:
         The same object, with `lora_A` / `lora_B` (A Kaiming-uniform, B = 0, so the output is
-        unchanged; float32 whatever the base's dtype, so their AdamW state is float32 too) on
+        unchanged; float32 on a bf16/fp16 base, so their AdamW state is float32 too; the base's
+        dtype on a float32/float64 base) on
         the targeted linear layers; `requires_grad` is True exactly for the adapters and
         `keep_trainable`.
 
@@ -124,8 +126,8 @@ def apply_lora(
     keep = {id(p) for m in keep_trainable for p in m.parameters()}
     for name, p in model.named_parameters():
         p.requires_grad_(_is_adapter(name) or id(p) in keep)
-        if _is_adapter(name) and p.dtype != torch.float32:  # fp32 adapters on a bf16/fp16 base
-            p.data = p.data.float()  # (peft casts the layer input to them and the output back)
+        if _is_adapter(name) and p.dtype in (torch.bfloat16, torch.float16):  # fp32 adapters
+            p.data = p.data.float()  # on a half base (peft casts the input to them, output back)
     return model
 
 
@@ -230,8 +232,8 @@ def merged_state(
     model class without adapters (`from_pretrained` of a merged save). The module itself is not
     changed (the frozen base stays the reference policy). `full`: a full state dict gathered from
     shards; None reads the module's own. Returns `full` unchanged (None included) for a model
-    without adapters, so callers save it as before. W' is computed in float32 and cast back to
-    W's dtype.
+    without adapters, so callers save it as before. W' is computed in float32 (float64 for a
+    float64 base) and cast back to W's dtype.
     """
     layers = lora_layers(model)
     if not layers:
@@ -240,9 +242,10 @@ def merged_state(
     out: dict[str, Tensor] = {}
     for name, layer in layers.items():
         w = sd[f"{name}.base_layer.weight"]
-        a = sd[f"{name}.lora_A.{ADAPTER}.weight"].float()
-        b = sd[f"{name}.lora_B.{ADAPTER}.weight"].float()
-        out[f"{name}.weight"] = (w.float() + layer.scaling[ADAPTER] * (b @ a)).to(w.dtype)
+        dt = torch.float64 if w.dtype == torch.float64 else torch.float32
+        a = sd[f"{name}.lora_A.{ADAPTER}.weight"].to(dt)
+        b = sd[f"{name}.lora_B.{ADAPTER}.weight"].to(dt)
+        out[f"{name}.weight"] = (w.to(dt) + layer.scaling[ADAPTER] * (b @ a)).to(w.dtype)
     for key, value in sd.items():
         if ".lora_" in key:
             continue

@@ -41,6 +41,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlhflab.errors import ModelError
+from rlhflab.ops import upcast
 from rlhflab.rollout.sampler import position_ids_from_mask
 
 
@@ -92,7 +93,12 @@ def reward_model_from_causal_lm(
     if head.bias is not None:
         torch.nn.init.zeros_(head.bias)
     dtype = next(causal_lm.parameters()).dtype
-    return rm.to(device=next(causal_lm.parameters()).device, dtype=dtype)
+    rm = rm.to(device=next(causal_lm.parameters()).device, dtype=dtype)
+    if dtype == torch.float64:  # its norms too (a fresh module, not the LM's)
+        from rlhflab.models.loading import float64_exact
+
+        rm = float64_exact(rm)
+    return rm
 
 
 #: The pad token added to a reward model's tokenizer whose pad is its eos (`ensure_distinct_pad`).
@@ -149,7 +155,7 @@ def load_reward_model(
     Raises:
         ModelError: path missing / unloadable / head size mismatch.
     """
-    from rlhflab.models.loading import DTYPES, load_model
+    from rlhflab.models.loading import DTYPES, float64_exact, load_model
 
     if os.path.isdir(name_or_path):
         try:
@@ -169,6 +175,8 @@ def load_reward_model(
                 )
             except Exception as exc:
                 raise ModelError(f"cannot load reward model '{name_or_path}': {exc}") from exc
+            if dtype == "float64":
+                rm = float64_exact(rm)
             return rm.to(device)
     lm = load_model(name_or_path, dtype=dtype, device=device)
     return reward_model_from_causal_lm(
@@ -202,7 +210,7 @@ def token_logits(
             use_cache=False,
         )
         logits = reward_head(model)(out.last_hidden_state)
-    return logits.float()
+    return upcast(logits)
 
 
 def final_token_scores(
@@ -236,7 +244,7 @@ def score_rollout(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Te
             )
             hidden = packed_hidden(model, layout, autocast)[layout.last_rows, layout.last_cols]
             with autocast:
-                out = reward_head(model)(hidden).float()  # (B, C)
+                out = upcast(reward_head(model)(hidden))  # (B, C)
             return out.squeeze(-1) if out.size(-1) == 1 else out
     return final_token_scores(
         model, rollout.input_ids, rollout.attention_mask, autocast_dtype=autocast_dtype

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from rlhflab.ops import upcast
 from rlhflab.rollout.sampler import Rollout, position_ids_from_mask
 
 HEAD_FILE = "value_head.safetensors"
@@ -35,16 +36,21 @@ class ValueModel(nn.Module):
 
         Frozen parameters are shared, not copied: with LoRA (`model.lora`) the critic is the
         policy's frozen base plus its own copy of the (initial) adapters and its own head, so the
-        base weights are in memory once. A full fine-tune has nothing frozen: a full copy."""
+        base weights are in memory once. A full fine-tune has nothing frozen: a full copy.
+        The head is float32, float64 on a float64 policy (`model.dtype: float64`)."""
         decoder = policy.get_decoder()
         shared = {id(p): p for p in decoder.parameters() if not p.requires_grad}
         backbone = copy.deepcopy(decoder, memo=shared)
         model = cls(backbone, policy.config.hidden_size)
-        return model.to(next(policy.parameters()).device)
+        first = next(policy.parameters())
+        if first.dtype == torch.float64:
+            model.head.to(torch.float64)  # (the backbone's norms were made float64 with it)
+        return model.to(first.device)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], device: torch.device | str = "cpu") -> ValueModel:
-        """Backbone via `AutoModel.from_pretrained(path)`, head from `value_head.safetensors`."""
+        """Backbone via `AutoModel.from_pretrained(path)`, head from `value_head.safetensors`
+        (a float64 backbone, saved from a float64 critic, gets a float64 head)."""
         from safetensors.torch import load_file
         from transformers import AutoModel
 
@@ -55,6 +61,10 @@ class ValueModel(nn.Module):
             raise ModelError(f"value.init_from: {path} has no {HEAD_FILE} (not a value model)")
         backbone = AutoModel.from_pretrained(path)
         model = cls(backbone, backbone.config.hidden_size)
+        if next(backbone.parameters()).dtype == torch.float64:  # saved from a float64 critic
+            from rlhflab.models.loading import float64_exact
+
+            float64_exact(model)
         model.head.load_state_dict(load_file(str(head_file)))
         return model.to(device)
 
@@ -73,7 +83,8 @@ class ValueModel(nn.Module):
         save_file({k: v.contiguous() for k, v in part["head"].items()}, Path(path) / HEAD_FILE)
 
     def forward(self, rollout: Rollout, autocast_dtype: torch.dtype | None = None) -> Tensor:
-        """Values (B, T) float32 of the states before each completion token, 0 on padding.
+        """Values (B, T) float32 (float64 for a float64 model) of the states before each
+        completion token, 0 on padding.
 
         V_t is read from the hidden state at position P−1+t, the one from which the policy
         predicts o_t, so V_t = V(q, o_<t), with the same attention mask and position ids as the
@@ -91,4 +102,4 @@ class ValueModel(nn.Module):
                 position_ids=position_ids_from_mask(attn),
                 use_cache=False,
             ).last_hidden_state[:, -(width + 1) : -1]
-        return self.head(hidden.float()).squeeze(-1) * rollout.mask
+        return self.head(upcast(hidden)).squeeze(-1) * rollout.mask

@@ -37,7 +37,12 @@ import torch
 from torch import Tensor
 
 from rlhflab import distributed
-from rlhflab.ops import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
+from rlhflab.ops import (
+    entropy_from_logits,
+    linear_selective_log_softmax,
+    selective_log_softmax,
+    upcast,
+)
 from rlhflab.rollout.kv_cache import preallocated_cache
 from rlhflab.rollout.packing import can_pack, packed_hidden, packed_layout
 
@@ -221,7 +226,8 @@ def sample(
         distinct_t = torch.tensor(distinct, device=device)
 
     out_ids = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    out_logp = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    logp_dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    out_logp = torch.zeros((batch, max_new_tokens), dtype=logp_dtype, device=device)
     out_mask = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
@@ -247,7 +253,7 @@ def sample(
                 logits_to_keep=1,
             )
         cache = out.past_key_values
-        logits = out.logits[:, -1].float()  # (b, V)
+        logits = upcast(out.logits[:, -1])  # (b, V)
         if t == 0 and expand is not None:  # copy each distinct prompt's cache to its rows
             cache.batch_select_indices(expand)
             logits, step_positions = logits[expand], positions
@@ -346,7 +352,7 @@ def completion_logps(
                 )  # fmt: skip
             else:
                 with autocast:
-                    logits = head(hidden).float()  # (N, V)
+                    logits = upcast(head(hidden))  # (N, V)
                 if temperature != 1.0:
                     logits = logits / temperature
                 lp = selective_log_softmax(logits, tokens)
@@ -369,7 +375,7 @@ def completion_logps(
     # (B, T+1, V): position P-1+t predicts o_t; the last position predicts nothing. It is scored
     # against a dummy token and dropped afterwards instead of slicing the logits to (B, T, V),
     # because that slice is not contiguous and the row-chunked ops would copy it whole.
-    logits = out.logits.float()
+    logits = upcast(out.logits)
     if temperature != 1.0:
         logits = logits / temperature
     index = torch.nn.functional.pad(rollout.completion_ids, (0, 1))  # (B, T+1)

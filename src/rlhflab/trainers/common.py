@@ -86,6 +86,14 @@ def prepare_model(
             max_position_embeddings=b.max_position_embeddings,
             seed=seed,
         )
+        if model_cfg.dtype != "float32":  # built in float32; model.dtype applies here too
+            from rlhflab.models.loading import DTYPES, float64_exact
+
+            model = (
+                float64_exact(model)
+                if model_cfg.dtype == "float64"
+                else model.to(DTYPES[model_cfg.dtype])
+            )
     else:
         tokenizer, model = _load_pretrained(model_cfg, device)
     model.to(device)

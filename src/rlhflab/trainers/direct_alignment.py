@@ -61,6 +61,7 @@ from rlhflab.health import HealthMonitor
 from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import adapters_disabled, apply_lora
+from rlhflab.ops import upcast
 from rlhflab.plots import plot_run
 from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
@@ -114,7 +115,7 @@ def reference_logps(model, prompts, completions, pad_id, *, chunk: int, autocast
             pad_id,
             autocast_dtype=autocast_dtype,
         )
-        out.extend(lp.float().cpu().tolist())
+        out.extend(upcast(lp).cpu().tolist())
     model.train(was_training)
     return out
 
@@ -521,8 +522,8 @@ def train(cfg: DPOConfig) -> dict:
                 n_tokens += int(lengths.sum())
                 pc, pr = logps[:n], logps[n:]
                 if unpaired:
-                    ref = torch.tensor([r["ref"] for r in mb], device=device)
-                    ref_kl = torch.tensor([r["ref_kl"] for r in mb], device=device)
+                    ref = torch.tensor([r["ref"] for r in mb], dtype=pc.dtype, device=device)
+                    ref_kl = torch.tensor([r["ref_kl"] for r in mb], dtype=pc.dtype, device=device)
                     label = torch.tensor([r["label"] for r in mb], device=device)
                     losses, stats = loss_fn(pc, ref, label, pr, ref_kl, **cfg.loss.args)
                     d = stats["desirable"]
@@ -537,8 +538,12 @@ def train(cfg: DPOConfig) -> dict:
                 else:
                     rc = rr = None
                     if use_ref:
-                        rc = torch.tensor([r["ref_chosen"] for r in mb], device=device)
-                        rr = torch.tensor([r["ref_rejected"] for r in mb], device=device)
+                        rc = torch.tensor(
+                            [r["ref_chosen"] for r in mb], dtype=pc.dtype, device=device
+                        )
+                        rr = torch.tensor(
+                            [r["ref_rejected"] for r in mb], dtype=pc.dtype, device=device
+                        )
                     kw = (
                         {"chosen_lengths": lengths[:n], "rejected_lengths": lengths[n:]}
                         if wants_lengths
@@ -562,7 +567,7 @@ def train(cfg: DPOConfig) -> dict:
                 loss.backward()
                 sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
                 for k, val in stats.items():
-                    sums[k] = sums.get(k, 0.0) + val.float().sum().item() / B
+                    sums[k] = sums.get(k, 0.0) + upcast(val).sum().item() / B
             faults.hit("step_mid", step)
             sums = distributed.sum_dict({**sums, "n_tokens": n_tokens})  # global sums
             n_tokens = sums.pop("n_tokens")
@@ -676,10 +681,10 @@ def _held_margins(model, held_rows, cfg, pad, use_ref, autocast_dtype) -> list[t
             [r["chosen"] for r in b] + [r["rejected"] for r in b], pad,
             autocast_dtype=autocast_dtype,
         )  # fmt: skip
-        lp = lp.float().cpu()
+        lp = upcast(lp).cpu()
         if use_ref:
-            rc = torch.tensor([r["ref_chosen"] for r in b])
-            rr = torch.tensor([r["ref_rejected"] for r in b])
+            rc = torch.tensor([r["ref_chosen"] for r in b], dtype=lp.dtype)
+            rr = torch.tensor([r["ref_rejected"] for r in b], dtype=lp.dtype)
             margins.append((lp[:n] - rc) - (lp[n:] - rr))
         else:
             ln = ln.cpu()

@@ -632,13 +632,19 @@ def _accumulate_update(sums: dict, mask, stats: dict) -> None:
 
 def _reduce_sums(sums: dict) -> dict:
     """Per-rank masked sums → global ones: summed over ranks, except the ratio extremes (max /
-    min). A key some rank lacks (it had no rows in that minibatch) counts as 0 / ∓inf there."""
+    min), in float64. A key some rank lacks (it had no rows in that minibatch) counts as 0 / ∓inf
+    there."""
     keys = sorted({k for part in distributed.all_gather_object(sorted(sums)) for k in part})
     default = {"ratio_max": float("-inf"), "ratio_min": float("inf"), "rollout/logp_diff_max": 0.0}
     out = {}
     for k in keys:
         v = sums.get(k, default.get(k, 0.0))
-        v = v.detach().float().clone() if torch.is_tensor(v) else torch.tensor(float(v))
+        # float64, as distributed.sum_dict: the same dtype on every rank, and a float64 run's
+        # sums keep their precision
+        if torch.is_tensor(v):
+            v = v.detach().to(torch.float64).clone()
+        else:
+            v = torch.tensor(float(v), dtype=torch.float64)
         if k in ("ratio_max", "rollout/logp_diff_max"):
             out[k] = distributed.all_reduce_max(v)
         elif k == "ratio_min":

@@ -178,7 +178,7 @@ def train(cfg: RMConfig) -> dict:
             denom = loss_denominator(cfg, batch)
             local = distributed.shard(batch)  # this rank's contiguous share
             optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros(())
+            step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
             acc_sum = acc_n = 0.0
             for s in range(0, len(local), cfg.train.micro_batch_size):
                 mb = local[s : s + cfg.train.micro_batch_size]

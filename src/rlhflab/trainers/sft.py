@@ -180,7 +180,7 @@ def train(cfg: SFTConfig) -> dict:
             num_tokens = sum(sum(pairs[i][2]) for i in batch_idx)
             local_idx = distributed.shard(batch_idx)
             optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros(())
+            step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
             for s in range(0, len(local_idx), cfg.train.micro_batch_size):
                 idx = local_idx[s : s + cfg.train.micro_batch_size]
                 mb = pack(
