@@ -158,11 +158,16 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def config_from_dict(raw: dict, *, source: str = "config") -> AnyConfig:
-    """Validate a raw dict into the config class named by its `trainer` key."""
+    """Validate a raw dict into the config class named by its `trainer` key (through `AnyConfig`).
+
+    Raises ConfigError, one line starting with `source`: when `raw` is not a mapping, when
+    `trainer` is missing or not one of CONFIG_CLASSES (with did-you-mean), or on the first
+    validation error (the full dotted key; did-you-mean for unknown keys).
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     trainer = raw.get("trainer")
-    if trainer not in CONFIG_CLASSES:
+    if not isinstance(trainer, str) or trainer not in CONFIG_CLASSES:
         raise ConfigError(
             f"{source}: 'trainer' must be one of {', '.join(CONFIG_CLASSES)} "
             f"(got {trainer!r}){_did_you_mean(str(trainer), CONFIG_CLASSES)}"
