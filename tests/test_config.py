@@ -1,5 +1,6 @@
 """Config loading: presets, overrides, unknown keys with did-you-mean, argument checks."""
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,34 @@ def test_bad_values_name_the_field():
 def test_trainer_key_required():
     with pytest.raises(ConfigError, match="'trainer' must be one of"):
         config_from_dict({"model": {"name_or_path": "x"}})
+
+
+def test_trainer_that_is_not_a_name_is_a_config_error():
+    # a list or mapping under `trainer` (unhashable) was a TypeError traceback
+    for trainer in (["sft"], {"name": "sft"}):
+        with pytest.raises(
+            ConfigError,
+            match=r"^S: 'trainer' must be one of sft, policy_gradient, direct_alignment, "
+            r"reward_model \(got ",
+        ):
+            config_from_dict({"trainer": trainer, "model": {"name_or_path": "x"}}, source="S")
+
+
+def test_config_classes_are_the_discriminated_union():
+    """One family table: CONFIG_CLASSES is read off AnyConfig's tags; each tag is its class's
+    `trainer` value, and config_from_dict returns that class."""
+    from rlhflab.config import AnyConfig
+
+    members = typing.get_args(typing.get_args(AnyConfig)[0])
+    tags = {typing.get_args(m)[1].tag: typing.get_args(m)[0] for m in members}
+    assert tags == CONFIG_CLASSES
+    assert list(CONFIG_CLASSES) == ["sft", "policy_gradient", "direct_alignment", "reward_model"]
+    for name, cls in CONFIG_CLASSES.items():
+        assert cls.model_fields["trainer"].default == name
+        raw = {"trainer": name, "model": {"name_or_path": "x"}}
+        if name == "policy_gradient":
+            raw["rollout"] = {"group_size": 2}
+        assert type(config_from_dict(raw)) is cls
 
 
 def test_model_needs_exactly_one_source():

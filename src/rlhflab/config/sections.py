@@ -1,0 +1,445 @@
+"""Config sections that every trainer family shares, and `TrainerConfig`, the families' base.
+
+Also the sections two families share: `PromptDataConfig` (policy gradients, and the prompts of
+direct alignment's sampled pairs) and `RewardComponentConfig` (the policy-gradient reward, and
+the labels of direct alignment's verifiable pairs).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhflab.config.base import SEED_MAX, Strict, _check_kwargs, _check_name
+from rlhflab.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------
+# Shared sections
+# ---------------------------------------------------------------------------------------------
+
+
+class BuildConfig(Strict):
+    """Build a small model from scratch with a tokenizer trained on the task text."""
+
+    size: str = "base"  # a key of rlhflab.models.build.SIZE_PRESETS
+    arch: Literal["qwen3", "llama", "gpt"] = "qwen3"  # gpt: rlhflab.models.gpt (from scratch)
+    vocab_size: int = Field(1024, ge=263)  # byte-level BPE: 256 bytes + 7 special tokens
+    max_position_embeddings: int = Field(512, ge=16)
+    tokenizer_texts: int = Field(20000, ge=100)  # task strings to train the tokenizer on
+
+
+class LoRAConfig(Strict):
+    """`model.lora`: train low-rank adapters instead of the full weights (peft's `LoraConfig`;
+    Hu et al. 2021, arXiv 2106.09685): W x + (alpha / r) · B A x, with A (r, in) and B (out, r),
+    B = 0 at the start. The base weights stay frozen; the reference policy is the base with the
+    adapters disabled (no second copy); checkpoints hold the adapters only. Glue in
+    `rlhflab.models.lora`."""
+
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # module names (suffixes) that get adapters; "all-linear": every nn.Linear in the transformer
+    # blocks (not the LM head, nor a reward or value head)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # final `<run>/model`: "merged" (a plain HF model: rlhflab eval, from_pretrained) or
+    # "adapter" (adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained)
+    save: Literal["merged", "adapter"] = "merged"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module (or 'all-linear')")
+        return value
+
+
+class ModelConfig(Strict):
+    """Which causal LM to train: a hub id / local path, or a model built from scratch."""
+
+    name_or_path: str | None = None
+    build: BuildConfig | None = None
+    # Parameter dtype of a loaded model (its AdamW state follows). "float64" is for exactness
+    # checks (tests/distributed: N ranks x micro-batches = one process), where float32 sums
+    # legitimately differ with the CPU kernels torch picks (AVX-512 / AVX2 / scalar).
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    attn_implementation: str | None = None  # None: flash_attention_2 if installed on GPU, else sdpa
+    trust_remote_code: bool = False
+    gguf_file: str | None = None
+    # Recompute each layer's activations in the backward pass instead of keeping them: peak
+    # memory of a training step drops to the layer inputs (0.38x a naive step with a 49k
+    # vocabulary in bench/RESULTS.md) for about one extra forward of compute.
+    gradient_checkpointing: bool = False
+    lora: LoRAConfig | None = None  # None: full fine-tuning
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.name_or_path is None) == (self.build is None):
+            raise ValueError("set exactly one of model.name_or_path and model.build")
+        return self
+
+
+class TaskConfig(Strict):
+    """A reasoning_gym task as prompt source and verifier, with non-overlapping splits."""
+
+    name: str = "spell_backward"
+    config: dict[str, Any] = Field(default_factory=dict)  # the dataset's own kwargs
+    n_train: int = Field(20000, ge=1)
+    n_heldout: int = Field(500, ge=1)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
+    # how the answer is read from a completion (rlhflab.rewards.verifier.extract_answer):
+    # the whole text, the last <answer>..</answer>, the last number, the last line, the last \boxed{}
+    answer_format: Literal["tags", "plain", "last_number", "last_line", "boxed"] = "plain"
+    extractor: str | None = None  # "module:function" (text -> answer or None); overrides the above
+    reward: Literal["binary", "partial"] = "binary"
+    system: str | None = None
+    # the answer-format instruction after the question (rlhflab.data.formatting
+    # .answer_instruction): "auto" (the answer_format's sentence; none for plain or an
+    # extractor), "none", or any other text used verbatim
+    instruction: str = "auto"
+
+    @field_validator("instruction")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("empty; use 'none' for no instruction")
+        return value
+
+    @field_validator("extractor")
+    @classmethod
+    def _loadable(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            from rlhflab.rewards.verifier import load_extractor
+
+            try:
+                load_extractor(spec)
+            except ConfigError as exc:
+                raise ValueError(str(exc).removeprefix("task.extractor: ")) from None
+        return spec
+
+
+class OptimConfig(Strict):
+    """AdamW with linear warmup then a schedule; gradients clipped by global norm.
+
+    Checked here, not by torch at optimizer build: lr, eps > 0 and finite; weight_decay >= 0 and
+    finite; each of betas in [0, 1) (beta2 = 1 would divide by zero in Adam's bias correction).
+    """
+
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:  # also false for NaN
+                raise ValueError(f"beta{i + 1} = {beta!r} is outside [0, 1)")
+        return betas
+
+
+class PrecisionConfig(Strict):
+    """fp32 master weights; optional bf16 autocast for the forward passes."""
+
+    autocast: Literal["auto", "bf16", "none"] = (
+        "auto"  # auto: bf16 on CUDA GPUs that have it; CPU: none
+    )
+    threads: int | None = Field(None, ge=1)  # torch.set_num_threads; None: torch's default
+
+
+class WandbConfig(Strict):
+    """Weights & Biases run options (`tracking.wandb: {project: ..., tags: [...]}`; `true` takes
+    every default). An unset option is not passed to `wandb.init`, so wandb's own variables
+    apply: WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP, WANDB_TAGS, WANDB_NAME, WANDB_MODE..."""
+
+    project: str | None = None  # unset: $WANDB_PROJECT, else "rlhflab"
+    entity: str | None = None  # unset: $WANDB_ENTITY, else your default entity
+    group: str | None = None  # unset: $WANDB_RUN_GROUP
+    tags: list[str] | None = None  # unset: $WANDB_TAGS
+    name: str | None = None  # unset: $WANDB_NAME, else the run directory's name
+
+
+class TrackioConfig(Strict):
+    """trackio (local-first, wandb's API) run options; `true` takes every default."""
+
+    project: str | None = None  # unset: "rlhflab"
+    name: str | None = None  # unset: the run directory's name
+    group: str | None = None
+    space_id: str | None = None  # a Hugging Face Space to sync to (unset: local only)
+
+
+class TrackingConfig(Strict):
+    """Where metrics go. The jsonl file is always written."""
+
+    console: bool = True
+    wandb: WandbConfig | None = None  # true (every default), the run's options, or false/None
+    trackio: TrackioConfig | None = None  # true (every default), the run's options, or false/None
+    tensorboard: bool = False
+    log_every: int = Field(1, ge=1)
+    samples_every: int = Field(10, ge=1)  # write rollout samples every N steps
+    samples_per_step: int = Field(4, ge=0)
+
+    @field_validator("wandb", "trackio", mode="before")
+    @classmethod
+    def _flag_or_options(cls, value: Any) -> Any:
+        # `wandb: true` is every default; `false` is off (None)
+        if value is True:
+            return {}
+        return None if value is False else value
+
+
+class RunConfig(Strict):
+    """The run directory runs/<name>-<timestamp>/, and resuming one."""
+
+    name: str = "run"
+    root: str = "runs"
+    save_model: bool = True
+    # None: a fresh run. "auto": continue the newest committed checkpoint of a run of this name
+    # under `root` (fresh when there is none). A path: that run directory's newest committed
+    # checkpoint, or that checkpoint directory (an error when it holds none).
+    resume: str | None = None  # also "latest": like "auto" but an error when there is none
+    allow_config_change: bool = False  # resume although keys that matter changed (listed)
+
+    @field_validator("name")
+    @classmethod
+    def _simple_name(cls, name: str) -> str:
+        from rlhflab.runs import check_run_name
+
+        check_run_name(name)
+        return name
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_a_directory(cls, root: str) -> str:
+        if Path(root).exists() and not Path(root).is_dir():
+            raise ValueError(f"{root} exists and is not a directory")
+        return root
+
+
+class CheckpointConfig(Strict):
+    """Atomic, verified checkpoints for exact resume (see rlhflab/checkpoint.py)."""
+
+    # optimizer steps between checkpoints (and one at the end); 0: none, except when a stop
+    # signal or a health stop ends the run (a real model's checkpoint with AdamW state is ~12
+    # bytes per parameter: 1.6 GB for 135 M parameters)
+    every: int = Field(50, ge=0)
+    keep_last: int | None = Field(2, ge=1)  # committed checkpoints kept; None keeps all
+
+
+#: `train.max_seconds` (every trainer; `rlhflab.trainers.common.TimeBudget`).
+MAX_SECONDS_DOC = (
+    "Wall-clock budget in seconds **per invocation**: each `rlhflab train` (a fresh run or a "
+    "`--resume`) gets the whole budget, counted from its own start (set-up and model loading "
+    "included); earlier invocations of the run do not count. Checked after each optimizer step "
+    "(its evaluation and checkpoint included), so every invocation makes at least one step. When "
+    "it has run out before the last step, the run stops after that step with a checkpoint (even "
+    "with checkpoint.every: 0), final_results.json says status: stopped_by_max_seconds, and "
+    "`--resume` continues with a fresh budget. Run out during the last step, its evaluation or "
+    "its checkpoint, the run is complete (status: complete); a `--resume` of a complete run "
+    "does nothing and says so. None: no budget."
+)
+
+
+class TrainBase(Strict):
+    """Fault policy shared by every trainer's `train` section."""
+
+    # A non-finite loss or gradient norm: "raise" stops before the optimizer step, naming the
+    # step and the metric; "skip" drops the step (no optimizer or scheduler step), counts it in
+    # train/nan_skips, and raises after `nan_max_skips` skipped steps in a row.
+    nan_policy: Literal["raise", "skip"] = "raise"
+    nan_max_skips: int = Field(3, ge=1)
+
+
+class EvalConfig(Strict):
+    """Held-out evaluation during and after training."""
+
+    every: int = Field(0, ge=0)  # 0: only before and after training
+    n: int = Field(500, ge=0)  # held-out problems (<= task.n_heldout); 0: no evaluation
+    batch_size: int = Field(256, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+    k: int = Field(0, ge=0)  # pass@k samples per problem; 0 to skip
+    temperature: float = Field(1.0, gt=0)
+
+
+class ParallelConfig(Strict):
+    """Data parallelism under torchrun (see rlhflab/distributed.py and README "Many GPUs").
+
+    With one process every strategy is the plain single-process run.
+    """
+
+    # auto: "ddp" when launched with several processes, else "none". ddp: replicas, gradients
+    # summed once per optimizer step. fsdp2: parameters, gradients and optimizer state sharded
+    # per decoder layer (torch.distributed.fsdp.fully_shard).
+    strategy: Literal["auto", "none", "ddp", "fsdp2"] = "auto"
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"  # fsdp2: parameter dtype for compute
+    cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on CPU
+    timeout_s: float = Field(600.0, gt=0)  # a collective waiting longer fails the job
+
+
+class HealthConfig(Strict):
+    """`health`: live checks of the run (rlhflab.health; meanings and thresholds in docs/health.md).
+
+    on_fail: "warn" prints one line the first time a check fails and counts later failures;
+    "stop" also ends the run after that step with a committed checkpoint and exit code 3.
+    Sustained checks fail after `patience` steps in a row; trend checks look at `window` steps.
+    """
+
+    enabled: bool = True
+    on_fail: Literal["warn", "stop"] = "warn"
+    skip: list[str] = Field(default_factory=list)  # check names to leave out
+    patience: int = Field(3, ge=1)
+    window: int = Field(20, ge=2)
+    sample_every: int = Field(10, ge=0)  # sampled softmax-sum check every N steps; 0: never
+    prob_sum_tol: float = Field(1e-3, gt=0)
+    logp_tol: float = Field(1e-4, ge=0)
+    logp_mismatch_max: float = Field(0.05, gt=0)  # mean |sampler logp - trainer logp| per token
+    ratio_tol: float = Field(1e-3, gt=0)
+    grad_norm_min: float = Field(1e-8, ge=0)
+    grad_norm_max: float = Field(1e4, gt=0)
+    param_change_min: float = Field(1e-10, ge=0)  # relative parameter change per step
+    loss_change_min: float = Field(1e-6, ge=0)
+    reward_change_min: float = Field(1e-6, ge=0)
+    entropy_min: float = Field(1e-3, ge=0)  # nats per token
+    entropy_max_frac: float = Field(0.95, gt=0)  # of ln(vocab size)
+    kl_max: float = Field(1.0, gt=0)  # nats per token
+    clip_frac_max: float = Field(0.3, gt=0)
+    truncation_max: float = Field(0.5, ge=0, le=1)
+    empty_max: float = Field(0.5, ge=0, le=1)
+    repeat_max: float = Field(0.5, ge=0, le=1)
+    identical_max: float = Field(0.5, ge=0, le=1)
+    nonprintable_max: float = Field(0.5, ge=0, le=1)
+    hacking_drop: float = Field(0.05, ge=0)  # held-out accuracy drop (and reward rise) that counts
+
+    @field_validator("skip")
+    @classmethod
+    def _known_checks(cls, names: list[str]) -> list[str]:
+        from rlhflab.health import CHECK_NAMES
+
+        for name in names:
+            if name not in CHECK_NAMES:
+                close = difflib.get_close_matches(name, CHECK_NAMES, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(f"unknown health check '{name}'{hint}")
+        return names
+
+
+class TrainerConfig(Strict):
+    """Sections every trainer family shares; the family's own sections follow them."""
+
+    trainer: str
+    seed: int = Field(0, ge=0, le=SEED_MAX)
+    model: ModelConfig  # RM: the backbone (a causal LM, usually the SFT policy) or a saved RM
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections two families share
+# ---------------------------------------------------------------------------------------------
+
+
+class PromptDataConfig(Strict):
+    """Where on-policy prompts come from (see rlhflab.data.prompts).
+
+    source "task": the `task` section's reasoning_gym task (its verifier is `correctness`).
+    source "dataset": `path`, a Hub id (`datasets.load_dataset(path, name, split=split)`) or a local
+    .json/.jsonl/.parquet file in TRL's prompt-only formats; `prompt_column` names the prompt
+    (GSM8K `question`, MATH `problem`); `prompt_format: hh_transcript` reads an HH-RLHF transcript
+    column (`chosen`) and keeps the turns before the last assistant turn. Held out: `heldout_split`
+    (a named split), `heldout_path` (a local file), or else a seeded `heldout_frac` of the rows;
+    held-out prompts equal to training prompts are dropped and counted.
+    """
+
+    source: Literal["task", "dataset"] = "task"
+    path: str | None = None
+    name: str | None = None  # the Hub dataset's config name (GSM8K: main)
+    split: str = "train"
+    prompt_column: str = "prompt"
+    prompt_format: Literal["auto", "hh_transcript"] = "auto"
+    system: str | None = None  # system turn for prompts that have none
+    # A plain-text prompt template with "{prompt}" (no chat template is applied): R1-Zero's /
+    # TinyZero's prompt for base models. Applies to task and dataset prompts alike.
+    template: str | None = None
+    heldout_split: str | None = None
+    heldout_path: str | None = None
+    heldout_frac: float = Field(0.1, ge=0, lt=1)
+    n_heldout: int | None = Field(None, ge=1)  # cap on held-out prompts (after dedup)
+    max_rows: int | None = Field(None, ge=1)  # cap on training prompts
+    seed: int | None = None  # held-out fraction's shuffle; None: the run's seed
+    on_invalid: Literal["error", "drop"] = "error"
+
+    @model_validator(mode="after")
+    def _path_for_dataset(self) -> PromptDataConfig:
+        if self.source == "dataset" and not self.path:
+            raise ValueError("data.path is required when data.source is 'dataset'")
+        if self.source == "task" and (self.path or self.heldout_path):
+            raise ValueError(
+                "data.path is set but data.source is 'task' (prompts from the task); "
+                "set data.source=dataset to train on the file's prompts"
+            )
+        if self.template is not None and "{prompt}" not in self.template:
+            raise ValueError("data.template must contain '{prompt}'")
+        if self.heldout_split and self.heldout_path:
+            raise ValueError("set at most one of data.heldout_split and data.heldout_path")
+        return self
+
+
+class RewardComponentConfig(Strict):
+    """One reward term: weight · component, logged as rollout/reward/<name>_mean.
+
+    `name` is a named component (REWARD_COMPONENTS: correctness, format, length, overlong,
+    reward_model) or a built-in reward function (REWARD_FUNCTIONS: math_verify, exact_match,
+    think_format); or set `function` to a TRL-convention reward function by import path
+    ("pkg.module:fn" or "path/to/file.py:fn"), then `name` is its label (default: the function's
+    name). `args` are keyword arguments (checked against named components' signatures).
+    """
+
+    name: str | None = None
+    function: str | None = None
+    label: str | None = None  # the logged name when `name` repeats (two reward models)
+    weight: float = 1.0
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _name_and_args(self) -> RewardComponentConfig:
+        from rlhflab.rewards.functions import REWARD_FUNCTIONS, load_reward_function
+        from rlhflab.rewards.shaping import REWARD_COMPONENTS, SUPPLIED_ARGS
+
+        if self.function is not None:
+            try:
+                load_reward_function(self.function)
+            except ConfigError as exc:
+                raise ValueError(f"reward.components.function: {exc}") from None
+            if self.name is None:
+                self.name = self.function.rsplit(":", 1)[-1]
+            return self
+        if self.name is None:
+            raise ValueError("reward.components: each component needs a name or a function")
+        if self.name in REWARD_FUNCTIONS:
+            _check_kwargs(
+                f"reward.components[{self.name}].args",
+                REWARD_FUNCTIONS[self.name],
+                self.args,
+                set(),
+            )
+            return self
+        _check_name("reward.components.name", self.name, {**REWARD_COMPONENTS, **REWARD_FUNCTIONS})
+        _check_kwargs(
+            f"reward.components[{self.name}].args",
+            REWARD_COMPONENTS[self.name],
+            self.args,
+            SUPPLIED_ARGS,
+        )
+        return self
