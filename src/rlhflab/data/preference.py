@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhflab.data.formatting import encode_completion, encode_prompt, render_messages
-from rlhflab.data.rows import ROLES, RowError, check_messages, finish_rows, load_rows  # noqa: F401
+from rlhflab.data.rows import RowError, check_messages, finish_rows, load_rows
 from rlhflab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
