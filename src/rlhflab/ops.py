@@ -15,6 +15,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "position_ids_from_mask",
     "selective_log_softmax",
 ]
 
@@ -97,6 +98,15 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     if not shift_mean:
         out = out + mean
     return torch.where(m, out, 0.0)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that count only real tokens: cumsum(mask) − 1, clamped at 0 on left padding.
+
+    `attention_mask` (B, T), any dtype, 1 on real tokens; returns (B, T) long. Shared by the
+    sampler and the reward / value heads, which must see the same positions as the policy.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _compute_dtype(logits: Tensor) -> torch.dtype:

@@ -174,3 +174,26 @@ def test_heldout_prompt_equal_to_a_training_prompt_up_to_case_is_dropped(tmp_pat
     # rows 0 and 1 are training prompts up to case / whitespace; row 3 repeats row 2
     assert s.n_heldout_overlap_dropped == 2 and s.n_heldout_internal_dupes_dropped == 1
     assert [r.prompt for r in s.heldout] == ["spell fish"]
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"role": "user", "content": 3}, "field 'prompt[0].content' must be a string, got int"),
+        ({"role": "tool", "content": "q"}, "field 'prompt[0].role' is 'tool'; expected one of"),
+        ({"role": "user"}, "field 'prompt[0].content' is missing"),
+        ("q", "field 'prompt[0]' must be an object with 'role' and 'content'"),
+    ],
+)
+def test_prompt_messages_are_checked_like_preference_and_sft_messages(tmp_path, message, error):
+    """One message validator (data/rows.py) for every loader: the same text for the same fault."""
+    from rlhflab.data.rows import RowError, check_messages
+
+    with pytest.raises(RowError) as shared:
+        check_messages([message], "prompt")
+    assert str(shared.value).startswith(error)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [message]}) + "\n")
+    with pytest.raises(DataError) as got:
+        load_prompt_dataset(_data(path=str(bad)))
+    assert str(got.value).endswith(f"bad.jsonl row 0: {shared.value}")

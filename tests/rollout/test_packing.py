@@ -1,4 +1,4 @@
-"""Padding-free packing (rlhflab.rollout.packing): the same log-probs, entropies, reward scores and
+"""Padding-free packing (rlhflab.models.packing): the same log-probs, entropies, reward scores and
 gradients as the padded layout, and the layout itself.
 
 The layouts are compared in float64 (`tiny_model64`): they add the same terms in other orders,
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-import rlhflab.rollout.packing as packing
+import rlhflab.models.packing as packing
 from rlhflab.rollout.sampler import completion_logps, pack
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import config_from_dict, load_config
@@ -15,15 +16,7 @@ from rlhflab.trainers import run_config
 from rlhflab.trainers.direct_alignment import cache_reference, paired_rows, sequence_logps
 
 PRESETS = sorted(Path(__file__).parents[2].glob("configs/dpo/*.yaml"))
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 300,
-    "n_heldout": 16,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
+TASK = tiny_task()
 
 
 def _pairs(tok):

@@ -8,42 +8,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_build, tiny_sft, tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import config_from_dict
 from rlhflab.trainers import run_config
 
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 300,
-    "n_heldout": 16,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
-BUILD = {
-    "size": "tiny",
-    "arch": "gpt",
-    "vocab_size": 300,
-    "max_position_embeddings": 64,
-    "tokenizer_texts": 300,
-}
+TASK = tiny_task()
+BUILD = tiny_build(arch="gpt")
 
 
 @pytest.fixture(scope="module")
 def gpt_sft(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
     cfg = config_from_dict(
-        {
-            "trainer": "sft",
-            "model": {"build": BUILD},
-            "task": TASK,
-            "train": {"steps": 30, "batch_size": 8, "micro_batch_size": 4, "max_len": 48},
-            "optim": {"lr": 3e-3},
-            "eval": {"n": 8, "max_new_tokens": 6},
-            "tracking": {"console": False},
-            "run": {"name": "sft-gpt", "root": str(tmp_path_factory.mktemp("sft"))},
-        }
+        tiny_sft(
+            root,
+            model={"build": BUILD},
+            train={"steps": 30, "batch_size": 8, "micro_batch_size": 4, "max_len": 48},
+            optim={"lr": 3e-3},
+            eval={"n": 8, "max_new_tokens": 6},
+            run={"name": "sft-gpt", "root": str(root)},
+        )
     )
     return run_config(cfg)
 

@@ -7,38 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_build, tiny_dpo, tiny_pg, tiny_sft, tiny_task
 
 from rlhflab.checkpoint import committed_checkpoints
 from rlhflab.config import config_from_dict
 from rlhflab.errors import HealthStop
 from rlhflab.trainers import run_config
 
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 300,
-    "n_heldout": 16,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
-BUILD = {"size": "tiny", "vocab_size": 300, "max_position_embeddings": 64, "tokenizer_texts": 300}
+TASK = tiny_task()
+BUILD = tiny_build()
 QUIET = {"console": False}
 
 
 def _sft(root, steps=6, **over):
-    raw = {
-        "trainer": "sft",
-        "model": {"build": BUILD},
-        "task": TASK,
-        "train": {"steps": steps, "batch_size": 8, "micro_batch_size": 8, "max_len": 48},
-        "optim": {"lr": 1e-3},
-        "eval": {"n": 0},
-        "tracking": QUIET,
-        "run": {"name": "sft", "root": str(root)},
-    }
-    raw.update(over)
-    return config_from_dict(raw)
+    train = {"steps": steps, "batch_size": 8, "micro_batch_size": 8, "max_len": 48}
+    return config_from_dict(tiny_sft(root, **({"train": train} | over)))
 
 
 @pytest.fixture(scope="module")
@@ -48,41 +31,15 @@ def sft_model_dir(tmp_path_factory):
 
 
 def _pg(root, model_dir, steps=5, **over):
-    raw = {
-        "trainer": "policy_gradient",
-        "model": {"name_or_path": model_dir},
-        "task": TASK,
-        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6},
-        "train": {"steps": steps, "micro_batch_size": 16},
-        "optim": {"lr": 1e-3},
-        "eval": {"n": 0},
-        "tracking": QUIET,
-        "run": {"name": "grpo", "root": str(root), "save_model": False},
-    }
-    raw.update(over)
-    return config_from_dict(raw)
+    train = {"steps": steps, "micro_batch_size": 16}
+    run = {"name": "grpo", "root": str(root), "save_model": False}
+    return config_from_dict(tiny_pg(root, model_dir, **({"train": train, "run": run} | over)))
 
 
 def _dpo(root, model_dir, steps=8, **over):
-    raw = {
-        "trainer": "direct_alignment",
-        "model": {"name_or_path": model_dir},
-        "task": TASK,
-        "data": {"heldout_pairs": 4},
-        "verifiable": {
-            "n_prompts": 12,
-            "samples_per_prompt": 4,
-            "max_new_tokens": 6,
-            "chosen": "gold",
-        },
-        "train": {"steps": steps, "batch_size": 4, "micro_batch_size": 4},
-        "optim": {"lr": 1e-3},
-        "eval": {"n": 0, "pref_every": 0},
-        "tracking": QUIET,
-        "run": {"name": "dpo", "root": str(root), "save_model": False},
-    }
-    raw.update(over)
-    return config_from_dict(raw)
+    train = {"steps": steps, "batch_size": 4, "micro_batch_size": 4}
+    run = {"name": "dpo", "root": str(root), "save_model": False}
+    return config_from_dict(tiny_dpo(root, model_dir, **({"train": train, "run": run} | over)))
 
 
 def _failed(res) -> dict:

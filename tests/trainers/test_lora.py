@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import LoRAConfig, config_from_dict
@@ -26,15 +27,7 @@ from rlhflab.trainers import run_config
 
 pytest.importorskip("peft")
 
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 40,
-    "n_heldout": 8,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
+TASK = tiny_task(n_train=40, n_heldout=8)
 LORA = {"r": 4, "alpha": 8.0}
 # A reward that varies between the samples of a tiny random model, so that group advantages are
 # not all zero and a step has a gradient.

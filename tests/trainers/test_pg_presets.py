@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_sft, tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import config_from_dict, load_config
@@ -15,38 +16,19 @@ from rlhflab.trainers import run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "configs/pg").glob("*.yaml"))
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 200,
-    "n_heldout": 8,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
+TASK = tiny_task(n_train=200, n_heldout=8)
 
 
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     cfg = config_from_dict(
-        {
-            "trainer": "sft",
-            "model": {
-                "build": {
-                    "size": "tiny",
-                    "vocab_size": 300,
-                    "max_position_embeddings": 64,
-                    "tokenizer_texts": 300,
-                }
-            },
-            "task": TASK,
-            "train": {"steps": 20, "batch_size": 8, "micro_batch_size": 8, "max_len": 48},
-            "optim": {"lr": 1e-3},
-            "eval": {"n": 1, "max_new_tokens": 4},
-            "tracking": {"console": False},
-            "run": {"name": "sft", "root": str(root)},
-        }
+        tiny_sft(
+            root,
+            task=TASK,
+            train={"steps": 20, "batch_size": 8, "micro_batch_size": 8, "max_len": 48},
+            eval={"n": 1, "max_new_tokens": 4},
+        )
     )
     return run_config(cfg)["model_dir"]
 

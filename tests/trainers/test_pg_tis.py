@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_build, tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import config_from_dict
@@ -22,26 +23,10 @@ def _run(root, name, **loss):
     reward_file.write_text(REWARD)
     raw = {
         "trainer": "policy_gradient",
-        "model": {
-            "build": {
-                "size": "tiny",
-                "vocab_size": 300,
-                "max_position_embeddings": 64,
-                "tokenizer_texts": 300,
-            },
-            # float64: the two runs differ by TIS weights within rounding of 1, whose effect
-            # on the weights is then far below any tolerance (in float32 it depends on the CPU)
-            "dtype": "float64",
-        },
-        "task": {
-            "name": "chain_sum",
-            "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-            "n_train": 200,
-            "n_heldout": 8,
-            "seed": 0,
-            "answer_format": "plain",
-            "reward": "binary",
-        },
+        # float64: the two runs differ by TIS weights within rounding of 1, whose effect on the
+        # weights is then far below any tolerance (in float32 it depends on the CPU)
+        "model": {"build": tiny_build(), "dtype": "float64"},
+        "task": tiny_task(n_train=200, n_heldout=8),
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 5},
         "reward": {"components": [{"function": f"{reward_file}:text_len", "weight": 1.0}]},
         "loss": loss,

@@ -6,20 +6,13 @@ import math
 
 import pytest
 import torch
+from factories import tiny_sft, tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import config_from_dict
 from rlhflab.trainers import run_config
 
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 300,
-    "n_heldout": 16,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
+TASK = tiny_task()
 RUN_FILES = [
     "config.yaml",
     "metrics.jsonl",
@@ -32,23 +25,11 @@ RUN_FILES = [
 
 def _sft_cfg(root, **train):
     return config_from_dict(
-        {
-            "trainer": "sft",
-            "model": {
-                "build": {
-                    "size": "tiny",
-                    "vocab_size": 300,
-                    "max_position_embeddings": 64,
-                    "tokenizer_texts": 300,
-                }
-            },
-            "task": TASK,
-            "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 4, "max_len": 48, **train},
-            "optim": {"lr": 1e-3},
-            "eval": {"n": 8, "max_new_tokens": 6},
-            "tracking": {"console": False},
-            "run": {"name": "sft", "root": str(root)},
-        }
+        tiny_sft(
+            root,
+            train={"steps": 3, "batch_size": 8, "micro_batch_size": 4, "max_len": 48, **train},
+            eval={"n": 8, "max_new_tokens": 6},
+        )
     )
 
 

@@ -5,12 +5,13 @@ is written when validation fails."""
 import json
 
 import pytest
+from factories import tiny_build
 
 from rlhflab.config import config_from_dict
 from rlhflab.errors import DataError
 from rlhflab.trainers import run_config
 
-BUILD = {"size": "tiny", "vocab_size": 300, "max_position_embeddings": 64, "tokenizer_texts": 100}
+BUILD = tiny_build(tokenizer_texts=100)
 
 
 def _cfg(root, path, on_invalid):

@@ -14,6 +14,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from rlhflab.data.rows import RowError
 from rlhflab.data.tasks import Problem
 from rlhflab.errors import ConfigError, DataError
 
@@ -42,24 +43,18 @@ class NumericAnswerScorer:
         return 1.0 if got is not None and want is not None and got == want else 0.0
 
 
-class _RowError(Exception):
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
 def parse_gsm8k_row(row: Any) -> dict:
-    """{"question", "answer" (the number as text), "steps" (list[str])}; raises _RowError."""
+    """{"question", "answer" (the number as text), "steps" (list[str])}; raises RowError."""
     if not isinstance(row, dict):
-        raise _RowError("wrong_type", "expected an object")
+        raise RowError("wrong_type", "expected an object")
     for key in ("question", "answer"):
         if row.get(key) is None:
-            raise _RowError("missing_field", f"field '{key}' is missing")
+            raise RowError("missing_field", f"field '{key}' is missing")
         if not isinstance(row[key], str) or not row[key].strip():
-            raise _RowError("wrong_type", f"field '{key}' must be a non-empty string")
+            raise RowError("wrong_type", f"field '{key}' must be a non-empty string")
     body, sep, final = row["answer"].rpartition("####")
     if not sep or parse_number(final) is None:
-        raise _RowError("no_final_answer", "field 'answer' has no '#### <number>' final line")
+        raise RowError("no_final_answer", "field 'answer' has no '#### <number>' final line")
     number = final.strip().replace(",", "").lstrip("$")
     steps = [_CALC.sub("", line).strip() for line in body.strip().splitlines() if line.strip()]
     return {"question": row["question"].strip(), "answer": number, "steps": steps}
@@ -94,7 +89,7 @@ def load_gsm8k(
             break
         try:
             entry = parse_gsm8k_row(row)
-        except _RowError as err:
+        except RowError as err:
             if on_invalid == "error":
                 raise DataError(f"data.path: {source} row {i}: {err}") from None
             drops[err.reason] += 1

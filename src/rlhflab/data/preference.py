@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 import re
 from collections.abc import Iterable, Sequence
@@ -52,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhflab.data.formatting import encode_completion, encode_prompt, render_messages
-from rlhflab.data.rows import finish_rows
+from rlhflab.data.rows import RowError, check_messages, finish_rows, load_rows
 from rlhflab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -80,7 +79,6 @@ DROP_REASONS: tuple[str, ...] = (
     "bad_transcript",
     "bad_label",
 )
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass
@@ -115,44 +113,9 @@ class TokenizedPair:
     rejected_ids: list[int]
 
 
-class RowError(Exception):
-    """An invalid row: `reason` is one of DROP_REASONS; the message names the field."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
 # ---------------------------------------------------------------------------------------------
 # Row parsers (one per format); each returns a PreferencePair / UnpairedExample or raises RowError
 # ---------------------------------------------------------------------------------------------
-
-
-def _messages(value: Any, field: str) -> Messages:
-    if not isinstance(value, list):
-        raise RowError("wrong_type", f"field '{field}' must be a list of messages")
-    if not value:
-        raise RowError("missing_field", f"field '{field}' is an empty list")
-    out = []
-    for j, msg in enumerate(value):
-        f = f"{field}[{j}]"
-        if not isinstance(msg, dict):
-            raise RowError("wrong_type", f"field '{f}' must be an object with 'role' and 'content'")
-        for key in ("role", "content"):
-            if key not in msg or msg[key] is None:
-                raise RowError("missing_field", f"field '{f}.{key}' is missing")
-            if not isinstance(msg[key], str):
-                raise RowError(
-                    "wrong_type",
-                    f"field '{f}.{key}' must be a string, got {type(msg[key]).__name__}",
-                )
-        if msg["role"] not in ROLES:
-            raise RowError(
-                "bad_role",
-                f"field '{f}.role' is {msg['role']!r}; expected one of {', '.join(ROLES)}",
-            )
-        out.append({"role": msg["role"], "content": msg["content"]})
-    return out
 
 
 def _get(row: Any, key: str) -> Any:
@@ -168,7 +131,7 @@ def _prompt(value: Any, field: str = "prompt") -> Messages:
         if not value.strip():
             raise RowError("missing_field", f"field '{field}' is empty")
         return [{"role": "user", "content": value}]
-    messages = _messages(value, field)
+    messages = check_messages(value, field)
     if messages[-1]["role"] == "assistant":
         raise RowError(
             "bad_role",
@@ -241,8 +204,8 @@ def parse_ultrafeedback_row(row: Any) -> PreferencePair:
     """One UltraFeedback-binarized row (`chosen`/`rejected` message lists sharing the prompt) → PreferencePair.
 
     Raises DataError naming the field when a field is missing or malformed."""
-    chosen = _messages(_get(row, "chosen"), "chosen")
-    rejected = _messages(_get(row, "rejected"), "rejected")
+    chosen = check_messages(_get(row, "chosen"), "chosen")
+    rejected = check_messages(_get(row, "rejected"), "rejected")
     prompt, c, r = split_shared_prompt(chosen, rejected)
     last = len(chosen) - 1
     return PreferencePair(
@@ -311,7 +274,7 @@ def _completion(value: Any, field: str, prompt: Messages) -> str:
     """A completion given as text, one assistant message, or a conversation starting with prompt."""
     if isinstance(value, str):
         return _nonempty(value, field)
-    msgs = _messages(value, field)
+    msgs = check_messages(value, field)
     if len(msgs) > 1 and msgs[: len(prompt)] == prompt:
         msgs = msgs[len(prompt) :]
     if len(msgs) != 1 or msgs[0]["role"] != "assistant":
@@ -379,70 +342,6 @@ def detect_preference_format(row: Any) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------
-
-_LOCAL_BUILDERS = (".json", ".jsonl", ".parquet", ".csv")
-
-
-def _load_rows(path: str, split: str, field: str) -> Iterable[Any]:
-    """Rows of a local json/jsonl/parquet file or a hub dataset, via `datasets.load_dataset`."""
-    import datasets
-
-    ext = os.path.splitext(path)[1].lower()
-    try:
-        if ext in _LOCAL_BUILDERS:
-            if not os.path.isfile(path):
-                raise DataError(f"{field}: file not found: {path}")
-            if ext in (".json", ".jsonl"):
-                # Not through Arrow: it needs one type per column and silently coerces or rejects
-                # a file whose rows disagree, so a malformed row could not be named.
-                return _read_json_rows(path, field)
-            if ext == ".csv":
-                # Not through pandas either: it would read a completion "4" as the float 4.0.
-                return _read_csv_rows(path)
-            return datasets.load_dataset("parquet", data_files=path, split="train")
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise DataError(f"{field}: {path}: expected a .json, .jsonl, .parquet or .csv file")
-        return datasets.load_dataset(path, split=split)
-    except DataError:
-        raise
-    except Exception as exc:
-        msg = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise DataError(f"{field}: cannot load {path!r} (split {split!r}): {msg}") from None
-
-
-def _read_csv_rows(path: str) -> list[dict[str, str]]:
-    """Rows of a .csv file with a header line; every value is text (CSV has no types)."""
-    import csv
-
-    with open(path, encoding="utf-8", newline="") as fh:
-        return list(csv.DictReader(fh))
-
-
-def _read_json_rows(path: str, field: str) -> list[Any]:
-    """Rows of a .jsonl file (one object per non-blank line) or a .json array, with plain json."""
-    import json
-
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    if path.lower().endswith(".json"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{field}: {path}: invalid JSON ({exc.msg} at line {exc.lineno})"
-            ) from None
-        return data if isinstance(data, list) else [data]
-    rows = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{field}: {path} row {len(rows)}: invalid JSON ({exc.msg} at column {exc.colno})"
-            ) from None
-    return rows
 
 
 def parse_rows(
@@ -525,7 +424,7 @@ def load_preference_data(
         DataError: missing file, unreadable dataset, undetectable format, an invalid row
             (on_invalid "error"), or no valid row.
     """
-    rows = _load_rows(path, split, field)
+    rows = load_rows(path, split, field)
     return parse_rows(
         rows, fmt, on_invalid=on_invalid, source=f"{field}: {path}", max_rows=max_rows
     )

@@ -39,6 +39,7 @@ from fractions import Fraction
 from typing import Any
 
 from rlhflab.data.formatting import encode_completion, encode_prompt, render_prompt
+from rlhflab.data.rows import RowError
 from rlhflab.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
@@ -312,31 +313,25 @@ def tokenize_prm(
 PRM800K_DROP_REASONS = ("missing_field", "unknown_rating", "no_steps", "wrong_type")
 
 
-class _RowError(Exception):
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
 def _prm800k_row(row: dict) -> tuple[str, list[str], list[int], str | None]:
     question = row.get("question")
     if not isinstance(question, dict) or not isinstance(question.get("problem"), str):
-        raise _RowError("missing_field", "field 'question.problem' is missing")
+        raise RowError("missing_field", "field 'question.problem' is missing")
     label = row.get("label")
     if not isinstance(label, dict) or not isinstance(label.get("steps"), list):
-        raise _RowError("missing_field", "field 'label.steps' is missing")
+        raise RowError("missing_field", "field 'label.steps' is missing")
     steps: list[str] = []
     ratings: list[int] = []
     for k, step in enumerate(label["steps"]):
         if not isinstance(step, dict):
-            raise _RowError("wrong_type", f"field 'label.steps[{k}]' is not an object")
+            raise RowError("wrong_type", f"field 'label.steps[{k}]' is not an object")
         completions = step.get("completions") or []
         chosen = step.get("chosen_completion")
         human = step.get("human_completion")
         stop = False
         if chosen is not None:
             if not isinstance(chosen, int) or not 0 <= chosen < len(completions):
-                raise _RowError(
+                raise RowError(
                     "wrong_type", f"field 'label.steps[{k}].chosen_completion' is out of range"
                 )
             comp, where = completions[chosen], f"label.steps[{k}].completions[{chosen}]"
@@ -348,12 +343,12 @@ def _prm800k_row(row: dict) -> tuple[str, list[str], list[int], str | None]:
                 break
             comp, where, stop = completions[bad[0]], f"label.steps[{k}].completions[{bad[0]}]", True
         if not isinstance(comp, dict) or not isinstance(comp.get("text"), str):
-            raise _RowError("missing_field", f"field '{where}.text' is missing")
+            raise RowError("missing_field", f"field '{where}.text' is missing")
         rating = comp.get("rating")
         if rating is None and where.endswith("human_completion"):
             rating = 1  # human-written replacements are correct by construction
         if isinstance(rating, bool) or rating not in RATINGS:
-            raise _RowError(
+            raise RowError(
                 "unknown_rating", f"field '{where}.rating' is {rating!r}; expected -1, 0 or 1"
             )
         steps.append(comp["text"])
@@ -361,7 +356,7 @@ def _prm800k_row(row: dict) -> tuple[str, list[str], list[int], str | None]:
         if stop:
             break
     if not steps:
-        raise _RowError("no_steps", "field 'label.steps' has no rated step")
+        raise RowError("no_steps", "field 'label.steps' has no rated step")
     return question["problem"], steps, ratings, question.get("ground_truth_answer")
 
 
@@ -408,7 +403,7 @@ def load_prm800k(
             break
         try:
             problem, steps, ratings, answer = _prm800k_row(row)
-        except _RowError as err:
+        except RowError as err:
             if on_invalid == "error":
                 raise DataError(f"data.path: {source} row {i}: {err}") from None
             drops[err.reason] += 1

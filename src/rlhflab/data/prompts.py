@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhflab.data.formatting import render_messages, render_prompt, with_instruction
+from rlhflab.data.rows import RowError, check_messages, read_json_rows
 from rlhflab.data.tasks import dedup_key
 from rlhflab.errors import ConfigError, DataError
 
@@ -220,51 +221,35 @@ def apply_template(rows: list[PromptRow], template: str) -> list[PromptRow]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _RowError(Exception):
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
 def _messages(value: Any, fld: str) -> Messages:
     if not value:
-        raise _RowError("empty_prompt", f"field '{fld}' is empty")
-    out = []
-    for j, msg in enumerate(value):
-        f = f"{fld}[{j}]"
-        if not isinstance(msg, dict):
-            raise _RowError("wrong_type", f"field '{f}' must be an object with 'role', 'content'")
-        for key in ("role", "content"):
-            if not isinstance(msg.get(key), str):
-                raise _RowError("wrong_type", f"field '{f}.{key}' must be a string")
-        if msg["role"] not in ("system", "user", "assistant"):
-            raise _RowError("bad_role", f"field '{f}.role' is {msg['role']!r}")
-        out.append({"role": msg["role"], "content": msg["content"]})
+        raise RowError("empty_prompt", f"field '{fld}' is empty")
+    out = check_messages(value, fld)
     if out[-1]["role"] == "assistant":
-        raise _RowError(
+        raise RowError(
             "bad_role",
             f"field '{fld}[{len(out) - 1}].role' is 'assistant'; a prompt must end "
             "with a user or system turn",
         )
     if not any(m["role"] == "user" and m["content"].strip() for m in out):
-        raise _RowError("empty_prompt", f"field '{fld}' has no non-empty user turn")
+        raise RowError("empty_prompt", f"field '{fld}' has no non-empty user turn")
     return out
 
 
 def parse_prompt_row(row: Any, *, prompt_column: str = "prompt", prompt_format: str = "auto"):
-    """One source row → (prompt, other columns). Raises _RowError naming the field.
+    """One source row → (prompt, other columns). Raises RowError naming the field.
 
     prompt_format "auto": the column holds a str (standard) or a message list (conversational);
     "hh_transcript": the column holds an HH-RLHF transcript ("\\n\\nHuman: …\\n\\nAssistant: …");
     the prompt is every turn before the last assistant turn, as messages.
     """
-    from rlhflab.data.preference import RowError, parse_hh_transcript
+    from rlhflab.data.preference import parse_hh_transcript
 
     if not isinstance(row, dict):
-        raise _RowError("wrong_type", "expected an object (a mapping of fields)")
+        raise RowError("wrong_type", "expected an object (a mapping of fields)")
     if row.get(prompt_column) is None:
         have = ", ".join(sorted(map(str, row))) or "none"
-        raise _RowError(
+        raise RowError(
             "missing_field",
             f"field '{prompt_column}' is missing (columns: {have}; set data.prompt_column)",
         )
@@ -274,16 +259,16 @@ def parse_prompt_row(row: Any, *, prompt_column: str = "prompt", prompt_format: 
         try:
             turns = parse_hh_transcript(value, prompt_column)
         except RowError as err:
-            raise _RowError("bad_transcript", str(err)) from None
+            raise RowError("bad_transcript", str(err)) from None
         last = max((i for i, m in enumerate(turns) if m["role"] == "assistant"), default=None)
         return _messages(turns[:last] if last is not None else turns, prompt_column), columns
     if isinstance(value, str):
         if not value.strip():
-            raise _RowError("empty_prompt", f"field '{prompt_column}' is empty")
+            raise RowError("empty_prompt", f"field '{prompt_column}' is empty")
         return value, columns
     if isinstance(value, list):
         return _messages(value, prompt_column), columns
-    raise _RowError(
+    raise RowError(
         "wrong_type",
         f"field '{prompt_column}' must be a string or a list of messages, "
         f"got {type(value).__name__}",
@@ -299,9 +284,7 @@ def read_rows(path: str, *, name: str | None, split: str, key: str) -> list[dict
         if not os.path.isfile(path):
             raise DataError(f"{key}: file not found: {path}")
         if ext != ".parquet":
-            from rlhflab.data.preference import _read_json_rows
-
-            return _read_json_rows(path, key)
+            return read_json_rows(path, key)
     elif os.path.isfile(path):
         raise DataError(f"{key}: {path}: expected a .json, .jsonl or .parquet file")
     import datasets
@@ -324,7 +307,7 @@ def _parse_all(rows, data, where: str, drops: dict) -> list[PromptRow]:
             prompt, columns = parse_prompt_row(
                 row, prompt_column=data.prompt_column, prompt_format=data.prompt_format
             )
-        except _RowError as err:
+        except RowError as err:
             if data.on_invalid == "error":
                 raise DataError(f"{where} row {i}: {err}") from None
             drops[err.reason] = drops.get(err.reason, 0) + 1

@@ -1,7 +1,8 @@
 """Reward-model training data at the token level, from a policy's own samples and a verifier.
 
-`sample_and_score` samples K completions per problem from a policy (one batched call per chunk,
-the same sampler RL uses) and labels each with the verifier. From one `ScoredSamples` come:
+`rlhflab.rollout.scored.sample_and_score` samples K completions per problem from a policy (one
+batched call per chunk, the same sampler RL uses) and labels each with the verifier; this module
+only shapes what it returns (it samples nothing). From one `ScoredSamples` come:
 
 * preference pairs (`pairs_from_samples`): correct ≻ incorrect completions of the same prompt,
   every (correct, incorrect) combination up to `max_pairs_per_prompt`;
@@ -19,12 +20,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
-
-from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.preference import TokenizedPair
 from rlhflab.data.prm import IGNORE_INDEX, label_steps, step_label_ids
-from rlhflab.rollout.engines import SamplingParams, make_engine
 
 
 @dataclass
@@ -54,61 +51,6 @@ class ScoredSamples:
     completion_ids: list[list[list[int]]]  # [problem][k] generated ids incl. eos
     texts: list[list[str]]
     scores: list[list[float]]
-
-
-@torch.no_grad()
-def sample_and_score(
-    model,
-    tokenizer,
-    problems: list,
-    verifier,
-    *,
-    k: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    batch_size: int = 256,
-    seed: int = 0,
-    system: str | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    instruction: str | None = None,
-) -> ScoredSamples:
-    """Sample `k` completions for each problem (task Problem or prompt row) and score them with
-    `verifier` (anything with `score_batch(texts, rows)`); prompts carry `system` and the
-    answer-format `instruction` (`render_row`)."""
-    from rlhflab.rollout.sampler import decode_completions
-
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    from rlhflab.data.prompts import render_row
-
-    prompts = [
-        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
-        for p in problems
-    ]
-    per_chunk = max(1, batch_size // k)
-    engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)  # hf
-    params = SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature)
-    comp_ids: list[list[list[int]]] = []
-    texts: list[list[str]] = []
-    scores: list[list[float]] = []
-    for start in range(0, len(problems), per_chunk):
-        chunk_p = problems[start : start + per_chunk]
-        chunk = prompts[start : start + per_chunk]
-        ro = engine.generate(chunk, params, generator=gen)
-        decoded = decode_completions(tokenizer, ro, engine.stop_token_ids)
-        sc = verifier.score_batch(decoded, [p for p in chunk_p for _ in range(k)])
-        ids = [
-            [t for t, m in zip(row, mrow, strict=True) if m]
-            for row, mrow in zip(ro.completion_ids.tolist(), ro.mask.tolist(), strict=True)
-        ]
-        for i in range(len(chunk_p)):
-            comp_ids.append(ids[i * k : (i + 1) * k])
-            texts.append(decoded[i * k : (i + 1) * k])
-            scores.append(sc[i * k : (i + 1) * k])
-    model.train(was_training)
-    return ScoredSamples(list(problems), prompts, comp_ids, texts, scores)
 
 
 def pairs_from_samples(

@@ -54,7 +54,7 @@ from rlhflab.data.formatting import (
     render_messages,
     render_prompt,
 )
-from rlhflab.data.rows import finish_rows
+from rlhflab.data.rows import RowError, check_messages, finish_rows, load_rows
 from rlhflab.data.tasks import Problem
 from rlhflab.errors import ConfigError, DataError
 
@@ -77,8 +77,6 @@ DROP_REASONS: tuple[str, ...] = (
 
 AssistantTurns = Literal["all", "last"]
 ASSISTANT_TURNS: tuple[str, ...] = ("all", "last")
-
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass
@@ -143,41 +141,6 @@ def sft_examples_from_problems(
     return examples
 
 
-class _RowError(Exception):
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-def _check_messages(value: Any, field: str) -> list[dict[str, str]]:
-    if not isinstance(value, list):
-        raise _RowError("wrong_type", f"field '{field}' must be a list of messages")
-    if not value:
-        raise _RowError("missing_field", f"field '{field}' is an empty list")
-    messages = []
-    for j, msg in enumerate(value):
-        f = f"{field}[{j}]"
-        if not isinstance(msg, dict):
-            raise _RowError(
-                "wrong_type", f"field '{f}' must be an object with 'role' and 'content'"
-            )
-        for key in ("role", "content"):
-            if msg.get(key) is None:
-                raise _RowError("missing_field", f"field '{f}.{key}' is missing")
-            if not isinstance(msg[key], str):
-                raise _RowError(
-                    "wrong_type",
-                    f"field '{f}.{key}' must be a string, got {type(msg[key]).__name__}",
-                )
-        if msg["role"] not in ROLES:
-            raise _RowError(
-                "bad_role",
-                f"field '{f}.role' is {msg['role']!r}; expected one of {', '.join(ROLES)}",
-            )
-        messages.append({"role": msg["role"], "content": msg["content"]})
-    return messages
-
-
 def _messages_example(
     tokenizer: Any, messages: list[dict[str, str]], assistant_turns: str
 ) -> SFTExample:
@@ -194,7 +157,7 @@ def _messages_example(
             continue
         head = render_messages(tokenizer, messages[:i], add_generation_prompt=True)
         if eos is None or not prompt.startswith(head + msg["content"] + eos):
-            raise _RowError(
+            raise RowError(
                 "template_mismatch",
                 f"field 'messages[{i}]': the chat template does not render this assistant turn "
                 f"as the generation prompt + its content + the eos token {eos!r}; "
@@ -210,28 +173,28 @@ def _completion_text(value: Any) -> str:
     if isinstance(value, str):
         text, field = value, "completion"
     elif isinstance(value, list):
-        messages = _check_messages(value, "completion")
+        messages = check_messages(value, "completion")
         if len(messages) != 1 or messages[0]["role"] != "assistant":
-            raise _RowError(
+            raise RowError(
                 "bad_role",
                 f"field 'completion' must be one assistant message, got roles "
                 f"{[m['role'] for m in messages]}",
             )
         text, field = messages[0]["content"], "completion[0].content"
     else:
-        raise _RowError(
+        raise RowError(
             "wrong_type",
             "field 'completion' must be a string or a list of messages, "
             f"got {type(value).__name__}",
         )
     if not text.strip():
-        raise _RowError("empty_completion", f"field '{field}' is empty")
+        raise RowError("empty_completion", f"field '{field}' is empty")
     return text
 
 
 def _parse_row(row: Any, tokenizer: Any, assistant_turns: str = "all") -> SFTExample:
     if not isinstance(row, dict):
-        raise _RowError(
+        raise RowError(
             "not_an_object",
             "expected a JSON object with 'text', 'messages' or 'prompt' and 'completion'",
         )
@@ -242,41 +205,39 @@ def _parse_row(row: Any, tokenizer: Any, assistant_turns: str = "all") -> SFTExa
     if "text" in row:
         others = [k for k in ("messages", "completion") if k in row]
         if others:
-            raise _RowError("wrong_type", f"has both 'text' and '{others[0]}'; use one format")
+            raise RowError("wrong_type", f"has both 'text' and '{others[0]}'; use one format")
         text = row["text"]
         if not isinstance(text, str):
-            raise _RowError(
+            raise RowError(
                 "wrong_type", f"field 'text' must be a string, got {type(text).__name__}"
             )
         if not text.strip():
-            raise _RowError("empty_completion", "field 'text' is empty")
+            raise RowError("empty_completion", "field 'text' is empty")
         return SFTExample(prompt="", completion=text)
     if "messages" in row:
         if "completion" in row:
-            raise _RowError("wrong_type", "has both 'messages' and 'completion'; use one format")
-        messages = _check_messages(row["messages"], "messages")
+            raise RowError("wrong_type", "has both 'messages' and 'completion'; use one format")
+        messages = check_messages(row["messages"], "messages")
         last = len(messages) - 1
         if messages[-1]["role"] != "assistant":
-            raise _RowError(
+            raise RowError(
                 "last_role_not_assistant",
                 f"field 'messages[{last}].role' is {messages[-1]['role']!r}; the last message "
                 "must be the assistant's (the completion)",
             )
         if len(messages) < 2:
-            raise _RowError(
-                "missing_field", "field 'messages' has no message before the completion"
-            )
+            raise RowError("missing_field", "field 'messages' has no message before the completion")
         if not any(m["role"] == "user" for m in messages[:-1]):
-            raise _RowError(
+            raise RowError(
                 "no_user_turn", "field 'messages' has no user message before the completion"
             )
         if not messages[-1]["content"].strip():
-            raise _RowError("empty_completion", f"field 'messages[{last}].content' is empty")
+            raise RowError("empty_completion", f"field 'messages[{last}].content' is empty")
         return _messages_example(tokenizer, messages, assistant_turns)
 
     for key in ("prompt", "completion"):
         if key not in row:
-            raise _RowError(
+            raise RowError(
                 "missing_field",
                 f"field '{key}' is missing "
                 "(expected 'text', 'messages' or 'prompt' and 'completion')",
@@ -285,21 +246,21 @@ def _parse_row(row: Any, tokenizer: Any, assistant_turns: str = "all") -> SFTExa
     prompt = row["prompt"]
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise _RowError("missing_field", "field 'prompt' is empty")
+            raise RowError("missing_field", "field 'prompt' is empty")
         return SFTExample(prompt=render_prompt(tokenizer, prompt), completion=completion)
     if isinstance(prompt, list):
-        messages = _check_messages(prompt, "prompt")
+        messages = check_messages(prompt, "prompt")
         if not any(m["role"] == "user" for m in messages):
-            raise _RowError("no_user_turn", "field 'prompt' has no user message")
+            raise RowError("no_user_turn", "field 'prompt' has no user message")
         if messages[-1]["role"] == "assistant":
-            raise _RowError(
+            raise RowError(
                 "wrong_type",
                 f"field 'prompt[{len(messages) - 1}].role' is 'assistant'; a prompt must end "
                 "with a user or system message",
             )
         rendered = render_messages(tokenizer, messages, add_generation_prompt=True)
         return SFTExample(prompt=rendered, completion=completion)
-    raise _RowError(
+    raise RowError(
         "wrong_type",
         f"field 'prompt' must be a string or a list of messages, got {type(prompt).__name__}",
     )
@@ -354,11 +315,11 @@ def load_sft_jsonl(
                     try:
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise _RowError(
+                        raise RowError(
                             "invalid_json", f"invalid JSON ({exc.msg} at column {exc.colno})"
                         ) from exc
                     examples.append(_parse_row(row, tokenizer, assistant_turns))
-                except _RowError as err:
+                except RowError as err:
                     if on_invalid == "error":
                         raise DataError(f"data.path: {name} line {lineno}: {err}") from None
                     drops[err.reason] += 1
@@ -400,21 +361,19 @@ def load_sft_data(
         DataError: missing file, unreadable dataset, an invalid row (on_invalid "error"), or no
             valid row.
     """
-    from rlhflab.data.preference import _load_rows
-
     _check_options(on_invalid, assistant_turns)
     name = os.fspath(path)
     if name.lower().endswith(".jsonl"):
         return load_sft_jsonl(
             name, tokenizer, on_invalid=on_invalid, assistant_turns=assistant_turns
         )
-    rows = _load_rows(name, split, "data.path")
+    rows = load_rows(name, split, "data.path")
     drops = dict.fromkeys(DROP_REASONS, 0)
     examples: list[SFTExample] = []
     for i, row in enumerate(rows):
         try:
             examples.append(_parse_row(row, tokenizer, assistant_turns))
-        except _RowError as err:
+        except RowError as err:
             if on_invalid == "error":
                 raise DataError(f"data.path: {name} row {i}: {err}") from None
             drops[err.reason] += 1

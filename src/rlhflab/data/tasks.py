@@ -336,3 +336,14 @@ def make_splits(
         train_seed=seed,
         heldout_seed=heldout_seed,
     )
+
+
+def task_texts(splits: Splits, limit: int) -> list[str]:
+    """Question and answer strings of the first `limit` training problems of `splits`, for
+    training a tokenizer (a from-scratch `model.build`): 1–2 strings per problem, questions first."""
+    texts = []
+    for p in splits.train[:limit]:
+        texts.append(p.question)
+        if p.answer is not None:
+            texts.append(str(p.answer))
+    return texts

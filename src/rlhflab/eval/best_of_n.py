@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import random
 
-from rlhflab.data.reward_data import sample_and_score
 from rlhflab.eval.accuracy import mean_and_stderr
 from rlhflab.rollout.sampler import pack
+from rlhflab.rollout.scored import sample_and_score
 from rlhflab.runs import to_json
 
 
@@ -227,7 +227,7 @@ def run_best_of_n_command(
     if data is not None:  # a prompt dataset: "correct" means the summed reward is 1.0
         from rlhflab.config import PromptDataConfig
         from rlhflab.data.prompts import load_prompt_source
-        from rlhflab.eval.cli import reward_components_from_specs
+        from rlhflab.eval.common import reward_components_from_specs
         from rlhflab.rewards.shaping import TextRewardScorer
 
         scorer = TextRewardScorer(reward_components_from_specs(reward_fns or []))

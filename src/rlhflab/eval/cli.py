@@ -8,6 +8,7 @@ import torch
 from rlhflab.data.formatting import answer_instruction
 from rlhflab.data.tasks import make_splits
 from rlhflab.eval.accuracy import evaluate, majority_baseline
+from rlhflab.eval.common import reward_components_from_specs
 from rlhflab.models.loading import load_model, load_tokenizer
 from rlhflab.rewards.verifier import Verifier
 
@@ -234,32 +235,3 @@ def _load_and_evaluate(
     model = load_model(model_path, device=device, gguf_file=gguf_file)
     sampler = make_engine(RolloutConfig(engine=engine), model, tokenizer)
     return evaluate(model, tokenizer, rows, scorer, engine=sampler, **kw)
-
-
-def reward_components_from_specs(specs: list[str]) -> list:
-    """`--reward-fn` values ("math_verify", "pkg.mod:fn", "file.py:fn", each optionally
-    "=WEIGHT") as RewardComponentConfigs. Raises ConfigError naming the spec."""
-    from pydantic import ValidationError
-
-    from rlhflab.config import RewardComponentConfig
-    from rlhflab.errors import ConfigError
-    from rlhflab.rewards.functions import REWARD_FUNCTIONS
-
-    if not specs:
-        raise ConfigError("a prompt dataset needs at least one --reward-fn")
-    components = []
-    for spec in specs:
-        target, _, weight = spec.partition("=")
-        try:
-            w = float(weight) if weight else 1.0
-        except ValueError:
-            raise ConfigError(f"--reward-fn {spec!r}: weight {weight!r} is not a number") from None
-        try:
-            if target in REWARD_FUNCTIONS:
-                components.append(RewardComponentConfig(name=target, weight=w))
-            else:
-                components.append(RewardComponentConfig(function=target, weight=w))
-        except ValidationError as exc:
-            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
-            raise ConfigError(f"--reward-fn {spec!r}: {msg}") from None
-    return components

@@ -41,8 +41,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlhflab.errors import ModelError
-from rlhflab.ops import upcast
-from rlhflab.rollout.sampler import position_ids_from_mask
+from rlhflab.ops import position_ids_from_mask, upcast
 
 
 def reward_head(model: PreTrainedModel) -> torch.nn.Linear:
@@ -230,10 +229,10 @@ def final_token_scores(
 def score_rollout(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Tensor:
     """Scalar reward of each [prompt; completion] of a `Rollout` at its last real token (B,).
 
-    On CPU, rows of uneven length are packed padding-free (`rlhflab.rollout.packing`): the same
+    On CPU, rows of uneven length are packed padding-free (`rlhflab.models.packing`): the same
     scores up to float rounding, without computing the padding."""
     from rlhflab import distributed
-    from rlhflab.rollout.packing import can_pack, packed_hidden, packed_layout
+    from rlhflab.models.packing import can_pack, packed_hidden, packed_layout
 
     device = rollout.prompt_ids.device
     if device.type == "cpu" and can_pack(model) and not distributed.is_sharded(model):

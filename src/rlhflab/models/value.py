@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rlhflab.ops import upcast
-from rlhflab.rollout.sampler import Rollout, position_ids_from_mask
+from rlhflab.ops import position_ids_from_mask, upcast
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -82,9 +81,12 @@ class ValueModel(nn.Module):
         self.backbone.save_pretrained(path, state_dict=part["backbone"])
         save_file({k: v.contiguous() for k, v in part["head"].items()}, Path(path) / HEAD_FILE)
 
-    def forward(self, rollout: Rollout, autocast_dtype: torch.dtype | None = None) -> Tensor:
+    def forward(self, rollout, autocast_dtype: torch.dtype | None = None) -> Tensor:
         """Values (B, T) float32 (float64 for a float64 model) of the states before each
         completion token, 0 on padding.
+
+        `rollout` is a `rlhflab.rollout.sampler.Rollout` (read: input_ids, attention_mask,
+        completion_ids, mask; not imported here, as `models/` sits below `rollout/`).
 
         V_t is read from the hidden state at position P−1+t, the one from which the policy
         predicts o_t, so V_t = V(q, o_<t), with the same attention mask and position ids as the

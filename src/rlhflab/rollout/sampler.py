@@ -37,14 +37,15 @@ import torch
 from torch import Tensor
 
 from rlhflab import distributed
+from rlhflab.models.packing import can_pack, packed_hidden, packed_layout
 from rlhflab.ops import (
     entropy_from_logits,
     linear_selective_log_softmax,
+    position_ids_from_mask,
     selective_log_softmax,
     upcast,
 )
 from rlhflab.rollout.kv_cache import preallocated_cache
-from rlhflab.rollout.packing import can_pack, packed_hidden, packed_layout
 
 
 @dataclass
@@ -112,11 +113,6 @@ def left_pad(
             ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             mask[i, width - len(seq) :] = 1
     return ids, mask
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions that count only real tokens: cumsum(mask) − 1, clamped at 0 on left padding."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _filter_logits(logits: Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> Tensor:
@@ -308,7 +304,7 @@ def completion_logps(
     One forward over [prompt; completion] with the same attention mask and position ids as the
     sampler, keeping logits only for the T completion positions (`logits_to_keep`). Log-probs use
     the tempered distribution softmax(logits / τ), as the sampler does. On CPU, rows of uneven
-    length are scored padding-free (`rlhflab.rollout.packing`): the same values up to float
+    length are scored padding-free (`rlhflab.models.packing`): the same values up to float
     rounding, without paying for the padding.
 
     Returns:
@@ -320,7 +316,7 @@ def completion_logps(
     autocast = torch.autocast(
         input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
     )
-    # On CPU with a plain linear LM head (rlhflab.rollout.packing.can_pack): rows of uneven length
+    # On CPU with a plain linear LM head (rlhflab.models.packing.can_pack): rows of uneven length
     # are packed padding-free when that removes enough padding, and in fp32 the head and the
     # log-softmax are fused in row-chunks (ops.linear_selective_log_softmax), so no (B, T, V)
     # logits exist. Elsewhere the padded layout with `logits_to_keep` (no host syncs).

@@ -54,6 +54,7 @@ from rlhflab.data.preference import (
     tokenize_pairs,
 )
 from rlhflab.data.prompts import load_prompt_source, render_row
+from rlhflab.data.tasks import task_texts
 from rlhflab.errors import DataError
 from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
@@ -86,7 +87,6 @@ from rlhflab.trainers.common import (
     seed_everything,
     setup_precision,
 )
-from rlhflab.trainers.sft import task_texts
 
 #: Held-out margins closer to 0 than this are ties (float32 noise of summed log-probs is ~1e-5).
 PREF_TIE_TOL = 1e-4

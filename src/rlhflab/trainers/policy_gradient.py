@@ -40,6 +40,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, task_instruction
 from rlhflab.data.prompts import load_prompt_source, render_row
+from rlhflab.data.tasks import task_texts
 from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
@@ -84,7 +85,6 @@ from rlhflab.trainers.common import (
     seed_everything,
     setup_precision,
 )
-from rlhflab.trainers.sft import task_texts
 
 
 def train(cfg: PGConfig) -> dict:

@@ -36,7 +36,7 @@ from rlhflab.data.reward_data import (
     StepLabelledCompletion,
     truncate_items,
 )
-from rlhflab.data.tasks import make_splits
+from rlhflab.data.tasks import make_splits, task_texts
 from rlhflab.errors import DataError
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
@@ -76,7 +76,6 @@ from rlhflab.trainers.common import (
     seed_everything,
     setup_precision,
 )
-from rlhflab.trainers.sft import task_texts
 
 
 def train(cfg: RMConfig) -> dict:
@@ -323,8 +322,8 @@ def build_rm_data(cfg: RMConfig, tokenizer, lm, splits, device) -> tuple[list, l
             orm_from_samples,
             pairs_from_samples,
             prm_from_samples,
-            sample_and_score,
         )
+        from rlhflab.rollout.scored import sample_and_score
 
         policy = _policy(cfg, device)
         verifier = Verifier(

@@ -25,7 +25,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import SFTConfig
 from rlhflab.data.formatting import task_instruction
 from rlhflab.data.sft import load_sft_data, sft_examples_from_problems, split_features, tokenize_sft
-from rlhflab.data.tasks import make_splits
+from rlhflab.data.tasks import make_splits, task_texts
 from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.health import HealthMonitor
@@ -53,16 +53,6 @@ from rlhflab.trainers.common import (
     seed_everything,
     setup_precision,
 )
-
-
-def task_texts(splits, limit: int) -> list[str]:
-    """Question and answer strings of the training split, for training a tokenizer."""
-    texts = []
-    for p in splits.train[:limit]:
-        texts.append(p.question)
-        if p.answer is not None:
-            texts.append(str(p.answer))
-    return texts
 
 
 def train(cfg: SFTConfig) -> dict:

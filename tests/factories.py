@@ -1,0 +1,95 @@
+"""Tiny tasks, model builds and run configs shared by the tests: one definition instead of a copy
+per file. Every factory returns a fresh dict (safe to mutate); keyword arguments replace keys
+(for the config factories: whole sections, as `dict.update` does).
+
+- `tiny_task()`: reasoning_gym chain_sum, two one-digit terms, 300 train / 16 held-out problems.
+- `tiny_build()`: the `model.build` section of a tiny from-scratch model (vocab 300, 64 positions).
+- `tiny_sft(root)`, `tiny_pg(root, model_dir)`, `tiny_dpo(root, model_dir)`: raw configs (dicts
+  for `config_from_dict`) of each trainer family, small enough to run in seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def tiny_task(**over: Any) -> dict:
+    """The `task` section: chain_sum with 2 terms of 1 digit, plain answers, binary reward."""
+    return {
+        "name": "chain_sum",
+        "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        "n_train": 300,
+        "n_heldout": 16,
+        "seed": 0,
+        "answer_format": "plain",
+        "reward": "binary",
+        **over,
+    }
+
+
+def tiny_build(**over: Any) -> dict:
+    """The `model.build` section: a tiny model and a 300-token tokenizer trained on the task."""
+    return {
+        "size": "tiny",
+        "vocab_size": 300,
+        "max_position_embeddings": 64,
+        "tokenizer_texts": 300,
+        **over,
+    }
+
+
+def tiny_sft(root: str | Path, **sections: Any) -> dict:
+    """SFT from scratch on `tiny_task()`: 6 steps of 8 examples, no evaluation, console off."""
+    raw = {
+        "trainer": "sft",
+        "model": {"build": tiny_build()},
+        "task": tiny_task(),
+        "train": {"steps": 6, "batch_size": 8, "micro_batch_size": 8, "max_len": 48},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 0},
+        "tracking": {"console": False},
+        "run": {"name": "sft", "root": str(root)},
+    }
+    raw.update(sections)
+    return raw
+
+
+def tiny_pg(root: str | Path, model_dir: str | Path, **sections: Any) -> dict:
+    """GRPO (the policy-gradient defaults) from `model_dir`: 5 steps of 4 prompts × 4 samples."""
+    raw = {
+        "trainer": "policy_gradient",
+        "model": {"name_or_path": str(model_dir)},
+        "task": tiny_task(),
+        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6},
+        "train": {"steps": 5, "micro_batch_size": 16},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 0},
+        "tracking": {"console": False},
+        "run": {"name": "grpo", "root": str(root)},
+    }
+    raw.update(sections)
+    return raw
+
+
+def tiny_dpo(root: str | Path, model_dir: str | Path, **sections: Any) -> dict:
+    """DPO from `model_dir` on verifiable pairs (12 prompts × 4 samples, gold chosen): 8 steps."""
+    raw = {
+        "trainer": "direct_alignment",
+        "model": {"name_or_path": str(model_dir)},
+        "task": tiny_task(),
+        "data": {"heldout_pairs": 4},
+        "verifiable": {
+            "n_prompts": 12,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 6,
+            "chosen": "gold",
+        },
+        "train": {"steps": 8, "batch_size": 4, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 0, "pref_every": 0},
+        "tracking": {"console": False},
+        "run": {"name": "dpo", "root": str(root)},
+    }
+    raw.update(sections)
+    return raw
