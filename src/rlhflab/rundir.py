@@ -121,7 +121,7 @@ def record_config_change(run_dir: Path, ckpt, config: dict) -> dict:
     append `{"step", "time", "from_checkpoint", "changes": {key: [old, new]}}` to
     config_changes.jsonl and rewrite config.yaml with the new config. Returns the changes."""
     from rlhflab.checkpoint import flatten_config
-    from rlhflab.runs import redact_obj, to_json, write_yaml_atomic
+    from rlhflab.serialize import redact_obj, to_json, write_yaml_atomic
 
     config = redact_obj(config)
     old, new = flatten_config(ckpt.state["config"]), flatten_config(config)

@@ -78,7 +78,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from rlhflab import distributed, faults
 from rlhflab.errors import CheckpointError, ConfigError, DiskFullError, Interrupted
 from rlhflab.models.lora import is_lora, load_trainable_state, trainable_state
-from rlhflab.runs import (
+from rlhflab.serialize import (
     decode_nonfinite,
     encode_nonfinite,
     is_run_of,
