@@ -1,4 +1,41 @@
-"""Kept importable under its old name (moved to rlhflab.serialize)."""
+"""Old name, kept importable: serialisation and redaction are `rlhflab.serialize`, the run
+directory is `rlhflab.rundir`."""
 
-from rlhflab.serialize import *  # noqa: F403
-from rlhflab.serialize import decode_nonfinite, encode_nonfinite, redact_obj  # noqa: F401
+from rlhflab.rundir import SampleWriter, check_run_name, create_run_dir, is_run_of
+from rlhflab.serialize import (
+    NONFINITE_NOTES,
+    REDACTED,
+    decode_nonfinite,
+    encode_nonfinite,
+    finite_json,
+    is_secret_name,
+    redact,
+    redact_json,
+    redact_obj,
+    secret_values,
+    to_json,
+    write_json_atomic,
+    write_text_atomic,
+    write_yaml_atomic,
+)
+
+__all__ = [
+    "NONFINITE_NOTES",
+    "REDACTED",
+    "SampleWriter",
+    "check_run_name",
+    "create_run_dir",
+    "decode_nonfinite",
+    "encode_nonfinite",
+    "finite_json",
+    "is_run_of",
+    "is_secret_name",
+    "redact",
+    "redact_json",
+    "redact_obj",
+    "secret_values",
+    "to_json",
+    "write_json_atomic",
+    "write_text_atomic",
+    "write_yaml_atomic",
+]

@@ -1,12 +1,11 @@
-"""The run directory `<root>/<name>-<timestamp>/` and atomic writes of the small files in it.
+"""How rlhflab writes files: secrets redacted, no NaN / Infinity in JSON, atomic replacement.
 
-Layout of a finished run:
-    config.yaml          the resolved config (every default written out)
-    metrics.jsonl        one JSON object per logged step
-    samples.jsonl        prompts, completions and rewards every `tracking.samples_every` steps
-    plots/*.png          the main curves
-    final_results.json   headline numbers of the run
-    model/               the final model and tokenizer in Hugging Face format
+    redact(text) / redact_obj(obj)       secret environment values and secret-named keys -> '***'
+    to_json(obj)                         the one JSON serialiser (redacted, NaN / inf as null + note)
+    encode_nonfinite / decode_nonfinite  exact round trip of NaN / inf (checkpoint state.json)
+    write_{text,json,yaml}_atomic        temporary file beside the target, fsync, rename
+
+Nothing here knows about run directories (`rlhflab.rundir`) or checkpoints.
 """
 
 from __future__ import annotations
@@ -16,13 +15,9 @@ import math
 import os
 import re
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from rlhflab.errors import ConfigError
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: Name parts that make a name (config key, environment variable) a secret's, when last:
 #: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, db_password, client_secret, task.config.token.
 _SECRET_NOUNS = {"token", "secret", "password", "passwd", "credential", "credentials"}
@@ -212,46 +207,6 @@ def redact_json(obj: Any, **dumps_kwargs) -> str:
     return to_json(obj, **dumps_kwargs)
 
 
-def is_run_of(dirname: str, name: str) -> bool:
-    """Whether a directory name is a run directory of the run named `name` exactly:
-    `<name>-<YYYYmmdd-HHMMSS>` with an optional `-<i>` suffix (so 'exp' never matches the runs
-    of 'exp-b')."""
-    return re.fullmatch(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?", dirname) is not None
-
-
-def check_run_name(name: str) -> None:
-    """Run names are one path component of letters, digits, '.', '_' and '-' (no '..')."""
-    if not _NAME.match(name) or ".." in name:
-        raise ValueError(
-            f"run.name: '{name}' must be letters, digits, '.', '_' or '-' (no path separators)"
-        )
-
-
-def create_run_dir(root: str | Path, name: str) -> Path:
-    """Create and return `<root>/<name>-<YYYYmmdd-HHMMSS>` (a numeric suffix if it exists)."""
-    try:
-        check_run_name(name)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"run.root: {root} exists and is not a directory")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        for i in range(1000):
-            path = root / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
-            try:
-                path.mkdir()
-                return path
-            except FileExistsError:
-                continue
-    except OSError as exc:  # read-only file system, permissions, a file in the way
-        raise ConfigError(f"run.root: cannot create a run directory under {root}: "
-                          f"{exc.strerror or exc}") from None  # fmt: skip
-    raise ConfigError(f"run.root: cannot create a new run directory under {root}")
-
-
 def write_text_atomic(path: Path, text: str) -> None:
     """Write free `text` (secrets redacted) to a temporary file beside `path`, fsync, then rename
     over `path`. Structured data goes through `write_json_atomic` / `write_yaml_atomic`."""
@@ -283,29 +238,3 @@ def write_yaml_atomic(path: Path, obj: Any) -> None:
     import yaml
 
     _write_atomic(path, yaml.safe_dump(redact_obj(obj), sort_keys=False))
-
-
-class SampleWriter:
-    """Appends rollout samples (prompt, completion, reward, ...) to `samples.jsonl`, and hands
-    them to `tracker.log_samples` (a table in wandb / trackio) when a tracker is given.
-
-    `enabled=False` (data-parallel ranks other than 0) writes nothing."""
-
-    def __init__(self, run_dir: Path, enabled: bool = True, tracker: Any = None) -> None:
-        self.file = (Path(run_dir) / "samples.jsonl").open("a") if enabled else None
-        self.tracker = tracker
-
-    def write(self, step: int, rows: list[dict]) -> None:
-        """Append `rows`, each tagged with `step`."""
-        if self.file is None:
-            return
-        for row in rows:
-            self.file.write(redact_json({"step": step, **row}) + "\n")
-        self.file.flush()
-        if self.tracker is not None:
-            self.tracker.log_samples(step, rows)
-
-    def close(self) -> None:
-        """Close the file."""
-        if self.file is not None:
-            self.file.close()
