@@ -60,6 +60,7 @@ The package, one module per concern (imports run downward, top to bottom):
     resume.py         find_resume_checkpoint (`run.resume`), version_note
     disk.py           a full disk during a save: one line with the space needed
     config_diff.py    config_hash, changed_keys, check_config_change, record_config_change
+    hf_files.py       config.json, generation config, tokenizer: a from_pretrained directory
     format.py         the files, manifest and COMMITTED marker; load_checkpoint (verified)
     state.py          optimizer and RNG state as (tensors, JSON); the schema of state.json
     signals.py        StopSignals (SIGTERM / SIGINT: finish the step, checkpoint, stop)

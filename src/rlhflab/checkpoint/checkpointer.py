@@ -34,6 +34,7 @@ from rlhflab.checkpoint.format import (
     drop_later_checkpoints,
     sha256_file,
 )
+from rlhflab.checkpoint.hf_files import write_hf_files
 from rlhflab.checkpoint.resume import version_note
 from rlhflab.checkpoint.signals import StopSignals
 from rlhflab.checkpoint.state import (
@@ -165,7 +166,13 @@ class Checkpointer:
                 else:
                     write = lambda p, t=full: save_file(t, str(p), metadata=_PT)  # noqa: E731
                 self._write(tmp, f"{name}.safetensors", write)
-            self._write_hf_files(tmp, full_models.get("model"))
+            write_hf_files(
+                self.modules.get("model"),
+                self.tokenizer,
+                lambda name, fn: self._write(tmp, name, fn),
+                self.root / f".tmp-staging-{os.getpid()}",
+                full_models.get("model"),
+            )
             opt_meta = {}
             for name, opt in self.optimizers.items():
                 tensors, opt_meta[name] = _optimizer_state(opt, full_optims[name])
@@ -218,49 +225,6 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-    def _write_hf_files(self, tmp: Path, full: dict[str, torch.Tensor] | None = None) -> None:
-        """The files that make the checkpoint directory loadable without rlhflab, each written
-        and fsynced like the tensors: for a full model, config.json, generation_config.json and
-        the tokenizer's files (a `from_pretrained` directory); for a LoRA model, whose
-        model.safetensors holds only the adapters, peft's adapter_config.json and
-        adapter_model.safetensors and the tokenizer (a `PeftModel.from_pretrained(base, dir)`
-        directory) — never a config.json that would load the base with missing weights.
-        `full`: the model's gathered state dict under FSDP2 (None: the module's own)."""
-        model = self.modules.get("model")
-        config = getattr(model, "config", None)
-        if config is None or not hasattr(config, "to_json_file"):
-            return
-        if is_lora(model):
-            if self.tokenizer is not None:
-                from rlhflab.models.lora import save_adapter
-
-                self._write_dir(tmp, lambda d: save_adapter(model, self.tokenizer, d, full))
-            return
-        cls = type(model).__name__  # FSDP2 renames a sharded module's class FSDP<name>
-        if distributed.is_sharded(model):
-            cls = cls.removeprefix("FSDP")
-        config.architectures = [cls]  # what save_pretrained records
-        self._write(tmp, "config.json", lambda p: config.to_json_file(str(p)))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None and model.can_generate():
-            self._write(tmp, "generation_config.json", lambda p: gen.to_json_file(str(p)))
-        if self.tokenizer is not None:
-            self._write_dir(tmp, lambda d: self.tokenizer.save_pretrained(str(d)))
-
-    def _write_dir(self, tmp: Path, fill) -> None:
-        """Let `fill(directory)` write files (a library's save_pretrained) into a staging
-        directory, then move each into the checkpoint through `_write` (fsynced, in the
-        manifest)."""
-        staging = self.root / f".tmp-staging-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
-            fill(staging)
-            for f in sorted(staging.iterdir()):
-                if f.is_file():
-                    self._write(tmp, f.name, lambda p, src=f: shutil.move(str(src), str(p)))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
 
     def end_step(self, step: int, stop: StopSignals, state_fn, on_stop=(), halt=None) -> None:
         """The end of optimizer step `step`: a periodic checkpoint when due; after a stop signal
