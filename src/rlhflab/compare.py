@@ -31,7 +31,8 @@ from pathlib import Path
 from rlhflab.config import load_config
 from rlhflab.errors import ConfigError
 from rlhflab.next_steps import check_start_model
-from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
+from rlhflab.rundir import create_run_dir
+from rlhflab.serialize import write_json_atomic, write_text_atomic
 from rlhflab.tracking import read_metrics
 
 

@@ -174,7 +174,8 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Pipel
 def run_pipeline(path: str | Path, overrides: list[str] | None = None, root: str = "runs") -> dict:
     """Run the pipeline file at `path`; returns the comparison (also in results.json)."""
     from rlhflab.data.prompts import load_prompt_dataset
-    from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic
+    from rlhflab.rundir import create_run_dir
+    from rlhflab.serialize import write_json_atomic, write_text_atomic
     from rlhflab.trainers import run_config
 
     pc = load_pipeline(path, overrides)

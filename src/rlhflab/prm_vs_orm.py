@@ -48,7 +48,8 @@ def run_prm_vs_orm(
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.reward_model import RewardModelScorer
     from rlhflab.rewards.verifier import Verifier
-    from rlhflab.runs import create_run_dir, to_json
+    from rlhflab.rundir import create_run_dir
+    from rlhflab.serialize import to_json
     from rlhflab.trainers import run_config
 
     t0 = time.perf_counter()

@@ -22,7 +22,8 @@ import yaml
 
 from rlhflab.config import apply_overrides, config_from_dict
 from rlhflab.errors import ConfigError
-from rlhflab.runs import create_run_dir, write_json_atomic, write_text_atomic, write_yaml_atomic
+from rlhflab.rundir import create_run_dir
+from rlhflab.serialize import write_json_atomic, write_text_atomic, write_yaml_atomic
 
 
 def load_preset() -> dict:

@@ -1,10 +1,23 @@
-"""Guards of a run directory: one writer at a time, no symlinks, intact logs, a record of config
-changes.
+"""The run directory `<root>/<name>-<timestamp>/`: creating it, locking it, guarding it.
+
+Layout of a finished run:
+    config.yaml          the resolved config (every default written out)
+    metrics.jsonl        one JSON object per logged step
+    samples.jsonl        prompts, completions and rewards every `tracking.samples_every` steps
+    plots/*.png          the main curves
+    final_results.json   headline numbers of the run
+    model/               the final model and tokenizer in Hugging Face format
+    .lock                the lock of the process writing the run (`lock_run_dir`)
+    checkpoints/         committed checkpoints (`rlhflab.checkpoint`)
+    config_changes.jsonl resumes with a changed config (`rlhflab.checkpoint.config_diff`)
+
+    create_run_dir(root, name)       a new `<root>/<name>-<YYYYmmdd-HHMMSS>` directory
+    is_run_of(dirname, name)         whether a directory is a run of `name`
+    SampleWriter(run_dir)            appends to samples.jsonl
 
     lock_run_dir(run_dir)            exclusive lock for the life of the process (or release_locks)
     check_no_symlinks(run_dir)       refuse a run directory holding symlinks before writing into it
     check_logs(run_dir, ckpt)        metrics.jsonl / samples.jsonl intact up to the checkpoint
-    record_config_change(...)        append resumed-with-changes to config_changes.jsonl
 
 The lock is an advisory `flock` on `<run_dir>/.lock`, which holds the PID of its holder. The
 kernel drops the lock when its process ends, however it ends (SIGKILL included), so a lock file
@@ -16,17 +29,58 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 from rlhflab.errors import CheckpointError, ConfigError
+from rlhflab.serialize import redact_json
 
 LOCK = ".lock"
-CONFIG_CHANGES = "config_changes.jsonl"
-#: Keys that differ on every resume and are not a change of the run.
-_RESUME_KEYS = ("run.resume", "run.allow_config_change")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 _held: dict[str, int] = {}  # real path of a run directory -> fd of its lock file
+
+
+def is_run_of(dirname: str, name: str) -> bool:
+    """Whether a directory name is a run directory of the run named `name` exactly:
+    `<name>-<YYYYmmdd-HHMMSS>` with an optional `-<i>` suffix (so 'exp' never matches the runs
+    of 'exp-b')."""
+    return re.fullmatch(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?", dirname) is not None
+
+
+def check_run_name(name: str) -> None:
+    """Run names are one path component of letters, digits, '.', '_' and '-' (no '..')."""
+    if not _NAME.match(name) or ".." in name:
+        raise ValueError(
+            f"run.name: '{name}' must be letters, digits, '.', '_' or '-' (no path separators)"
+        )
+
+
+def create_run_dir(root: str | Path, name: str) -> Path:
+    """Create and return `<root>/<name>-<YYYYmmdd-HHMMSS>` (a numeric suffix if it exists)."""
+    try:
+        check_run_name(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"run.root: {root} exists and is not a directory")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for i in range(1000):
+            path = root / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    except OSError as exc:  # read-only file system, permissions, a file in the way
+        raise ConfigError(f"run.root: cannot create a run directory under {root}: "
+                          f"{exc.strerror or exc}") from None  # fmt: skip
+    raise ConfigError(f"run.root: cannot create a new run directory under {root}")
 
 
 def lock_run_dir(run_dir: Path) -> None:
@@ -116,30 +170,27 @@ def check_logs(run_dir: Path, ckpt) -> None:
                 raise CheckpointError(f"{f} line {i}: not valid JSON (file damaged)") from None
 
 
-def record_config_change(run_dir: Path, ckpt, config: dict) -> dict:
-    """Compare the resolved `config` (secrets redacted) with the checkpoint's; when they differ,
-    append `{"step", "time", "from_checkpoint", "changes": {key: [old, new]}}` to
-    config_changes.jsonl and rewrite config.yaml with the new config. Returns the changes."""
-    from rlhflab.checkpoint import flatten_config
-    from rlhflab.runs import redact_obj, to_json, write_yaml_atomic
+class SampleWriter:
+    """Appends rollout samples (prompt, completion, reward, ...) to `samples.jsonl`, and hands
+    them to `tracker.log_samples` (a table in wandb / trackio) when a tracker is given.
 
-    config = redact_obj(config)
-    old, new = flatten_config(ckpt.state["config"]), flatten_config(config)
-    changes = {
-        k: [old.get(k), new.get(k)]
-        for k in sorted(set(old) | set(new))
-        if k not in _RESUME_KEYS and old.get(k) != new.get(k)
-    }
-    if changes:
-        row = {
-            "step": ckpt.step,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "from_checkpoint": ckpt.path.name,
-            "changes": changes,
-        }
-        with (Path(run_dir) / CONFIG_CHANGES).open("a") as f:
-            f.write(to_json(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        write_yaml_atomic(Path(run_dir) / "config.yaml", config)
-    return changes
+    `enabled=False` (data-parallel ranks other than 0) writes nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True, tracker: Any = None) -> None:
+        self.file = (Path(run_dir) / "samples.jsonl").open("a") if enabled else None
+        self.tracker = tracker
+
+    def write(self, step: int, rows: list[dict]) -> None:
+        """Append `rows`, each tagged with `step`."""
+        if self.file is None:
+            return
+        for row in rows:
+            self.file.write(redact_json({"step": step, **row}) + "\n")
+        self.file.flush()
+        if self.tracker is not None:
+            self.tracker.log_samples(step, rows)
+
+    def close(self) -> None:
+        """Close the file."""
+        if self.file is not None:
+            self.file.close()

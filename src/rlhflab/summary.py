@@ -86,7 +86,7 @@ def summary_lines(results: dict) -> list[str]:
     ± standard error (before → after where known), the health summary and the run directory.
     Missing or null values are left out, so every trainer family (and a run stopped by a health
     check, `"status": "stopped_by_health"`) gets its own subset. Values are not redacted here:
-    the caller prints them through `rlhflab.runs.redact`."""
+    the caller prints them through `rlhflab.serialize.redact`."""
     r = results
     name = r.get("trainer", "run")
     steps = r.get("steps")

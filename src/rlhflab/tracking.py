@@ -30,13 +30,13 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rlhflab.runs import redact_json, redact_obj
+from rlhflab.serialize import redact_json, redact_obj
 
 console = Console(stderr=True)
 
 
 def _jsonable(value: Any) -> Any:
-    # NaN / inf stay floats here: metrics.jsonl gets null and a `<key>_note` (runs.to_json)
+    # NaN / inf stay floats here: metrics.jsonl gets null and a `<key>_note` (serialize.to_json)
     if hasattr(value, "item"):
         value = value.item()
     return value
@@ -300,7 +300,7 @@ class Tracker:
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """Rollout samples of `step` (prompt, completion, reward, ...) as a table named
-        `samples` in wandb and trackio (samples.jsonl is `rlhflab.runs.SampleWriter`'s)."""
+        `samples` in wandb and trackio (samples.jsonl is `rlhflab.rundir.SampleWriter`'s)."""
         if not self.enabled or not rows:
             return
         rows = redact_obj(rows)

@@ -1,0 +1,137 @@
+"""Atomic checkpoints, verified loading and exact resume.
+
+A checkpoint is a directory `<run_dir>/checkpoints/step-<NNNNNNNN>/`:
+
+    model.safetensors          weights of every trained module (`<name>.safetensors`); of a LoRA
+                               model only its trainable tensors (adapters, a head), the frozen base
+                               being rebuilt from the config (`rlhflab.models.lora`)
+    optimizer.safetensors      optimizer tensors (`<name>.safetensors`: exp_avg, exp_avg_sq, step)
+    rng.safetensors            torch CPU / CUDA RNG states and the trainer's torch.Generators
+    state.json                 step, optimizer param groups, LR-scheduler state, python and numpy
+                               RNG states, the trainer's data position and counters, byte offsets
+                               of metrics.jsonl / samples.jsonl, the resolved config
+    config.json                the model's transformers config (`architectures` names its class)
+    generation_config.json     its generation config (models that generate)
+    tokenizer files            tokenizer.json, tokenizer_config.json, ... (when the trainer has one)
+    manifest.json              every file's size and sha256, library and torch versions, config hash
+    COMMITTED                  written last: the sha256 of manifest.json
+
+The module named "model" is written as `model.safetensors` with the state-dict names
+`save_pretrained` uses, next to its config, generation config and tokenizer, so every step
+directory is also a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(
+"<run>/checkpoints/step-N")` loads a policy (SFT, policy-gradient, direct-alignment runs) and
+`AutoModelForSequenceClassification.from_pretrained(...)` a reward model, without rlhflab. These
+files are listed in the manifest like every other, so they are verified on load; resuming reads
+only the safetensors and JSON state, never them.
+
+Writing: everything goes into `checkpoints/.tmp-step-<N>-<pid>/`, each file fsynced, the directory
+renamed to `step-<N>` only after `COMMITTED` is on disk. A crash at any moment leaves either the
+complete checkpoint or a `.tmp-*` directory that loading ignores (and the next save removes).
+Tensors are safetensors; everything else is JSON. There is no pickle anywhere, so loading a
+checkpoint cannot execute code.
+
+Loading (`load_checkpoint`) verifies COMMITTED, the manifest's hash, and every file's size and
+sha256 before anything is restored; any mismatch is a `CheckpointError` naming the file.
+
+Retention (`keep_last`) runs only after a commit and never deletes the newest committed checkpoint
+nor the one this run resumed from. After resuming from an older checkpoint, the first commit also
+removes the checkpoints of later steps (an abandoned timeline). A deleted checkpoint loses its COMMITTED marker first, so a
+half-deleted directory is never taken for a complete one.
+
+Resume exactness: restoring model, optimizer, scheduler, every RNG stream, data position and
+counters makes the continuation of a run compute bit for bit what the uninterrupted run computes
+(CPU, fp32, same thread count) — tested by killing runs with SIGKILL at chosen steps.
+
+Under torchrun (N data-parallel ranks) the same files, the same guarantees: every rank takes part
+in a save, rank 0 alone writes. Model and optimizer state are *gathered full state dicts*
+(`rlhflab.distributed.full_model_state` / `full_optimizer_state`), not sharded
+torch.distributed.checkpoint (DCP) files: DCP's metadata file is a pickle, which would break the
+promise that loading a checkpoint cannot execute code, and a full state dict is the same file
+whatever the world size or strategy, so the manifest, the sha256 checks and the final HF model stay
+as they are. The price is that rank 0 holds one full copy of the model and optimizer state in CPU
+memory while it writes (16 bytes per parameter with AdamW in fp32). Each rank's RNG streams are
+saved (`rng.safetensors` keys `rank<r>.` for r >= 1; python / numpy states in state.json); the data
+position and counters are global (the same on every rank). Resuming with another world size is
+refused with both sizes named: the per-rank RNG streams would not map onto the new ranks.
+
+The package, one module per concern (imports run downward, top to bottom):
+
+    checkpointer.py   Checkpointer: save (atomic, every rank), retention, restore, resume
+    resume.py         find_resume_checkpoint (`run.resume`), version_note
+    disk.py           a full disk during a save: one line with the space needed
+    config_diff.py    config_hash, changed_keys, check_config_change, record_config_change
+    hf_files.py       config.json, generation config, tokenizer: a from_pretrained directory
+    format.py         the files, manifest and COMMITTED marker; load_checkpoint (verified)
+    state.py          optimizer and RNG state as (tensors, JSON); the schema of state.json
+    signals.py        StopSignals (SIGTERM / SIGINT: finish the step, checkpoint, stop)
+
+They import `rlhflab.rundir` and `rlhflab.serialize`, which never import this package.
+"""
+
+from rlhflab.checkpoint.checkpointer import Checkpointer
+from rlhflab.checkpoint.config_diff import (
+    CONFIG_CHANGES,
+    HARMLESS_KEYS,
+    changed_keys,
+    check_config_change,
+    config_hash,
+    flatten_config,
+    record_config_change,
+)
+from rlhflab.checkpoint.disk import (
+    checkpoint_bytes,
+    is_disk_full,
+    raise_if_disk_full,
+)
+from rlhflab.checkpoint.format import (
+    CHECKPOINTS,
+    COMMITTED,
+    FORMAT_VERSION,
+    MANIFEST,
+    Checkpoint,
+    committed_checkpoints,
+    drop_later_checkpoints,
+    load_checkpoint,
+    sha256_file,
+)
+from rlhflab.checkpoint.resume import (
+    find_resume_checkpoint,
+    version_note,
+)
+from rlhflab.checkpoint.signals import StopSignals
+from rlhflab.checkpoint.state import (
+    STATE,
+    check_state_schema,
+    python_rng_state,
+    set_python_rng_state,
+)
+
+__all__ = [
+    "CHECKPOINTS",
+    "COMMITTED",
+    "CONFIG_CHANGES",
+    "FORMAT_VERSION",
+    "HARMLESS_KEYS",
+    "MANIFEST",
+    "STATE",
+    "Checkpoint",
+    "Checkpointer",
+    "StopSignals",
+    "changed_keys",
+    "check_config_change",
+    "check_state_schema",
+    "checkpoint_bytes",
+    "committed_checkpoints",
+    "config_hash",
+    "drop_later_checkpoints",
+    "find_resume_checkpoint",
+    "flatten_config",
+    "is_disk_full",
+    "load_checkpoint",
+    "python_rng_state",
+    "raise_if_disk_full",
+    "record_config_change",
+    "set_python_rng_state",
+    "sha256_file",
+    "version_note",
+]
