@@ -367,3 +367,29 @@ def test_secrets_never_reach_the_run_directory(tmp_path):
     assert proc.returncode == 2 and "error: data.path" in proc.stderr
     for value in canaries.values():
         assert value not in proc.stderr
+
+
+def test_stop_signal_during_the_ranks_agreement_is_not_lost(tmp_path, monkeypatch):
+    """A SIGTERM whose handler runs while `end_step` waits in its collective (the usual case for a
+    small model under torchrun: most of a step is spent in collectives) must stop the run at the
+    next step. Before, the stale answer of the collective overwrote the flag the handler had just
+    set, the signal was lost, and the workers trained on after torchrun forwarded SIGTERM."""
+    from rlhflab import distributed
+    from rlhflab.checkpoint import Checkpointer, StopSignals
+
+    model = torch.nn.Linear(2, 2)
+    ck = Checkpointer(tmp_path, {}, modules={"model": model}, optimizers={}, schedulers={})
+    stop = StopSignals()
+    calls = []
+
+    def any_rank_with_signal_arriving(flag):
+        calls.append(flag)
+        if len(calls) == 1:  # step 1: the signal arrives during the first agreement
+            stop._handler(signal.SIGTERM, None)
+        return int(flag or 0)  # what the ranks agreed on: the flag as it was read
+
+    monkeypatch.setattr(distributed, "any_rank", any_rank_with_signal_arriving)
+    ck.end_step(1, stop, dict)  # agreed "no signal": this step goes on
+    with pytest.raises(Interrupted) as stopped:
+        ck.end_step(2, stop, dict)  # the next agreement sees the signal: every rank stops here
+    assert stopped.value.signum == signal.SIGTERM and stopped.value.step == 2

@@ -235,18 +235,24 @@ class Checkpointer:
         # A signal may reach the ranks during different steps, and a health stop may be decided
         # on one rank only (checks of local shards): the ranks agree here, so every rank
         # checkpoints and stops after the same step.
-        stop.requested = distributed.any_rank(stop.requested) or None
+        # Every rank acts on `signal` (the same on all). A signal that reaches this rank while
+        # the collective runs is recorded by the handler in `stop.requested` after the flag was
+        # read: it is never overwritten with the stale answer, so the next step's agreement sees
+        # it (overwriting it lost a SIGTERM that torchrun forwarded, and the workers trained on).
+        signal = distributed.any_rank(stop.requested)
+        if signal:
+            stop.requested = signal
         if distributed.any_rank(halt is not None) and halt is None:
             from rlhflab.errors import HealthStop
 
             halt = HealthStop("on another rank", step, "another data-parallel rank stopped")
-        if self.due(step) or stop.requested or halt is not None:
+        if self.due(step) or signal or halt is not None:
             saved = self.save(step, state_fn())
-        if stop.requested or halt is not None:
+        if signal or halt is not None:
             for close in on_stop:
                 close()
-            if stop.requested:
-                raise Interrupted(stop.requested, step, saved)
+            if signal:
+                raise Interrupted(signal, step, saved)
             halt.checkpoint, halt.run_dir = saved, self.run_dir
             raise halt
         faults.hit("step_end", step)
