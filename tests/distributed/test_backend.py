@@ -42,12 +42,12 @@ def fresh_state(monkeypatch):
     distributed._STATE.update(saved)
 
 
-def test_setup_on_a_cuda_machine_asks_for_a_group_that_serves_cpu_tensors(monkeypatch, fresh_state):
-    """What setup() asks torch.distributed for under torchrun on a (simulated) GPU machine."""
-    calls = {}
+def _fake_launch(monkeypatch, *, cuda: bool) -> dict:
+    """A 2-process launch on a machine with or without CUDA, where torch.distributed only records
+    what `setup()` asks of it: returns the dict it writes ("backend", "device")."""
+    calls: dict = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(
@@ -55,6 +55,13 @@ def test_setup_on_a_cuda_machine_asks_for_a_group_that_serves_cpu_tensors(monkey
         "init_process_group",
         lambda backend, **kw: calls.setdefault("backend", backend),
     )
+    return calls
+
+
+def test_setup_on_a_cuda_machine_asks_for_a_group_that_serves_cpu_tensors(monkeypatch, fresh_state):
+    """What setup() asks torch.distributed for under torchrun on a (simulated) GPU machine."""
+    calls = _fake_launch(monkeypatch, cuda=True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
     distributed.setup("ddp", timeout_s=5)
     assert calls["device"] == 1
     assert distributed.device() == torch.device("cuda", 1)
@@ -65,15 +72,7 @@ def test_setup_on_a_cuda_machine_asks_for_a_group_that_serves_cpu_tensors(monkey
 
 
 def test_setup_on_cpu_asks_for_gloo(monkeypatch, fresh_state):
-    calls = {}
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(
-        distributed.dist,
-        "init_process_group",
-        lambda backend, **kw: calls.setdefault("backend", backend),
-    )
+    calls = _fake_launch(monkeypatch, cuda=False)
     distributed.setup("fsdp2", timeout_s=5)
     assert calls["backend"] == "gloo"
     distributed._STATE["owned"] = False

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from factories import tiny_task
 
 from rlhflab.checkpoint import committed_checkpoints, load_checkpoint
 
@@ -27,15 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)"),
 ]
 
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 64,
-    "n_heldout": 8,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
+TASK = tiny_task(n_train=64, n_heldout=8)
 
 
 def _raw(root: Path) -> dict:
