@@ -204,9 +204,7 @@ def test_no_trainer_imports_another_trainer():
     assert not bad, f"trainer → trainer imports: {bad}"
     for shared in ("rlhflab.trainers.common", "rlhflab.trainers.loop"):
         shared_bad = [
-            t
-            for t in GRAPH[shared]
-            if t.startswith("rlhflab.trainers") and t not in TRAINER_SHARED
+            t for t in GRAPH[shared] if t.startswith("rlhflab.trainers") and t not in TRAINER_SHARED
         ]
         assert not shared_bad, f"{shared} imports a trainer: {shared_bad}"
 

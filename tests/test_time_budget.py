@@ -19,7 +19,7 @@ from test_checkpoint_resume import (
 
 from rlhflab.checkpoint import committed_checkpoints, load_checkpoint
 from rlhflab.config import config_from_dict
-from rlhflab.trainers import common, run_config
+from rlhflab.trainers import loop, run_config
 
 BIG = 1e6  # seconds: the real clock never runs out in these tests; the fault rule does
 
@@ -42,19 +42,19 @@ def reference(tmp_path_factory):
 
 def test_budget_is_per_invocation_and_never_stops_after_the_last_step(monkeypatch):
     now = {"t": 100.0}
-    monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter=lambda: now["t"]))
-    budget = common.TimeBudget(10.0, total_steps=5, start=100.0)
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now["t"]))
+    budget = loop.TimeBudget(10.0, total_steps=5, start=100.0)
     now["t"] = 109.0
     assert not budget.expired(1) and budget.status == "complete"
     now["t"] = 111.0
     assert budget.expired(2) and budget.status == "stopped_by_max_seconds"
-    last = common.TimeBudget(10.0, total_steps=5, start=100.0)
+    last = loop.TimeBudget(10.0, total_steps=5, start=100.0)
     assert not last.expired(5) and last.status == "complete"  # out of time, but done
     # A resumed invocation counts from its own start, not from the first invocation's.
-    resumed = common.TimeBudget(10.0, total_steps=5, start=now["t"])
+    resumed = loop.TimeBudget(10.0, total_steps=5, start=now["t"])
     now["t"] += 9.0
     assert not resumed.expired(3)
-    assert not common.TimeBudget(None, 5, start=0.0).expired(1)  # no budget
+    assert not loop.TimeBudget(None, 5, start=0.0).expired(1)  # no budget
 
 
 def test_budget_expiring_during_evaluation_stops_with_a_checkpoint_and_resumes(

@@ -10,7 +10,7 @@ variable `RLHFLAB_FAULT` is set.
     loss@4=nan                the loss of step 4 becomes NaN (also: inf)
     checkpoint_file@8=enospc  the 8th checkpoint file written fails with "No space left on device"
     eval@4=expire             `train.max_seconds` runs out during the held-out evaluation at
-                              step 4 (`rlhflab.trainers.common.TimeBudget`; no sleeping)
+                              step 4 (`rlhflab.trainers.loop.TimeBudget`; no sleeping)
 
 A rule prefixed with `rank<r>:` (e.g. `rank1:step_mid@3=sigkill`) fires only in the
 data-parallel process of that rank (torchrun's RANK); unprefixed rules fire in every process.

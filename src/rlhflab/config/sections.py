@@ -233,7 +233,7 @@ class CheckpointConfig(Strict):
     keep_last: int | None = Field(2, ge=1)  # committed checkpoints kept; None keeps all
 
 
-#: `train.max_seconds` (every trainer; `rlhflab.trainers.common.TimeBudget`).
+#: `train.max_seconds` (every trainer; `rlhflab.trainers.loop.TimeBudget`).
 MAX_SECONDS_DOC = (
     "Wall-clock budget in seconds **per invocation**: each `rlhflab train` (a fresh run or a "
     "`--resume`) gets the whole budget, counted from its own start (set-up and model loading "

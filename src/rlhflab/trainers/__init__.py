@@ -30,7 +30,7 @@ def run_config(cfg) -> dict:
     """
     from rlhflab import distributed
     from rlhflab.trainers import direct_alignment, policy_gradient, reward_model, sft
-    from rlhflab.trainers.common import RunComplete, check_launch
+    from rlhflab.trainers.loop import RunComplete, check_launch
 
     trainers = {
         "sft": sft.train,

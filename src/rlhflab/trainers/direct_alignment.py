@@ -73,20 +73,18 @@ from rlhflab.tracking import Tracker, progress, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
-    TimeBudget,
     check_context_fit,
     default_device,
     grad_norm_and_clip,
     heldout_eval,
     make_optimizer,
     make_scheduler,
-    open_run,
     prepare_model,
-    resume_point,
     save_final_model,
     seed_everything,
     setup_precision,
 )
+from rlhflab.trainers.loop import TimeBudget, open_run, resume_point
 
 #: Held-out margins closer to 0 than this are ties (float32 noise of summed log-probs is ~1e-5).
 PREF_TIE_TOL = 1e-4

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from rlhflab import distributed
+from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
+from rlhflab.errors import ConfigError
 from rlhflab.health import HealthMonitor
 from rlhflab.plots import plot_run
 from rlhflab.rundir import SampleWriter
@@ -36,14 +37,162 @@ from rlhflab.serialize import write_json_atomic
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
-    TimeBudget,
     default_device,
-    open_run,
-    resume_point,
     save_final_model,
     seed_everything,
     setup_precision,
 )
+
+
+def open_run(cfg, ckpt) -> Path:
+    """The run directory, locked for this process (`rlhflab.rundir`): a new one (config.yaml
+    written) or, when resuming, the checkpoint's run (checked by `resume_point`; here: no
+    symlinks in it, not in use by another process, its logs intact up to the checkpoint)."""
+    from rlhflab.rundir import check_logs, check_no_symlinks, lock_run_dir
+    from rlhflab.runs import create_run_dir, write_yaml_atomic
+
+    # Rank 0 alone writes the run directory, so rank 0 alone creates and locks it; when it
+    # refuses (locked by another process, not writable), every rank stops with it
+    # (`distributed.main_then_share`: the reason printed once, no rank left in a collective).
+    if ckpt is not None:
+        check_no_symlinks(ckpt.run_dir)
+        distributed.main_then_share(lambda: lock_run_dir(ckpt.run_dir))
+        check_logs(ckpt.run_dir, ckpt)
+        return ckpt.run_dir
+
+    def create() -> str:
+        run_dir = create_run_dir(cfg.run.root, cfg.run.name)
+        lock_run_dir(run_dir)
+        write_yaml_atomic(run_dir / "config.yaml", cfg.model_dump(mode="json"))
+        return str(run_dir)
+
+    return Path(distributed.main_then_share(create))  # the others learn its path
+
+
+def check_launch(cfg) -> None:
+    """Refusals that depend only on the config and the number of processes, made once the
+    process group is joined and before anything is read, loaded or written (so under torchrun
+    every rank refuses the same way before any collective, and the CLI prints it once): the
+    vLLM engine under torchrun, a global batch that does not split over the ranks. (The
+    trainers repeat the split checks where they shard; these come first.)
+
+    Raises:
+        ConfigError: naming the key (`rollout.engine`, `train.batch_size`,
+            `rollout.prompts_per_step`).
+    """
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None and rollout.engine == "vllm" and distributed.world_size() > 1:
+        raise ConfigError(
+            "rollout.engine 'vllm' runs in one process; use rollout.engine 'hf' under torchrun"
+        )
+    if cfg.trainer == "policy_gradient":
+        distributed.check_split(
+            cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
+            why="whole groups go to one rank",
+        )  # fmt: skip
+    else:
+        what = "examples" if cfg.trainer == "reward_model" else "rows"
+        distributed.check_split(cfg.train.batch_size, "train.batch_size", what)
+
+
+def resume_point(cfg):
+    """The verified checkpoint `run.resume` asks for (None: fresh run), after checking that no
+    config key that matters changed and that the enabled tracking sinks are installed. Called
+    first in set-up, before anything is written, so a bad request fails early.
+
+    Raises `RunComplete` (caught by `rlhflab.trainers.run_config`, which returns its results)
+    when the checkpoint is the last step of a run that finished: its `final_results.json` says
+    `"status": "complete"` at that step, after the checks of `open_run` (the run is not in use,
+    its logs are intact). Nothing more is done then: no model is loaded, no file is written
+    (but the lock's). (A run whose last checkpoint is its last step but whose end was cut off, with no
+    such results, is resumed: the final evaluation and results are done again.)"""
+    from rlhflab.checkpoint import check_config_change, find_resume_checkpoint
+    from rlhflab.tracking import check_tracking_extras
+
+    check_tracking_extras(cfg.tracking)
+    ckpt = find_resume_checkpoint(cfg.run.resume, cfg.run.root, cfg.run.name)
+    if ckpt is not None:
+        check_config_change(ckpt, cfg.model_dump(mode="json"), allow=cfg.run.allow_config_change)
+        if ckpt.step >= cfg.train.steps:
+            results = _complete_results(ckpt.run_dir, ckpt.step)
+            if results is not None:
+                open_run(cfg, ckpt)  # its guards still apply: not in use, no links, logs intact
+                raise RunComplete(ckpt.run_dir, ckpt.step, results)
+    return ckpt
+
+
+class RunComplete(Exception):
+    """`--resume` of a run that already finished: `results` are its `final_results.json`."""
+
+    def __init__(self, run_dir: Path, step: int, results: dict) -> None:
+        super().__init__(f"run {run_dir} is complete (step {step}): nothing to resume")
+        self.run_dir, self.step, self.results = run_dir, step, results
+
+
+def _complete_results(run_dir: Path, step: int) -> dict | None:
+    """The run's final results when they say it completed at `step`; None otherwise (missing,
+    unreadable, stopped early, or of another step)."""
+    import json
+
+    try:
+        results = json.loads((Path(run_dir) / "final_results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(results, dict):
+        return None
+    if results.get("status") != "complete" or results.get("steps") != step:
+        return None
+    return results
+
+
+class TimeBudget:
+    """`train.max_seconds`: a wall-clock budget **per invocation**. Each `rlhflab train` (a
+    fresh run or a `--resume`) gets the whole budget, counted from its own start (`start`, the
+    trainer's set-up start, model loading included); time spent by earlier invocations of the
+    same run does not count.
+
+    `expired(step)` is asked after optimizer step `step` is done (its evaluation and periodic
+    checkpoint included): it is True when the budget ran out by then, on any rank, so every
+    rank stops after the same step; every invocation makes at least one step. It is never True
+    after the last step (`total_steps`): a run whose budget runs out during its last step,
+    its last evaluation or its last checkpoint is complete, not stopped. A stop by the budget
+    writes a checkpoint at that step (even with `checkpoint.every: 0`), from which `--resume`
+    continues with a fresh budget.
+
+    The fault rule `<point>@<n>=expire` (`rlhflab.faults`) makes the budget run out at that point
+    (tests of the boundaries, without sleeping).
+    """
+
+    def __init__(self, max_seconds: float | None, total_steps: int, start: float) -> None:
+        self.max_seconds, self.total_steps, self.start = max_seconds, total_steps, start
+        self.stopped_at: int | None = None
+        faults.clear_expired()  # an "expire" fault of an earlier run in this process is spent
+
+    def expired(self, step: int) -> bool:
+        """Whether to stop after step `step` (the same answer on every rank; a collective when
+        `max_seconds` is set, so every rank must ask after every step)."""
+        if self.max_seconds is None:
+            return False
+        over = faults.expired() or time.perf_counter() - self.start > self.max_seconds
+        over = bool(distributed.any_rank(over))  # collective: every rank asks at every step
+        if over and step < self.total_steps:
+            self.stopped_at = step
+            return True
+        return False
+
+    @property
+    def status(self) -> str:
+        """`complete`, or `stopped_by_max_seconds` (final_results.json's `status`)."""
+        return "complete" if self.stopped_at is None else "stopped_by_max_seconds"
+
+    def say_stop(self, tracker) -> None:
+        """The console line of a stop by the budget (with the command that continues)."""
+        if self.stopped_at is not None:
+            tracker.print(
+                f"stopping at step {self.stopped_at} of {self.total_steps}: train.max_seconds "
+                f"({self.max_seconds:g} s for this invocation) reached; checkpoint written, "
+                "continue with --resume (a fresh budget)"
+            )
 
 
 @dataclass
@@ -158,7 +307,7 @@ def run(cfg, make: type[Trainer]) -> dict:
 
     Raises what the set-up raises (ConfigError, DataError, ModelError: one line, nothing written),
     `Interrupted` after a stop signal's checkpoint, `HealthStop` after a health stop's checkpoint,
-    and `RunComplete` for `--resume` of a finished run (rlhflab.trainers.common).
+    and `RunComplete` for `--resume` of a finished run.
     """
     t_start = time.perf_counter()
     # -- 0. Set-up: everything that can fail on bad input fails here, before any file is written.

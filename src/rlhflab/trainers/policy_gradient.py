@@ -70,7 +70,6 @@ from rlhflab.trainers.common import (
     NonFiniteGuard,
     Reference,
     ShuffledStream,
-    TimeBudget,
     check_generation_budget,
     check_lengths,
     default_device,
@@ -78,13 +77,12 @@ from rlhflab.trainers.common import (
     heldout_eval,
     make_optimizer,
     make_scheduler,
-    open_run,
     prepare_model,
-    resume_point,
     save_final_model,
     seed_everything,
     setup_precision,
 )
+from rlhflab.trainers.loop import TimeBudget, open_run, resume_point
 
 
 def train(cfg: PGConfig) -> dict:

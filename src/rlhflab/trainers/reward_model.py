@@ -65,17 +65,15 @@ from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
     ShuffledStream,
-    TimeBudget,
     default_device,
     grad_norm_and_clip,
     make_optimizer,
     make_scheduler,
-    open_run,
     prepare_model,
-    resume_point,
     seed_everything,
     setup_precision,
 )
+from rlhflab.trainers.loop import TimeBudget, open_run, resume_point
 
 
 def train(cfg: RMConfig) -> dict:
