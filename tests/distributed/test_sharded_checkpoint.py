@@ -1,0 +1,174 @@
+"""Sharded checkpoints under FSDP2 (torchrun, 2 processes, gloo): each rank writes only its own
+shards (per-rank safetensors and a JSON index), and a run resumes from them at another world
+size — 2 ranks → 1 process and 1 process → 2 ranks — computing the next step as the
+uninterrupted run does (float64, tolerances of tests/distributed/test_distributed.py). A damaged
+shard file is refused naming the file. The slice arithmetic itself is unit-tested in
+tests/test_checkpoint_sharded.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_distributed import (  # noqa: F401 (base_model is a fixture)
+    NOT_COMPARED,
+    RTOL,
+    _metrics,
+    _rlhflab,
+    _run_dir,
+    _sft,
+    _write_cfg,
+    base_model,
+)
+
+from rlhflab.checkpoint import load_checkpoint
+from rlhflab.checkpoint.sharded import read_tensors
+from rlhflab.errors import CheckpointError
+
+pytestmark = pytest.mark.slow
+
+STEP2 = "checkpoints/step-00000002"
+SHARDED_FILES = {
+    "model-rank00000-of-00002.safetensors",
+    "model-rank00001-of-00002.safetensors",
+    "model.shards.json",
+    "optimizer-rank00000-of-00002.safetensors",
+    "optimizer-rank00001-of-00002.safetensors",
+    "optimizer.shards.json",
+}
+
+
+def _config(base: str, tmp: Path) -> Path:
+    raw = _sft(base)
+    raw["eval"] = {"n": 0}
+    return _write_cfg(tmp / "sft.yaml", raw)
+
+
+def _run(nproc: int, cfg: Path, root: Path, *extra: str) -> Path:
+    res = _rlhflab(
+        nproc, ["train", str(cfg), f"run.root={root}", "parallel.strategy=fsdp2", *extra]
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return _run_dir(root)
+
+
+@pytest.fixture(scope="module")
+def runs(base_model, tmp_path_factory):  # noqa: F811
+    """The same 3-step float64 SFT run with 2 FSDP2 ranks and with 1 process (a checkpoint after
+    every step); returns (config, {nproc: run dir})."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    cfg = _config(base_model, tmp)
+    return cfg, {n: _run(n, cfg, tmp / f"runs-{n}") for n in (2, 1)}
+
+
+def _resume(run: Path, nproc: int, cfg: Path, tmp: Path) -> Path:
+    """A copy of `run` resumed from its step-2 checkpoint with `nproc` processes."""
+    root = tmp / f"resumed-{nproc}"
+    shutil.copytree(run, root / run.name)
+    return _run(nproc, cfg, root, "--resume", str(root / run.name / STEP2))
+
+
+def _assert_next_step_equal(ref: Path, resumed: Path) -> None:
+    """Steps 1-2 are the same lines (the log is cut back to the checkpoint); step 3, computed
+    after the resume, equals the uninterrupted run's to float64 rounding; so do the weights."""
+    m1, m2 = _metrics(ref), _metrics(resumed)
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] and m1[-1]["step"] == 3
+    for r1, r2 in zip(m1, m2, strict=True):
+        keys = {k for k in r1 if not k.startswith(NOT_COMPARED)}
+        assert keys == {k for k in r2 if not k.startswith(NOT_COMPARED)}
+        for k in keys:
+            if isinstance(r1[k], int | float) and not isinstance(r1[k], bool):
+                assert r2[k] == pytest.approx(r1[k], rel=RTOL, abs=RTOL), (r1["step"], k)
+            else:
+                assert r2[k] == r1[k], (r1["step"], k)
+    assert any(k.endswith("loss") for k in m1[-1]), sorted(m1[-1])
+    # One AdamW step from equal state: a gradient difference δ moves a weight by at most
+    # lr·δ/eps_adam; δ <= RTOL·|g|, and no gradient element exceeds the gradient's norm.
+    optim = load_checkpoint(ref / STEP2).state["config"]["optim"]
+    norm = max(v for k, v in m1[-1].items() if "grad_norm" in k)
+    atol = optim["lr"] / optim["eps"] * RTOL * norm
+    w1 = load_file(ref / "model/model.safetensors")
+    w2 = load_file(resumed / "model/model.safetensors")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert w1[k].dtype == torch.float64
+        torch.testing.assert_close(w2[k], w1[k], atol=atol, rtol=RTOL, msg=k)
+
+
+def test_each_rank_writes_only_its_own_shards(runs):
+    """No gathered file: per-rank files and indexes in the manifest; each rank's file holds its
+    FSDP2 shard (ceil(n/2) rows of a dim-0 length n on rank 0, the rest on rank 1), the two
+    together every element once; consolidated, the step-3 checkpoint is the final model."""
+    _, run = runs
+    ck = run[2] / STEP2
+    names = {p.name for p in ck.iterdir()}
+    assert names >= SHARDED_FILES
+    assert not names & {"model.safetensors", "optimizer.safetensors"}
+    assert set(load_checkpoint(ck).manifest["files"]) >= SHARDED_FILES
+    index = json.loads((ck / "model.shards.json").read_text())
+    assert index["world_size"] == 2
+    held = {}
+    for r in (0, 1):
+        fname = f"model-rank{r:05d}-of-00002.safetensors"
+        with safe_open(str(ck / fname), framework="pt") as f:
+            held[r] = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    total = 0
+    for name, t in index["tensors"].items():
+        n = t["shape"][0]
+        rows = [math.ceil(n / 2), n - math.ceil(n / 2)]
+        total += math.prod(t["shape"])
+        for r in (0, 1):
+            if rows[r]:
+                assert held[r][name] == [rows[r], *t["shape"][1:]], (name, r)
+            else:
+                assert name not in held[r]
+    numel = [sum(math.prod(s) for s in held[r].values()) for r in (0, 1)]
+    assert sum(numel) == total and max(numel) < total
+    full = read_tensors(run[2] / "checkpoints/step-00000003", "model")
+    final = load_file(run[2] / "model/model.safetensors")
+    assert sum(t.numel() for t in full.values()) == total
+    for k in full.keys() & final.keys():
+        assert torch.equal(full[k], final[k]), k
+    assert len(full.keys() ^ final.keys()) <= 2  # a tied pair, saved under either name
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate", r"has \d+ bytes, manifest says \d+ \(truncated or modified\)"),
+        ("flip", "fails its sha256 check"),
+    ],
+)
+def test_a_damaged_shard_is_refused_naming_the_file(runs, tmp_path, damage, message):
+    _, run = runs
+    ck = tmp_path / "run" / "checkpoints" / "step-00000002"
+    shutil.copytree(run[2] / STEP2, ck)
+    shard = ck / "optimizer-rank00001-of-00002.safetensors"
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match=f"file {shard.name} {message}") as err:
+        load_checkpoint(ck)
+    assert "\n" not in str(err.value)
+
+
+def test_two_ranks_resume_in_one_process(runs, tmp_path):
+    cfg, run = runs
+    _assert_next_step_equal(run[2], _resume(run[2], 1, cfg, tmp_path))
+
+
+def test_one_process_resumes_in_two_ranks(runs, tmp_path):
+    """The 1-process checkpoint is the ordinary full file; each FSDP2 rank reads its slices."""
+    cfg, run = runs
+    assert (run[1] / STEP2 / "model.safetensors").is_file()
+    resumed = _resume(run[1], 2, cfg, tmp_path)
+    _assert_next_step_equal(run[1], resumed)
+    assert {p.name for p in (resumed / "checkpoints/step-00000003").iterdir()} >= SHARDED_FILES
