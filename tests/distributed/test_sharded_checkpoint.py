@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_distributed import (  # noqa: F401 (base_model is a fixture)
@@ -27,7 +28,7 @@ from test_distributed import (  # noqa: F401 (base_model is a fixture)
     base_model,
 )
 
-from rlhflab.checkpoint import load_checkpoint
+from rlhflab.checkpoint import committed_checkpoints, load_checkpoint
 from rlhflab.checkpoint.sharded import read_tensors
 from rlhflab.errors import CheckpointError
 
@@ -172,3 +173,36 @@ def test_one_process_resumes_in_two_ranks(runs, tmp_path):
     resumed = _resume(run[1], 2, cfg, tmp_path)
     _assert_next_step_equal(run[1], resumed)
     assert {p.name for p in (resumed / "checkpoints/step-00000003").iterdir()} >= SHARDED_FILES
+
+
+def test_sigterm_on_one_rank_checkpoints_shards_then_resumes_in_one_process(runs, tmp_path):
+    """SIGTERM reaches rank 1 mid-step 2 (checkpoints off otherwise): both ranks finish the step,
+    write their shards of one committed checkpoint and stop; one process resumes from it."""
+    cfg, run = runs
+    raw = yaml.safe_load(cfg.read_text())
+    raw["checkpoint"] = {"every": 0}
+    cfg0 = _write_cfg(tmp_path / "every0.yaml", raw)
+    root = tmp_path / "stopped"
+    args = ["train", str(cfg0), f"run.root={root}", "parallel.strategy=fsdp2"]
+    res = _rlhflab(2, args, RLHFLAB_FAULT="rank1:step_mid@2=sigterm")
+    assert res.returncode != 0
+    stopped = _run_dir(root)
+    assert [p.name for p in committed_checkpoints(stopped)] == ["step-00000002"]
+    assert {p.name for p in (stopped / STEP2).iterdir()} >= SHARDED_FILES
+    resumed = _run(1, cfg0, root, "--resume", str(stopped))
+    _assert_next_step_equal(run[2], resumed)
+
+
+def test_a_failed_shard_write_on_one_rank_stops_every_rank(runs, tmp_path):
+    """Rank 1's first shard file hits a full disk: every rank stops (no hang), the error names
+    the rank and the file, nothing is committed and no temporary directory is left."""
+    cfg, _ = runs
+    root = tmp_path / "full"
+    args = ["train", str(cfg), f"run.root={root}", "parallel.strategy=fsdp2"]
+    res = _rlhflab(2, args, RLHFLAB_FAULT="rank1:checkpoint_file@1=enospc")
+    assert res.returncode != 0
+    assert "rank 1 failed writing its shards: DiskFullError: disk full" in res.stderr
+    assert "model-rank00001-of-00002.safetensors" in res.stderr
+    run = _run_dir(root)
+    assert committed_checkpoints(run) == []
+    assert not list((run / "checkpoints").glob(".tmp-*"))
