@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from test_distributed import (  # noqa: F401 (base_model is a fixture)
     NOT_COMPARED,
     RTOL,
+    _grpo,
     _metrics,
     _rlhflab,
     _run_dir,
@@ -206,3 +207,16 @@ def test_a_failed_shard_write_on_one_rank_stops_every_rank(runs, tmp_path):
     run = _run_dir(root)
     assert committed_checkpoints(run) == []
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_grpo_two_ranks_resume_in_one_process(base_model, tmp_path):  # noqa: F811
+    """GRPO with a KL reference (sampling and shuffling generators): the sharded policy and its
+    AdamW state at step 2 of a 2-rank FSDP2 run, resumed by one process with rank 0's random
+    streams, give the uninterrupted run's step 3."""
+    raw = _grpo(base_model)
+    raw["train"]["steps"] = 3
+    raw["eval"] = {"n": 0}
+    cfg = _write_cfg(tmp_path / "grpo.yaml", raw)
+    ref = _run(2, cfg, tmp_path / "runs")
+    assert (ref / STEP2 / "model.shards.json").is_file()
+    _assert_next_step_equal(ref, _resume(ref, 1, cfg, tmp_path))
