@@ -1,6 +1,6 @@
 """Sharded checkpoints under FSDP2 (torchrun, 2 processes, gloo): each rank writes only its own
 shards (per-rank safetensors and a JSON index), and a run resumes from them at another world
-size — 2 ranks → 1 process and 1 process → 2 ranks — computing the next step as the
+size — 2 ranks → 1 process and 1 process → 2 ranks — computing the next steps as the
 uninterrupted run does (float64, tolerances of tests/distributed/test_distributed.py). A damaged
 shard file is refused naming the file. The slice arithmetic itself is unit-tested in
 tests/test_checkpoint_sharded.py."""
@@ -36,6 +36,9 @@ from rlhflab.errors import CheckpointError
 pytestmark = pytest.mark.slow
 
 STEP2 = "checkpoints/step-00000002"
+#: Runs take 4 steps and resume from step 2: step 3's loss checks the restored weights, step 4's
+#: the restored optimizer state too (through step 3's update).
+STEPS = 4
 SHARDED_FILES = {
     "model-rank00000-of-00002.safetensors",
     "model-rank00001-of-00002.safetensors",
@@ -48,6 +51,7 @@ SHARDED_FILES = {
 
 def _config(base: str, tmp: Path) -> Path:
     raw = _sft(base)
+    raw["train"]["steps"] = STEPS
     raw["eval"] = {"n": 0}
     return _write_cfg(tmp / "sft.yaml", raw)
 
@@ -62,7 +66,7 @@ def _run(nproc: int, cfg: Path, root: Path, *extra: str) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(base_model, tmp_path_factory):  # noqa: F811
-    """The same 3-step float64 SFT run with 2 FSDP2 ranks and with 1 process (a checkpoint after
+    """The same 4-step float64 SFT run with 2 FSDP2 ranks and with 1 process (a checkpoint after
     every step); returns (config, {nproc: run dir})."""
     tmp = tmp_path_factory.mktemp("sharded")
     cfg = _config(base_model, tmp)
@@ -77,10 +81,10 @@ def _resume(run: Path, nproc: int, cfg: Path, tmp: Path) -> Path:
 
 
 def _assert_next_step_equal(ref: Path, resumed: Path) -> None:
-    """Steps 1-2 are the same lines (the log is cut back to the checkpoint); step 3, computed
-    after the resume, equals the uninterrupted run's to float64 rounding; so do the weights."""
+    """Steps 1-2 are the same lines (the log is cut back to the checkpoint); steps 3-4, computed
+    after the resume, equal the uninterrupted run's to float64 rounding; so do the weights."""
     m1, m2 = _metrics(ref), _metrics(resumed)
-    assert [r["step"] for r in m1] == [r["step"] for r in m2] and m1[-1]["step"] == 3
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] and m1[-1]["step"] == STEPS
     for r1, r2 in zip(m1, m2, strict=True):
         keys = {k for k in r1 if not k.startswith(NOT_COMPARED)}
         assert keys == {k for k in r2 if not k.startswith(NOT_COMPARED)}
@@ -90,11 +94,11 @@ def _assert_next_step_equal(ref: Path, resumed: Path) -> None:
             else:
                 assert r2[k] == r1[k], (r1["step"], k)
     assert any(k.endswith("loss") for k in m1[-1]), sorted(m1[-1])
-    # One AdamW step from equal state: a gradient difference δ moves a weight by at most
+    # Each AdamW step after the resume: a gradient difference δ moves a weight by at most
     # lr·δ/eps_adam; δ <= RTOL·|g|, and no gradient element exceeds the gradient's norm.
     optim = load_checkpoint(ref / STEP2).state["config"]["optim"]
-    norm = max(v for k, v in m1[-1].items() if "grad_norm" in k)
-    atol = optim["lr"] / optim["eps"] * RTOL * norm
+    norms = [max(v for k, v in r.items() if "grad_norm" in k) for r in m1 if r["step"] > 2]
+    atol = optim["lr"] / optim["eps"] * RTOL * sum(norms)
     w1 = load_file(ref / "model/model.safetensors")
     w2 = load_file(resumed / "model/model.safetensors")
     assert w1.keys() == w2.keys()
@@ -106,7 +110,7 @@ def _assert_next_step_equal(ref: Path, resumed: Path) -> None:
 def test_each_rank_writes_only_its_own_shards(runs):
     """No gathered file: per-rank files and indexes in the manifest; each rank's file holds its
     FSDP2 shard (ceil(n/2) rows of a dim-0 length n on rank 0, the rest on rank 1), the two
-    together every element once; consolidated, the step-3 checkpoint is the final model."""
+    together every element once; consolidated, the last checkpoint is the final model."""
     _, run = runs
     ck = run[2] / STEP2
     names = {p.name for p in ck.iterdir()}
@@ -132,7 +136,7 @@ def test_each_rank_writes_only_its_own_shards(runs):
                 assert name not in held[r]
     numel = [sum(math.prod(s) for s in held[r].values()) for r in (0, 1)]
     assert sum(numel) == total and max(numel) < total
-    full = read_tensors(run[2] / "checkpoints/step-00000003", "model")
+    full = read_tensors(run[2] / f"checkpoints/step-{STEPS:08d}", "model")
     final = load_file(run[2] / "model/model.safetensors")
     assert sum(t.numel() for t in full.values()) == total
     for k in full.keys() & final.keys():
@@ -173,7 +177,7 @@ def test_one_process_resumes_in_two_ranks(runs, tmp_path):
     assert (run[1] / STEP2 / "model.safetensors").is_file()
     resumed = _resume(run[1], 2, cfg, tmp_path)
     _assert_next_step_equal(run[1], resumed)
-    assert {p.name for p in (resumed / "checkpoints/step-00000003").iterdir()} >= SHARDED_FILES
+    assert {p.name for p in (resumed / f"checkpoints/step-{STEPS:08d}").iterdir()} >= SHARDED_FILES
 
 
 def test_sigterm_on_one_rank_checkpoints_shards_then_resumes_in_one_process(runs, tmp_path):
@@ -212,9 +216,9 @@ def test_a_failed_shard_write_on_one_rank_stops_every_rank(runs, tmp_path):
 def test_grpo_two_ranks_resume_in_one_process(base_model, tmp_path):  # noqa: F811
     """GRPO with a KL reference (sampling and shuffling generators): the sharded policy and its
     AdamW state at step 2 of a 2-rank FSDP2 run, resumed by one process with rank 0's random
-    streams, give the uninterrupted run's step 3."""
+    streams, give the uninterrupted run's steps 3 and 4."""
     raw = _grpo(base_model)
-    raw["train"]["steps"] = 3
+    raw["train"]["steps"] = STEPS
     raw["eval"] = {"n": 0}
     cfg = _write_cfg(tmp_path / "grpo.yaml", raw)
     ref = _run(2, cfg, tmp_path / "runs")
