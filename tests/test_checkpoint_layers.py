@@ -16,6 +16,7 @@ SRC = Path(rlhflab.__file__).parent
 CHECKPOINT_LAYERS = [
     "signals",
     "state",
+    "sharded",
     "format",
     "config_diff",
     "disk",

@@ -673,3 +673,68 @@ def load_full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer
         {"state": state, "param_groups": groups},
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded checkpoints: this rank's pieces (rlhflab.checkpoint.sharded writes and reads the files)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtensor_type():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def shard_region(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(global shape, global offset, local shape) of this rank's piece of `t`: for a DTensor
+    (an FSDP2 parameter, or optimizer state shaped like one) the box its local tensor covers
+    in the global tensor (`compute_local_shape_and_global_offset`, as DCP computes it; under
+    FSDP2's Shard(0) rank r holds rows [r·c, min((r+1)·c, n)) with c = ceil(n / world), possibly
+    none); for a plain tensor the whole tensor."""
+    if not isinstance(t, _dtensor_type()):
+        shape = tuple(t.shape)
+        return shape, (0,) * len(shape), shape
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(t.shape), tuple(offset), tuple(local)
+
+
+def local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
+    """What this rank saves of `t` in a sharded checkpoint: (its local tensor, detached, on the
+    CPU; global shape; global offset), or None when another rank saves it — a plain tensor
+    (replicated on every rank: a buffer, AdamW's `step`) is rank 0's, and a DTensor piece
+    replicated over a mesh dimension is saved by the rank at coordinate 0 there. No collective:
+    no rank ever holds more than its own shards."""
+    dtensor = _dtensor_type()
+    if not isinstance(t, dtensor):
+        return (t.detach().cpu(), tuple(t.shape), (0,) * t.dim()) if is_main() else None
+    coord = t.device_mesh.get_coordinate() or []
+    for c, placement in zip(coord, t.placements, strict=False):
+        if not placement.is_shard() and c != 0:
+            return None
+    shape, offset, _ = shard_region(t)
+    return t.to_local().detach().cpu(), shape, offset
+
+
+def from_local_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's piece of a tensor laid out like `like`, of shape
+    `shard_region(like)[2]`) as such a tensor: a DTensor on `like`'s mesh with its placements
+    (on `like`'s local device), or `local` itself when `like` is a plain tensor."""
+    dtensor = _dtensor_type()
+    if not isinstance(like, dtensor):
+        return local
+    return dtensor.from_local(
+        local.to(like.to_local().device),
+        like.device_mesh,
+        like.placements,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor to copy this rank's piece of `t` into: a DTensor's local tensor (sharing its
+    storage), a plain tensor itself."""
+    return t.to_local() if isinstance(t, _dtensor_type()) else t

@@ -29,6 +29,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from rlhflab.checkpoint.sharded import read_tensors
 from rlhflab.config import config_from_dict
 from rlhflab.trainers import run_config
 
@@ -191,7 +192,8 @@ def _assert_same_run(one: Path, two: Path) -> None:
         ("checkpoints/step-00000001/model.safetensors", per_step[0]),
         ("model/model.safetensors", sum(per_step)),
     ):
-        w1, w2 = load_file(one / rel), load_file(two / rel)
+        # a checkpoint's weights whatever its layout (FSDP2's are per-rank shards)
+        w1, w2 = (read_tensors((d / rel).parent, "model") for d in (one, two))
         assert w1.keys() == w2.keys()
         for k in w1:
             assert w1[k].dtype == w2[k].dtype == torch.float64, (rel, k, w1[k].dtype)
@@ -287,6 +289,20 @@ def pairs_file(tmp_path_factory) -> Path:
     return path
 
 
+def _as_sharded(files: list[str], world: int) -> list[str]:
+    """The files of a run under FSDP2 given one process's: in each checkpoint, a module's or
+    optimizer's `<name>.safetensors` becomes one file per rank and a JSON index."""
+    out = []
+    for f in files:
+        path = Path(f)
+        if path.parts[0] == "checkpoints" and path.suffix == ".safetensors" and path.stem != "rng":
+            ranks = [f"{path.stem}-rank{r:05d}-of-{world:05d}.safetensors" for r in range(world)]
+            out += [str(path.parent / n) for n in [*ranks, f"{path.stem}.shards.json"]]
+        else:
+            out.append(f)
+    return sorted(out)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("family", ["sft", "rm", "dpo", "grpo"])
 def test_two_ranks_equal_one_process(family, strategy, base_model, pairs_file, tmp_path):
@@ -304,7 +320,7 @@ def test_two_ranks_equal_one_process(family, strategy, base_model, pairs_file, t
     def files(d):
         return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
 
-    assert files(two) == files(one)
+    assert files(two) == (_as_sharded(files(one), 2) if strategy == "fsdp2" else files(one))
     steps = [r["step"] for r in _metrics(two) if any(k.startswith("optim/") for k in r)]
     assert steps == sorted(set(steps)) == list(range(1, raw["train"]["steps"] + 1))
     assert json.loads((two / "final_results.json").read_text())["world_size"] == 2

@@ -18,7 +18,8 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-<NNNNNNNN>/`:
 
 The module named "model" is written as `model.safetensors` with the state-dict names
 `save_pretrained` uses, next to its config, generation config and tokenizer, so every step
-directory is also a Hugging Face model directory: `AutoModelForCausalLM.from_pretrained(
+directory (of one process or DDP ranks; FSDP2's are sharded, see below) is also a Hugging Face
+model directory: `AutoModelForCausalLM.from_pretrained(
 "<run>/checkpoints/step-N")` loads a policy (SFT, policy-gradient, direct-alignment runs) and
 `AutoModelForSequenceClassification.from_pretrained(...)` a reward model, without rlhflab. These
 files are listed in the manifest like every other, so they are verified on load; resuming reads
@@ -42,17 +43,26 @@ Resume exactness: restoring model, optimizer, scheduler, every RNG stream, data 
 counters makes the continuation of a run compute bit for bit what the uninterrupted run computes
 (CPU, fp32, same thread count) — tested by killing runs with SIGKILL at chosen steps.
 
-Under torchrun (N data-parallel ranks) the same files, the same guarantees: every rank takes part
-in a save, rank 0 alone writes. Model and optimizer state are *gathered full state dicts*
-(`rlhflab.distributed.full_model_state` / `full_optimizer_state`), not sharded
-torch.distributed.checkpoint (DCP) files: DCP's metadata file is a pickle, which would break the
-promise that loading a checkpoint cannot execute code, and a full state dict is the same file
-whatever the world size or strategy, so the manifest, the sha256 checks and the final HF model stay
-as they are. The price is that rank 0 holds one full copy of the model and optimizer state in CPU
-memory while it writes (16 bytes per parameter with AdamW in fp32). Each rank's RNG streams are
-saved (`rng.safetensors` keys `rank<r>.` for r >= 1; python / numpy states in state.json); the data
-position and counters are global (the same on every rank). Resuming with another world size is
-refused with both sizes named: the per-rank RNG streams would not map onto the new ranks.
+Under torchrun (N data-parallel ranks) the same guarantees. Every rank takes part in a save.
+With `parallel.strategy: ddp` (and for a LoRA model's adapters) rank 0 alone writes the same
+files as one process. With `fsdp2` each rank writes only its own shards and rank 0 never holds
+the full state: a module's (and its optimizer's) tensors go to per-rank safetensors files
+`<name>-rank<r>-of-<N>.safetensors` plus a JSON index `<name>.shards.json` recording each
+tensor's global shape and dtype and each piece's global offsets and lengths (what
+torch.distributed.checkpoint records; DCP's own metadata file is a pickle, which would break the
+promise that loading a checkpoint cannot execute code). Each rank hashes its own files; the
+manifest lists them all, and rank 0 commits the directory as above (`rlhflab.checkpoint.sharded`
+describes the format). On restore each rank reads, from the files the index names, only the
+slices that overlap its own shard. The run directory must be on a file system every rank sees.
+Such a step directory is not a `from_pretrained` directory by itself (config and tokenizer are
+there, the weights sharded): `read_tensors(step_dir, "model")` consolidates them; the final
+model (`<run>/model/`) is gathered once and written as usual.
+Each rank's RNG streams are saved (`rng.safetensors` keys `rank<r>.` for r >= 1; python / numpy
+states in state.json); the data position and counters are global (the same on every rank).
+Resuming with another world size (2 ranks -> 1, 1 -> 2, from sharded or full files) reads each
+tensor's slices for the new layout and gives every rank rank 0's RNG streams (the trainers'
+generators are seeded alike and advance in step on every rank): the next step computes what the
+uninterrupted run computes, to float64 rounding (summation order differs with the layout).
 
 The package, one module per concern (imports run downward, top to bottom):
 
@@ -63,6 +73,7 @@ The package, one module per concern (imports run downward, top to bottom):
     hf_files.py       config.json, generation config, tokenizer: a from_pretrained directory
     format.py         the files, manifest and COMMITTED marker; load_checkpoint (verified)
     state.py          optimizer and RNG state as (tensors, JSON); the schema of state.json
+    sharded.py        per-rank shard files and their JSON index (fsdp2); TensorReader, read_tensors
     signals.py        StopSignals (SIGTERM / SIGINT: finish the step, checkpoint, stop)
 
 They import `rlhflab.rundir` and `rlhflab.serialize`, which never import this package.
@@ -98,6 +109,7 @@ from rlhflab.checkpoint.resume import (
     find_resume_checkpoint,
     version_note,
 )
+from rlhflab.checkpoint.sharded import TensorReader, read_tensors
 from rlhflab.checkpoint.signals import StopSignals
 from rlhflab.checkpoint.state import (
     STATE,
@@ -117,6 +129,7 @@ __all__ = [
     "Checkpoint",
     "Checkpointer",
     "StopSignals",
+    "TensorReader",
     "changed_keys",
     "check_config_change",
     "check_state_schema",
@@ -130,6 +143,7 @@ __all__ = [
     "load_checkpoint",
     "python_rng_state",
     "raise_if_disk_full",
+    "read_tensors",
     "record_config_change",
     "set_python_rng_state",
     "sha256_file",

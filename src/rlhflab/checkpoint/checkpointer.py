@@ -4,6 +4,7 @@ resume (the format is `rlhflab.checkpoint.format`'s; see `rlhflab.checkpoint` fo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -36,6 +37,17 @@ from rlhflab.checkpoint.format import (
 )
 from rlhflab.checkpoint.hf_files import write_hf_files
 from rlhflab.checkpoint.resume import version_note
+from rlhflab.checkpoint.sharded import (
+    TensorReader,
+    index_name,
+    load_module,
+    merge_index,
+    module_pieces,
+    optimizer_pieces,
+    optimizer_tensors,
+    shard_file_name,
+    write_rank_file,
+)
 from rlhflab.checkpoint.signals import StopSignals
 from rlhflab.checkpoint.state import (
     _json_safe,
@@ -121,19 +133,28 @@ class Checkpointer:
         are recorded so that a resumed run continues them from exactly this point.
         """
         final = self.root / f"{_PREFIX}{step:08d}"
-        # Collectives first (every rank): sharded state gathered to rank 0, RNG states of all ranks.
-        full_models = {k: distributed.full_model_state(m) for k, m in self.modules.items()}
+        # Collectives first (every rank): LoRA adapters gathered to rank 0, RNG states of all
+        # ranks; FSDP2-sharded modules and their optimizers: each rank writes its own shards.
+        split = {k for k, m in self.modules.items() if _split(m)}
+        split_opts = {k for k in self.optimizers if _split(self._module_of(k))}
+        full_models = {
+            k: distributed.full_model_state(m) for k, m in self.modules.items() if k not in split
+        }
         full_optims = {
             k: distributed.full_optimizer_state(self._module_of(k), o)
             for k, o in self.optimizers.items()
+            if k not in split_opts
         }
         ranks = distributed.all_gather_object(rng_state(self.generators))
+        tmp, shards = None, None
+        if split or split_opts:
+            tmp, shards = self._save_shards(final, split, split_opts)
         if not distributed.is_main():
             distributed.barrier()  # rank 0 commits
             self.last_saved = step
             return final
         try:
-            self._save_main(step, state, final, full_models, full_optims, ranks)
+            self._save_main(step, state, final, full_models, full_optims, ranks, tmp, shards)
         finally:
             distributed.barrier()
         self.last_saved = step
@@ -149,14 +170,81 @@ class Checkpointer:
                 return module
         return None
 
-    def _save_main(self, step, state, final, full_models, full_optims, ranks) -> None:
+    def _new_tmp(self, final: Path) -> Path:
+        """Rank 0: a fresh temporary directory for the checkpoint `final`, stale ones removed."""
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
         tmp.mkdir()
+        return tmp
+
+    def _save_shards(self, final: Path, split: set[str], split_opts: set[str]):
+        """Every rank writes its own shards of the sharded modules (`split`) and of their
+        optimizers' state into the temporary directory rank 0 made (`rlhflab.checkpoint.sharded`
+        files), fsynced and hashed by the rank that wrote them. A collective. Returns (the
+        temporary directory, {name: (optimizer JSON or None, [per-rank {"entries", "files"}])}).
+        A rank's failure reaches every rank: the rank raises its error, the others a
+        CheckpointError naming it, and rank 0 removes the directory."""
+        tmp = Path(distributed.main_then_share(lambda: str(self._new_tmp(final))))
+        r, w = distributed.rank(), distributed.world_size()
+        report, error = {}, None
         try:
+            for name in sorted(split | split_opts):
+                meta = None
+                if name in split:
+                    pieces = module_pieces(self.modules[name])
+                else:
+                    pieces, meta = optimizer_pieces(self.optimizers[name])
+                fname = shard_file_name(name, r, w)
+                entries = {}
+
+                def fill(p, pieces=pieces, entries=entries):
+                    entries.update(write_rank_file(p, pieces))
+
+                self._write(tmp, fname, fill)
+                f = tmp / fname
+                files = {fname: {"size": f.stat().st_size, "sha256": sha256_file(f)}}
+                report[name] = (meta, {"entries": entries, "files": files})
+        except Exception as exc:  # every rank learns it before the next collective
+            error = exc
+        outcome = ("error", f"{type(error).__name__}: {error}") if error else ("ok", report)
+        outcomes = distributed.all_gather_object(outcome)
+        failed = [(i, o[1]) for i, o in enumerate(outcomes) if o[0] == "error"]
+        if failed:
+            if distributed.is_main():
+                shutil.rmtree(tmp, ignore_errors=True)
+            if error is not None:
+                raise error
+            i, msg = failed[0]
+            raise CheckpointError(f"checkpoint {final}: rank {i} failed writing its shards: {msg}")
+        shards = {name: (report[name][0], [o[1][name][1] for o in outcomes]) for name in report}
+        return tmp, shards
+
+    def _save_main(
+        self, step, state, final, full_models, full_optims, ranks, tmp=None, shards=None
+    ) -> None:
+        if tmp is None:
+            tmp = self._new_tmp(final)
+        shards = shards or {}
+        hashed = {}  # the shard files, hashed by the ranks that wrote them
+        try:
+            w = distributed.world_size()
+            for name, (_, parts) in shards.items():
+                index = merge_index(name, w, [p["entries"] for p in parts])
+                text = json.dumps(index, indent=1)
+                self._write(tmp, index_name(name), lambda p, t=text: p.write_text(t))
+                for part in parts:
+                    hashed.update(part["files"])
+            unseen = sorted(f for f in hashed if not (tmp / f).is_file())
+            if unseen:  # written by a rank on another node, to a directory rank 0 cannot see
+                raise CheckpointError(
+                    f"checkpoint {final}: {unseen[0]} written by another rank is not visible "
+                    "to rank 0: put run.root on a file system every node shares"
+                )
             for name, module in self.modules.items():
+                if name in shards:
+                    continue
                 full = full_models[name]
                 if is_lora(module):  # the adapters (and a head trained beside them) only
                     tensors = trainable_state(module, full)
@@ -175,6 +263,9 @@ class Checkpointer:
             )
             opt_meta = {}
             for name, opt in self.optimizers.items():
+                if name in shards:
+                    opt_meta[name] = shards[name][0]
+                    continue
                 tensors, opt_meta[name] = _optimizer_state(opt, full_optims[name])
                 self._write(tmp, f"{name}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
             rng = dict(ranks[0]["tensors"])
@@ -203,7 +294,7 @@ class Checkpointer:
             text = redact_json(encode_nonfinite(full_state))
             self._write(tmp, STATE, lambda p: p.write_text(text))
             files = {
-                p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                p.name: hashed.get(p.name) or {"size": p.stat().st_size, "sha256": sha256_file(p)}
                 for p in sorted(tmp.iterdir())
             }
             manifest = {
@@ -288,33 +379,34 @@ class Checkpointer:
         truncate metrics.jsonl / samples.jsonl to their sizes at that step. Returns the
         trainer's JSON state."""
         path = ckpt.path
-        saved_world = ckpt.state.get("world_size", 1)
-        if saved_world != distributed.world_size():
-            raise CheckpointError(
-                f"checkpoint {path}: written by {saved_world} rank(s), this run has "
-                f"{distributed.world_size()}; resume with --nproc-per-node {saved_world}"
-            )
+        # Another world size: model and optimizer state are read as slices of the saved global
+        # tensors whatever the layout; the random streams of rank 0 go to every rank (the
+        # trainers' generators are seeded alike and advance in step on every rank).
+        same_world = ckpt.state.get("world_size", 1) == distributed.world_size()
         try:
             for name, module in self.modules.items():
                 if is_lora(module):  # the base is rebuilt from the config; adapters load here
                     load_trainable_state(module, load_file(str(path / f"{name}.safetensors")))
-                elif distributed.is_sharded(module):
-                    full = load_file(str(path / f"{name}.safetensors"))
-                    distributed.load_full_model_state(module, full)
+                elif _split(module) or (path / index_name(name)).is_file():
+                    with TensorReader(path, name) as reader:  # this rank's slices only
+                        load_module(module, reader)
                 else:
                     load_model(module, str(path / f"{name}.safetensors"), strict=True)
             for name, opt in self.optimizers.items():
+                meta = ckpt.state["optimizers"][name]
+                if _split(self._module_of(name)) or (path / index_name(name)).is_file():
+                    with TensorReader(path, name) as reader:
+                        _load_optimizer_state(opt, optimizer_tensors(opt, reader), meta)
+                    continue
                 tensors = load_file(str(path / f"{name}.safetensors"))
-                _load_optimizer_state(
-                    opt, tensors, ckpt.state["optimizers"][name], self._module_of(name)
-                )
+                _load_optimizer_state(opt, tensors, meta, self._module_of(name))
             for name, sched in self.schedulers.items():
                 sched.load_state_dict(ckpt.state["schedulers"][name])
             rng = load_file(str(path / "rng.safetensors"))
-        except (KeyError, RuntimeError, ValueError) as exc:
+        except (KeyError, IndexError, RuntimeError, ValueError) as exc:
             msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise CheckpointError(f"checkpoint {path}: does not fit this run: {msg}") from None
-        r = distributed.rank()
+        r = distributed.rank() if same_world else 0
         if r > 0:  # this rank's own streams
             prefix = f"rank{r}."
             rng = {k[len(prefix) :]: v for k, v in rng.items() if k.startswith(prefix)}
@@ -346,6 +438,12 @@ class Checkpointer:
         state = self.restore(ckpt)
         if distributed.is_main():
             record_config_change(self.run_dir, ckpt, self.config)
+        saved_world = ckpt.state.get("world_size", 1)
+        if saved_world != distributed.world_size():
+            tracker.print(
+                f"resuming a checkpoint of {saved_world} rank(s) with "
+                f"{distributed.world_size()}: every rank starts from rank 0's random streams"
+            )
         note = version_note(ckpt)
         if note:
             warnings.warn(note, stacklevel=2)
@@ -353,3 +451,9 @@ class Checkpointer:
         tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {total_steps})")
         tracker.advance(ckpt.step, {})
         return state
+
+
+def _split(module: torch.nn.Module | None) -> bool:
+    """Checkpointed as per-rank shards: an FSDP2-sharded module other than a LoRA model (whose
+    checkpoint, the adapters alone, is small and stays gathered on rank 0, a peft directory)."""
+    return module is not None and distributed.is_sharded(module) and not is_lora(module)
