@@ -383,10 +383,10 @@ def test_pair_sampling_names_the_mean_label_for_what_it_is(
     from types import SimpleNamespace
 
     from rlhflab.data.tasks import make_splits
-    from rlhflab.trainers import direct_alignment
+    from rlhflab.trainers import da_data
 
     monkeypatch.setattr(
-        direct_alignment,
+        da_data,
         "score_components",
         lambda comps, supplied, **kw: (torch.full((len(supplied["texts"]),), 0.25), {}),
     )
@@ -397,7 +397,7 @@ def test_pair_sampling_names_the_mean_label_for_what_it_is(
         samples_per_prompt=4, max_new_tokens=3, temperature=1.0, chosen="sampled",
         reward=[object()] if components else None,
     )  # fmt: skip
-    _, counts = direct_alignment.verifiable_pairs(
+    _, counts = da_data.verifiable_pairs(
         tiny_model, tiny_tokenizer, problems, _FakeVerifier(reward), vcfg,
         SimpleNamespace(answer_format="plain"), generator=torch.Generator().manual_seed(0),
         rng=random.Random(0), chunk=8, autocast_dtype=None,
