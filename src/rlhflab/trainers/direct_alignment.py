@@ -39,7 +39,6 @@ its evaluations; the data side (rows, reference pass, pair sampling) is rlhflab.
 
 from __future__ import annotations
 
-import inspect
 import random
 import time
 
@@ -59,7 +58,7 @@ from rlhflab.data.tasks import task_texts
 from rlhflab.errors import DataError
 from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
-from rlhflab.losses.preference import PREFERENCE_LOSSES, REFERENCE_FREE
+from rlhflab.losses.preference import PREFERENCE_LOSSES, unpaired_loss_names
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import adapters_disabled, apply_lora
 from rlhflab.ops import upcast
@@ -127,10 +126,10 @@ class DirectAlignment(Trainer):
                 for `data.heldout_pairs`, no training pairs, rows longer than the context.
         """
         super().__init__(cfg, env)
-        self.loss_fn = PREFERENCE_LOSSES[cfg.loss.name]
-        self.unpaired = cfg.loss.name == "kto"
-        self.use_ref = cfg.loss.name not in REFERENCE_FREE
-        self.wants_lengths = "chosen_lengths" in inspect.signature(self.loss_fn).parameters
+        # what the loss needs, as its registry entry declares it
+        loss = PREFERENCE_LOSSES[cfg.loss.name]
+        self.loss_fn, self.unpaired, self.wants_lengths = loss.fn, loss.unpaired, loss.lengths
+        self.use_ref = not loss.reference_free  # reference-free: no reference pass
         self.verifiable = cfg.data.source == "verifiable"
         model = self._prompts_and_model()
         self.chunk = 2 * cfg.train.micro_batch_size
@@ -237,8 +236,8 @@ class DirectAlignment(Trainer):
             self.file_unpaired = isinstance(examples[0], UnpairedExample)
             if self.file_unpaired and not self.unpaired:
                 raise DataError(f"data.path: {cfg.data.path} holds unpaired rows (prompt, "
-                                f"completion, label): they need loss.name 'kto', not "
-                                f"'{cfg.loss.name}'")  # fmt: skip
+                                f"completion, label): they need loss.name "
+                                f"{unpaired_loss_names()}, not '{cfg.loss.name}'")  # fmt: skip
             n_held = cfg.data.heldout_pairs
             if not self.file_unpaired and n_held >= len(examples):
                 raise DataError(f"data.heldout_pairs ({n_held}) must be smaller than the "
