@@ -27,6 +27,9 @@ KNOWN_PRIVATE_IMPORTS = {("rlhflab.compare", "rlhflab.config")}
 # trainers/common.py (shared plumbing) and trainers/loop.py (the run harness) are shared
 # infrastructure every trainer may import (and import no trainer); trainers/__init__.py is the
 # dispatcher over the trainer families (its imports of its own submodules are not edges, see above).
+# Any other trainers/ module is a trainer family (it defines the entry point `train(cfg)`) or a
+# helper of one family (e.g. da_data.py of direct_alignment.py), see
+# test_no_trainer_imports_another_trainer.
 TRAINER_SHARED = {"rlhflab.trainers", "rlhflab.trainers.common", "rlhflab.trainers.loop"}
 
 
@@ -193,20 +196,30 @@ def test_imports_go_down_the_layers():
     assert not bad, f"imports that go up or sideways: {bad}"
 
 
+def _defines_train(module: str) -> bool:
+    path, _ = MODULES[module]
+    body = ast.parse(path.read_text(), str(path)).body
+    return any(isinstance(n, ast.FunctionDef) and n.name == "train" for n in body)
+
+
 def test_no_trainer_imports_another_trainer():
+    """A trainer family (a trainers/ module with the entry point `train(cfg)`) imports the shared
+    infrastructure (TRAINER_SHARED) and helper modules of its own (any other trainers/ module),
+    never another family; a helper belongs to one family (no two families import it) and, like
+    the shared modules, imports no family; the shared modules import no helper."""
     trainers = [m for m in MODULES if m.startswith("rlhflab.trainers.")]
-    bad = [
-        (m, t)
-        for m in trainers
-        for t in GRAPH[m]
-        if t.startswith("rlhflab.trainers") and t not in TRAINER_SHARED
-    ]
+    families = {m for m in trainers if _defines_train(m)}
+    helpers = set(trainers) - families - TRAINER_SHARED
+    assert {"rlhflab.trainers.sft", "rlhflab.trainers.direct_alignment"} <= families
+    assert "rlhflab.trainers.da_data" in helpers
+    bad = [(m, t) for m in trainers for t in GRAPH[m] if t in families]
     assert not bad, f"trainer → trainer imports: {bad}"
-    for shared in ("rlhflab.trainers.common", "rlhflab.trainers.loop"):
-        shared_bad = [
-            t for t in GRAPH[shared] if t.startswith("rlhflab.trainers") and t not in TRAINER_SHARED
-        ]
-        assert not shared_bad, f"{shared} imports a trainer: {shared_bad}"
+    owners = {h: sorted(f for f in families if h in GRAPH[f]) for h in helpers}
+    shared = {h: fs for h, fs in owners.items() if len(fs) > 1}
+    assert not shared, f"helpers of more than one trainer family (move to common.py): {shared}"
+    for m in TRAINER_SHARED - {"rlhflab.trainers"}:
+        shared_bad = [t for t in GRAPH[m] if t in helpers]
+        assert not shared_bad, f"{m} imports a trainer's helper: {shared_bad}"
 
 
 def test_losses_and_ops_import_only_torch_and_stdlib():

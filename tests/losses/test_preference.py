@@ -164,12 +164,15 @@ def test_kto_reference_point_and_clamp():
     assert not losses.requires_grad or kl_pol.grad is None
 
 
-@pytest.mark.parametrize("name", sorted(set(P.PREFERENCE_LOSSES) - {"kto"}))
+PAIRED = sorted(n for n, loss in P.PREFERENCE_LOSSES.items() if not loss.unpaired)
+
+
+@pytest.mark.parametrize("name", PAIRED)
 def test_every_paired_loss_gradcheck_and_stats(name):
-    fn = P.PREFERENCE_LOSSES[name]
-    params = inspect.signature(fn).parameters
+    loss = P.PREFERENCE_LOSSES[name]
+    fn = loss.fn
     kw = {}
-    if "chosen_lengths" in params:
+    if loss.lengths:  # declared: the trainer supplies the completion lengths
         kw = {"chosen_lengths": t(3.0, 5.0), "rejected_lengths": t(4.0, 2.0)}
     pc = t(-4.0, -2.5).requires_grad_()
     pr = t(-5.0, -1.5).requires_grad_()
@@ -179,8 +182,50 @@ def test_every_paired_loss_gradcheck_and_stats(name):
     assert losses.shape == (2,)
     for key in ("chosen_reward", "rejected_reward", "margin", "accuracy"):
         assert stats[key].shape == (2,) and not stats[key].requires_grad
-    if name in P.REFERENCE_FREE:
+    if loss.reference_free:  # declared: it never reads the reference log-probs
         assert torch.equal(fn(pc, pr, None, None, **kw)[0], losses)
+        assert torch.equal(fn(pc, pr, rc + 1.0, rr - 2.0, **kw)[0], losses)
+
+
+@pytest.mark.parametrize("name", sorted(P.PREFERENCE_LOSSES))
+def test_declared_capabilities_agree_with_the_functions(name):
+    """The registry's declarations (read by the trainer and the config) match each function:
+    `lengths` exactly when it takes chosen_lengths / rejected_lengths, `unpaired` exactly for the
+    KTO signature (labelled completions, then mismatched pairs); the call is the function's."""
+    loss = P.PREFERENCE_LOSSES[name]
+    params = list(inspect.signature(loss.fn).parameters)
+    assert loss.lengths == ("chosen_lengths" in params) == ("rejected_lengths" in params)
+    assert loss.trainer_args == ({"chosen_lengths", "rejected_lengths"} if loss.lengths else set())
+    assert loss.unpaired == (params[:3] == ["policy_logps", "ref_logps", "desirable"])
+    assert not (loss.unpaired and loss.reference_free)
+    if not loss.unpaired:
+        kw = {"chosen_lengths": t(3.0), "rejected_lengths": t(4.0)} if loss.lengths else {}
+        args = (t(-4.0), t(-5.0), t(-4.5), t(-4.0))
+        assert torch.equal(loss(*args, **kw)[0], loss.fn(*args, **kw)[0])
+
+
+def test_reference_free_losses_are_declared():
+    free = {n for n, loss in P.PREFERENCE_LOSSES.items() if loss.reference_free}
+    assert free == {"simpo", "orpo"}
+    assert P.unpaired_loss_names() == "'kto'"
+
+
+def test_trl_loss_type_aliases_name_our_losses():
+    """TRL's `loss_type` "sigmoid" is DPO, "sigmoid_norm" DPO on length-averaged log-ratios:
+    the same numbers as ours (TRL's formulas written out here)."""
+    assert P.PREFERENCE_ALIASES == {"sigmoid": "dpo", "sigmoid_norm": "dpo_norm"}
+    assert not set(P.PREFERENCE_ALIASES) & set(P.PREFERENCE_LOSSES)
+    pc, pr, rc, rr = t(-6.0, -2.0), t(-8.0, -1.0), t(-3.0, -2.5), t(-2.0, -1.5)
+    lc, lr = t(3.0, 1.0), t(2.0, 4.0)
+    beta = 0.5
+    sigmoid = -torch.nn.functional.logsigmoid(beta * ((pc - rc) - (pr - rr)))
+    loss, _ = P.PREFERENCE_LOSSES[P.PREFERENCE_ALIASES["sigmoid"]](pc, pr, rc, rr, beta=beta)
+    torch.testing.assert_close(loss, sigmoid, rtol=1e-12, atol=0)
+    norm = -torch.nn.functional.logsigmoid(beta * ((pc - rc) / lc - (pr - rr) / lr))
+    loss, _ = P.PREFERENCE_LOSSES[P.PREFERENCE_ALIASES["sigmoid_norm"]](
+        pc, pr, rc, rr, chosen_lengths=lc, rejected_lengths=lr, beta=beta
+    )
+    torch.testing.assert_close(loss, norm, rtol=1e-12, atol=0)
 
 
 def test_rpo_is_dpo_plus_length_averaged_nll():

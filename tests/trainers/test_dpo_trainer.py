@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from factories import tiny_task
 from safetensors.torch import load_file
 
@@ -383,10 +384,10 @@ def test_pair_sampling_names_the_mean_label_for_what_it_is(
     from types import SimpleNamespace
 
     from rlhflab.data.tasks import make_splits
-    from rlhflab.trainers import direct_alignment
+    from rlhflab.trainers import da_data
 
     monkeypatch.setattr(
-        direct_alignment,
+        da_data,
         "score_components",
         lambda comps, supplied, **kw: (torch.full((len(supplied["texts"]),), 0.25), {}),
     )
@@ -397,7 +398,7 @@ def test_pair_sampling_names_the_mean_label_for_what_it_is(
         samples_per_prompt=4, max_new_tokens=3, temperature=1.0, chosen="sampled",
         reward=[object()] if components else None,
     )  # fmt: skip
-    _, counts = direct_alignment.verifiable_pairs(
+    _, counts = da_data.verifiable_pairs(
         tiny_model, tiny_tokenizer, problems, _FakeVerifier(reward), vcfg,
         SimpleNamespace(answer_format="plain"), generator=torch.Generator().manual_seed(0),
         rng=random.Random(0), chunk=8, autocast_dtype=None,
@@ -405,3 +406,92 @@ def test_pair_sampling_names_the_mean_label_for_what_it_is(
     names = {"sample_accuracy", "sample_verifier_score_mean", "sample_reward_mean"}
     assert names & set(counts) == {key}
     assert counts[key] == value
+
+
+def _file_pairs_raw(tmp_path, model_dir, loss, name="pairs"):
+    path = tmp_path / "pairs.jsonl"
+    if not path.exists():
+        with open(path, "w") as f:
+            for i in range(10):
+                row = {"prompt": f"What is {i} + 3?", "chosen": str(i + 3), "rejected": str(i + 13)}
+                f.write(json.dumps(row) + "\n")
+    return {
+        "trainer": "direct_alignment",
+        "model": {"name_or_path": model_dir},
+        "data": {"source": "file", "path": str(path), "heldout_pairs": 2},
+        "loss": loss,
+        "train": {"steps": 2, "batch_size": 4, "micro_batch_size": 2},
+        "optim": {"lr": 1e-3},
+        "eval": {"n": 0, "pref_every": 1},
+        "precision": {"threads": 1},
+        "tracking": {"console": False, "samples_per_step": 0},
+        "run": {"name": name, "root": str(tmp_path / "runs")},
+    }
+
+
+@pytest.mark.parametrize("reference_free", [True, False])
+def test_the_registry_declares_what_the_trainer_does(
+    sft_model_dir, tmp_path, monkeypatch, reference_free
+):
+    """A loss registered under a new name gets what its entry declares, not what its name or its
+    signature suggest: reference-free → no reference pass over the training rows and None
+    references; lengths → the completion lengths."""
+    from rlhflab.losses import preference as P
+    from rlhflab.trainers import direct_alignment
+
+    calls, seen = [], []
+
+    def my_loss(pc, pr, rc, rr, *, chosen_lengths=None, rejected_lengths=None, beta=2.0):
+        seen.append((rc is None, rr is None, chosen_lengths is None))
+        return P.simpo(
+            pc, pr, rc, rr, chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
+            beta=beta,
+        )  # fmt: skip
+
+    def recording_cache_reference(model, rows, pad_id, **kw):
+        calls.append((len(rows), kw["unpaired"]))
+        return cache_reference(model, rows, pad_id, **kw)
+
+    loss = P.PreferenceLoss(my_loss, reference_free=reference_free, lengths=True)
+    monkeypatch.setitem(P.PREFERENCE_LOSSES, "my_loss", loss)
+    monkeypatch.setattr(direct_alignment, "cache_reference", recording_cache_reference)
+    cfg = config_from_dict(_file_pairs_raw(tmp_path, sft_model_dir, {"name": "my_loss"}))
+    res = run_config(cfg)
+    assert res["train_rows"] == 8 and res["heldout_pref_n"] == 2
+    # the held-out pairs are always scored against the initial model; the 8 training rows only
+    # for a loss that reads references
+    assert calls == ([(2, False)] if reference_free else [(8, False), (2, False)])
+    assert seen and all(s == (reference_free, reference_free, False) for s in seen)
+    if reference_free:  # π_θ vs itself: the held-out margin is the average log-prob margin
+        assert res["heldout_pref_accuracy_before"] != 0.5
+    else:  # π_θ = π_ref at step 0: every held-out pair a tie
+        assert res["heldout_pref_accuracy_before"] == 0.5
+
+
+@pytest.mark.parametrize(("alias", "ours", "args"), [
+    ("sigmoid", "dpo", {"beta": 0.2}),
+    ("sigmoid_norm", "dpo_norm", {"beta": 2.0}),
+])  # fmt: skip
+def test_trl_loss_names_give_exactly_our_losses(sft_model_dir, tmp_path, alias, ours, args):
+    """`loss.name: sigmoid` (TRL's name) is `dpo`: the config resolves it (config.yaml records
+    ours), and the run's metrics and weights are those of `dpo`, bit for bit."""
+    runs = {}
+    for name in (alias, ours):
+        cfg = config_from_dict(
+            _file_pairs_raw(tmp_path, sft_model_dir, {"name": name, "args": args}, name=name)
+        )
+        assert cfg.loss.name == ours
+        runs[name] = run_config(cfg)
+
+    def metrics(res):  # everything but wall-clock timings
+        lines = Path(res["run_dir"], "metrics.jsonl").read_text().splitlines()
+        rows = [json.loads(x) for x in lines]
+        return [{k: v for k, v in r.items() if k != "time_s" and "perf/" not in k} for r in rows]
+
+    a, b = runs[alias], runs[ours]
+    assert metrics(a) == metrics(b) and len(metrics(a)) >= 3
+    assert a["loss"] == b["loss"] == ours and a["final_loss"] == b["final_loss"]
+    saved = yaml.safe_load(Path(a["run_dir"], "config.yaml").read_text())
+    assert saved["loss"]["name"] == ours
+    wa, wb = (load_file(f"{r['model_dir']}/model.safetensors") for r in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -111,10 +111,12 @@ def dpo_raw(root, base_dir, *, name="dpo", steps=1, save="adapter", **extra):
 
 def run_captured(monkeypatch, module, raw):
     """Run a trainer in-process; returns (results, the trained model object, its optimizer)."""
-    from rlhflab.trainers import common
+    from rlhflab.trainers import common, loop
 
     seen = {}
-    save, make_opt = module.save_final_model, module.make_optimizer
+    # a trainer on the run harness (rlhflab.trainers.loop) saves through the harness's import
+    saver = module if hasattr(module, "save_final_model") else loop
+    save, make_opt = saver.save_final_model, module.make_optimizer
 
     def capture_save(model, tokenizer, path, lora=None):
         seen["model"], seen["tokenizer"] = model, tokenizer
@@ -124,9 +126,9 @@ def run_captured(monkeypatch, module, raw):
         seen.setdefault("optimizer", make_opt(model, optim))
         return seen["optimizer"]
 
-    monkeypatch.setattr(module, "save_final_model", capture_save)
+    monkeypatch.setattr(saver, "save_final_model", capture_save)
     monkeypatch.setattr(module, "make_optimizer", capture_opt)
-    assert module.save_final_model is not common.save_final_model
+    assert saver.save_final_model is not common.save_final_model
     res = run_config(config_from_dict(raw))
     return res, seen["model"], seen["optimizer"]
 

@@ -75,22 +75,21 @@ class VerifiablePairsConfig(Strict):
 
 
 class DPOLossConfig(Strict):
-    """`name` is a key of rlhflab.losses.preference.PREFERENCE_LOSSES; `args` its keyword args."""
+    """`name` is a key of rlhflab.losses.preference.PREFERENCE_LOSSES, or one of the field's usual
+    names in PREFERENCE_ALIASES (TRL's `loss_type` "sigmoid", ...), resolved to ours (which the
+    run's config.yaml records); `args` its keyword args (not those the trainer supplies)."""
 
     name: str = "dpo"
     args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _name_and_args(self) -> DPOLossConfig:
-        from rlhflab.losses.preference import PREFERENCE_LOSSES
+        from rlhflab.losses.preference import PREFERENCE_ALIASES, PREFERENCE_LOSSES
 
+        self.name = PREFERENCE_ALIASES.get(self.name, self.name)
         _check_name("loss.name", self.name, PREFERENCE_LOSSES)
-        _check_kwargs(
-            "loss.args",
-            PREFERENCE_LOSSES[self.name],
-            self.args,
-            {"chosen_lengths", "rejected_lengths"},
-        )
+        loss = PREFERENCE_LOSSES[self.name]
+        _check_kwargs("loss.args", loss.fn, self.args, loss.trainer_args)
         return self
 
 
@@ -146,13 +145,12 @@ class DPOConfig(TrainerConfig):
             raise ValueError(
                 "verifiable.rounds > 1 needs data.source 'verifiable' (on-policy pairs)"
             )
-        if (
-            self.data.format == "unpaired"
-            and self.data.source == "file"
-            and self.loss.name != "kto"
-        ):
-            raise ValueError(
-                f"data.format 'unpaired' (prompt/completion/label rows) needs loss.name 'kto', "
-                f"not '{self.loss.name}'"
-            )
+        if self.data.format == "unpaired" and self.data.source == "file":
+            from rlhflab.losses.preference import PREFERENCE_LOSSES, unpaired_loss_names
+
+            if not PREFERENCE_LOSSES[self.loss.name].unpaired:
+                raise ValueError(
+                    f"data.format 'unpaired' (prompt/completion/label rows) needs loss.name "
+                    f"{unpaired_loss_names()}, not '{self.loss.name}'"
+                )
         return self

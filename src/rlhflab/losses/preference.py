@@ -17,6 +17,10 @@ difference), `accuracy` (1 where margin > 0), plus method-specific terms.
 
 KTO works on unpaired (prompt, completion, label) data and has its own signature (see `kto`).
 
+What a loss needs from the trainer is declared with it in the registry `PREFERENCE_LOSSES`
+(`PreferenceLoss`: reference-free, unpaired, completion lengths), never read off its signature;
+`PREFERENCE_ALIASES` maps the field's usual names (TRL's `DPOConfig.loss_type`) onto ours.
+
 Notation: h = (log π_θ(y_w|x) − log π_ref(y_w|x)) − (log π_θ(y_l|x) − log π_ref(y_l|x)), the
 reference-normalised log-likelihood margin; σ the logistic function.
 """
@@ -24,14 +28,17 @@ reference-normalised log-likelihood margin; σ the logistic function.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "PREFERENCE_ALIASES",
     "PREFERENCE_LOSSES",
-    "REFERENCE_FREE",
+    "PreferenceLoss",
     "apo_down",
     "apo_zero",
     "cdpo",
@@ -44,6 +51,7 @@ __all__ = [
     "orpo",
     "rpo",
     "simpo",
+    "unpaired_loss_names",
 ]
 
 
@@ -373,20 +381,63 @@ def kto(
     return losses, stats
 
 
-#: Paired losses by name (the values valid for `loss.name`), plus KTO (unpaired).
-PREFERENCE_LOSSES = {
-    "dpo": dpo,
-    "cdpo": cdpo,
-    "ipo": ipo,
-    "hinge": hinge,
-    "dpo_norm": dpo_norm,
-    "simpo": simpo,
-    "orpo": orpo,
-    "apo_zero": apo_zero,
-    "apo_down": apo_down,
-    "rpo": rpo,
-    "kto": kto,
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """A registered preference loss: its function and what the trainer must give it, declared
+    here (the trainer and the config read these fields; nothing is inferred from the signature).
+
+    - `fn`: the loss, with the paired signature of this module's docstring (`unpaired`: kto's).
+    - `reference_free`: it never reads reference log-probs: the trainer skips the reference pass
+      and passes None, and the held-out margin is the length-averaged log-prob margin.
+    - `unpaired`: it trains on labelled completions with mismatched pairs (KTO), not on pairs.
+    - `lengths`: it takes the completion lengths `chosen_lengths` / `rejected_lengths` (B,),
+      supplied by the trainer (so they are no `loss.args`).
+
+    Calling it calls `fn`.
+    """
+
+    fn: Callable[..., tuple[Tensor, dict]]
+    reference_free: bool = False
+    unpaired: bool = False
+    lengths: bool = False
+
+    def __call__(self, *args, **kwargs) -> tuple[Tensor, dict]:
+        """`fn(*args, **kwargs)`: (losses (B,), stats)."""
+        return self.fn(*args, **kwargs)
+
+    @property
+    def trainer_args(self) -> set[str]:
+        """Keyword arguments of `fn` that the trainer supplies (not valid in `loss.args`)."""
+        return {"chosen_lengths", "rejected_lengths"} if self.lengths else set()
+
+
+#: The valid values of `loss.name`: paired losses and KTO (unpaired), with what each needs.
+#: (hinge accepts None references but is not reference-free: the trainer gives it π_ref.)
+PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
+    "dpo": PreferenceLoss(dpo),
+    "cdpo": PreferenceLoss(cdpo),
+    "ipo": PreferenceLoss(ipo),
+    "hinge": PreferenceLoss(hinge),
+    "dpo_norm": PreferenceLoss(dpo_norm, lengths=True),
+    "simpo": PreferenceLoss(simpo, reference_free=True, lengths=True),
+    "orpo": PreferenceLoss(orpo, reference_free=True, lengths=True),
+    "apo_zero": PreferenceLoss(apo_zero),
+    "apo_down": PreferenceLoss(apo_down),
+    "rpo": PreferenceLoss(rpo, lengths=True),
+    "kto": PreferenceLoss(kto, unpaired=True),
 }
 
-#: Losses that never read reference log-probs: the trainer skips the reference pass for them.
-REFERENCE_FREE = {"simpo", "orpo"}
+#: The field's usual names where ours differ → ours, for `loss.name` (the run's config records
+#: ours). TRL's `DPOConfig.loss_type`: "sigmoid" is DPO (eq. 7 on summed log-probs, as `dpo`);
+#: "sigmoid_norm" is DPO on length-averaged reference log-ratios, −log σ(β (Δ_w/|y_w| −
+#: Δ_l/|y_l|)), as `dpo_norm`. TRL's "hinge", "ipo", "apo_zero", "apo_down" (and CPO's "simpo")
+#: are our names already (TRL's "ipo" averages log-probs over tokens, ours sums: see `ipo`).
+#: Not aliases: TRL's "robust" is robust DPO (Chowdhury et al. 2024, arXiv 2403.00409), not
+#: `cdpo` (TRL's cDPO is "sigmoid" with label_smoothing); "exo_pair", "nca_pair", "bco_pair",
+#: "sppo_hard", "aot", "aot_unpaired", "discopop" and "sft" are not implemented here.
+PREFERENCE_ALIASES: dict[str, str] = {"sigmoid": "dpo", "sigmoid_norm": "dpo_norm"}
+
+
+def unpaired_loss_names() -> str:
+    """The names of the unpaired losses, for messages: "'kto'" ("'a' or 'b'" if several)."""
+    return " or ".join(f"'{n}'" for n, loss in PREFERENCE_LOSSES.items() if loss.unpaired)

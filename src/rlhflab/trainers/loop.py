@@ -9,7 +9,7 @@ its share of the checkpoint; `run` owns everything around them, in this order:
     1. the run directory (new, or the checkpoint's own) and its lock, the metrics tracker, the
        sample writer, the health monitor, the non-finite guard, the checkpointer
     2. resume from the checkpoint, or the step-0 evaluation of a fresh run
-    3. the step loop: step → health checks → log → periodic evaluation / samples → progress →
+    3. the step loop: step → health checks → log → periodic evaluation → samples → progress →
        checkpoint and stop signals (SIGTERM / SIGINT, health stops) → time budget
     4. the end-of-training checkpoint, the final evaluation, the model, plots and
        `final_results.json` (rank 0 writes; every rank returns the same results)
@@ -272,14 +272,18 @@ class Trainer:
         raise NotImplementedError
 
     def periodic(self, step: int, metrics: dict) -> dict:
-        """After step `step` (not the last) is logged: periodic evaluations and samples; returns
-        metrics to add to the step's (they reach the progress line, not metrics.jsonl, which
-        the evaluations write themselves). By default the held-out evaluation every
-        `eval.every` steps."""
+        """After step `step` (not the last) is logged: periodic evaluations (samples are
+        `write_samples`'); returns metrics to add to the step's (they reach the progress line,
+        not metrics.jsonl, which the evaluations write themselves). By default the held-out
+        evaluation every `eval.every` steps."""
         every = getattr(getattr(self.cfg, "eval", None), "every", 0)
         if self.has_heldout() and every and step % every == 0:
             return {f"eval/{k}": v for k, v in self.evaluate(step).items()}
         return {}
+
+    def write_samples(self, step: int) -> None:
+        """After step `step` (the last too) and its periodic evaluation, before its checkpoint:
+        in-loop samples to `self.samples` (trainers with `writes_samples`). By default none."""
 
     def has_heldout(self) -> bool:
         """Whether `evaluate` has anything to evaluate."""
@@ -365,6 +369,7 @@ def run(cfg, make: type[Trainer]) -> dict:
                 tracker.log(step, metrics)
             if step < total:
                 metrics.update(trainer.periodic(step, metrics))
+            trainer.write_samples(step)
             tracker.advance(step, metrics)
             checkpointer.end_step(step, stop, trainer.state, on_stop=closers, halt=health.halt())
             if budget.expired(step):  # per invocation; never after the last step

@@ -16,19 +16,20 @@ preference dataset (UltraFeedback / HH-RLHF / generic pairs) or PRM800K. Task-de
 data comes from the held-out split (questions never seen in training); file data holds out the last
 `data.heldout_frac` of its rows.
 
-Phases: 0 set-up, data and validation (nothing written yet) → 1 run directory → 2 training steps →
-3 held-out RM metrics (+ best-of-N when eval.best_of_n is set) → 4 save model, plots, results.
+The run's life (run directory, resume, checkpoints, stop signals, results) is the harness's
+(rlhflab.trainers.loop); this module is the set-up and data, one optimizer step, the held-out RM
+metrics (+ best-of-N when eval.best_of_n is set) at the end, and the saved reward model.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import torch
 
 from rlhflab import distributed, faults
-from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.config import RMConfig
 from rlhflab.data.formatting import task_instruction
 from rlhflab.data.reward_data import (
@@ -39,7 +40,6 @@ from rlhflab.data.reward_data import (
 from rlhflab.data.tasks import make_splits, task_texts
 from rlhflab.errors import DataError
 from rlhflab.fingerprint import data_fingerprint
-from rlhflab.health import HealthMonitor
 from rlhflab.losses.reward_model import (
     IGNORE_INDEX,
     bradley_terry,
@@ -57,195 +57,193 @@ from rlhflab.models.reward import (
     save_reward_model,
     score_rollout,
 )
-from rlhflab.plots import plot_run
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.sampler import pack
-from rlhflab.runs import write_json_atomic
-from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
-    NonFiniteGuard,
     ShuffledStream,
-    default_device,
     grad_norm_and_clip,
     make_optimizer,
     make_scheduler,
     prepare_model,
-    seed_everything,
-    setup_precision,
 )
-from rlhflab.trainers.loop import TimeBudget, open_run, resume_point
+from rlhflab.trainers.loop import Checkpointed, Env, Trainer, run
 
 
 def train(cfg: RMConfig) -> dict:
     """Train a reward model as configured; returns final results (also in final_results.json)."""
-    t_start = time.perf_counter()
-    # -- 0. Set-up: model, data, validation. Nothing is written before this phase ends.
-    ckpt = resume_point(cfg)  # the verified checkpoint to continue from, or None
-    seed_everything(cfg.seed)
-    device = default_device()
-    autocast_dtype = setup_precision(cfg.precision, device)
-    d = cfg.data
-    needs_task = d.source in ("task_samples", "worked_solutions") or cfg.model.build is not None
-    splits = None
-    if needs_task:
-        t = cfg.task
-        splits = make_splits(
-            t.name,
-            config=t.config,
-            n_train=max(t.n_train, d.n_prompts),
-            n_heldout=cfg.eval.n_problems,
-            seed=t.seed,
+    return run(cfg, RewardModelTrainer)
+
+
+class RewardModelTrainer(Trainer):
+    """Reward-model training under the run harness (rlhflab.trainers.loop): set-up (data, the
+    sequence-classification model), one optimizer step, the held-out RM metrics and best-of-N
+    at the end, the reward model saved as a `*ForSequenceClassification` directory."""
+
+    name = "reward_model"
+    headline = ("train/loss", "rm/accuracy")
+
+    def __init__(self, cfg: RMConfig, env: Env) -> None:
+        """Set-up: model, data, validation. Nothing is written.
+
+        Raises:
+            DataError: no training examples (and what `build_rm_data` raises).
+        """
+        super().__init__(cfg, env)
+        d = cfg.data
+        needs_task = d.source in ("task_samples", "worked_solutions") or cfg.model.build is not None
+        splits = None
+        if needs_task:
+            t = cfg.task
+            splits = make_splits(
+                t.name,
+                config=t.config,
+                n_train=max(t.n_train, d.n_prompts),
+                n_heldout=cfg.eval.n_problems,
+                seed=t.seed,
+            )
+        self.splits = splits
+        tokenizer, lm = prepare_model(
+            cfg.model,
+            device=env.device,
+            seed=cfg.seed,
+            tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
         )
-    tokenizer, lm = prepare_model(
-        cfg.model,
-        device=device,
-        seed=cfg.seed,
-        tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
-    )
-    num_labels = cfg.loss.num_classes if cfg.kind == "prm" else 1
-    sep_id = None
-    if cfg.kind == "prm":
-        from rlhflab.data.prm import separator_id
+        num_labels = cfg.loss.num_classes if cfg.kind == "prm" else 1
+        self.sep_id = None
+        if cfg.kind == "prm":
+            from rlhflab.data.prm import separator_id
 
-        sep_id = separator_id(tokenizer, d.step_separator)
-    max_len = min(d.max_len, context_length(lm))
-    train_items, eval_items, data_counts = build_rm_data(cfg, tokenizer, lm, splits, device)
-    train_items, trunc = truncate_items(train_items, max_len)
-    eval_items, _ = truncate_items(eval_items, max_len)
-    data_counts["truncation"] = trunc
-    if not train_items:
-        raise DataError(f"data: no {cfg.kind} training examples ({data_counts})")
-    model = reward_model_from_causal_lm(
-        lm, num_labels=num_labels, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id
-    )
-    ensure_distinct_pad(model, tokenizer)  # pad == eos: plain transformers would pool elsewhere
-    del lm
-    # model.lora: adapters on the backbone, the score head trained in full beside them
-    model = apply_lora(model, cfg.model.lora, keep_trainable=[reward_head(model)])
-    model.train()
-    distributed.check_split(cfg.train.batch_size, "train.batch_size", "examples")
-    # one process: unchanged; under FSDP2 the backbone and the score head are sharded as two
-    # roots, because the scorer calls them one after the other (rlhflab.models.reward)
-    model = distributed.wrap(model, cfg.parallel, roots=[model.base_model, reward_head(model)])
-    optimizer = make_optimizer(model, cfg.optim)
-    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
-
-    # -- 1. Run directory (a resumed run continues in its own).
-    run_dir = open_run(cfg, ckpt)
-    tracker = Tracker.for_run(run_dir, cfg, headline=("train/loss", "rm/accuracy"), ckpt=ckpt)
-    health = HealthMonitor(cfg.health, model, print_fn=tracker.warn)
-    tracker.print(
-        f"run directory: {run_dir}  ({len(train_items)} train / {len(eval_items)} held-out "
-        f"{cfg.kind} examples; data: {data_counts})"
-    )
-
-    # -- 2. Training steps. Checkpoints hold model, optimizer, schedule, RNGs and the data
-    #       position (the data itself is rebuilt exactly by the set-up).
-    stream = ShuffledStream(
-        len(train_items), random.Random(cfg.seed), fingerprint=data_fingerprint(train_items),
-        allow_change=cfg.run.allow_config_change,
-    )  # fmt: skip
-    last_loss = float("nan")
-    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
-    checkpointer = Checkpointer(
-        run_dir,
-        cfg.model_dump(mode="json"),
-        modules={"model": model},
-        optimizers={"optimizer": optimizer},
-        schedulers={"scheduler": scheduler},
-        stateful={"data": stream, "nan": guard, "health": health, "tracker": tracker},
-        every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last,
-        resumed_from=ckpt,
-        tokenizer=tokenizer,
-    )
-
-    def state() -> dict:
-        return {"last_loss": last_loss}
-
-    steps_done = ckpt.step if ckpt is not None else 0
-    if ckpt is not None:
-        last_loss = checkpointer.resume(ckpt, tracker, cfg.train.steps)["last_loss"]
-    budget = TimeBudget(cfg.train.max_seconds, cfg.train.steps, t_start)
-    with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
-        for step in range(steps_done + 1, cfg.train.steps + 1):
-            t0 = time.perf_counter()
-            batch = [train_items[i] for i in stream.take(cfg.train.batch_size)]  # global batch
-            # counted once for the whole optimizer step, over the global batch (every rank)
-            denom = loss_denominator(cfg, batch)
-            local = distributed.shard(batch)  # this rank's contiguous share
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
-            acc_sum = acc_n = 0.0
-            for s in range(0, len(local), cfg.train.micro_batch_size):
-                mb = local[s : s + cfg.train.micro_batch_size]
-                losses, weight, stats = rm_losses(
-                    cfg, model, mb, tokenizer.pad_token_id, device, autocast_dtype
-                )
-                loss = losses.sum() / denom
-                loss = faults.corrupt("loss", step, loss)
-                loss.backward()
-                step_loss += loss.detach().cpu()
-                acc_sum += float((stats["accuracy"] * weight).sum())
-                acc_n += float(weight.sum())
-            faults.hit("step_mid", step)
-            step_loss = distributed.all_reduce_sum(step_loss)
-            acc = distributed.sum_dict({"sum": acc_sum, "n": acc_n})
-            acc_sum, acc_n = acc["sum"], acc["n"]
-            grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
-            if guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
-                optimizer.step()
-                scheduler.step()
-            steps_done = step
-            last_loss = float(step_loss)
-            metrics = {
-                "train/loss": last_loss,
-                "rm/accuracy": acc_sum / max(acc_n, 1.0),
-                "optim/grad_norm": float(grad_norm),
-                "optim/lr": scheduler.get_last_lr()[0],
-                "perf/step_s": time.perf_counter() - t0,
-            }
-            if cfg.train.nan_policy == "skip":
-                metrics["train/nan_skips"] = guard.skipped
-            metrics.update(health.check(step, metrics))
-            if step % cfg.tracking.log_every == 0 or step == cfg.train.steps:
-                tracker.log(step, metrics)
-            tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, state, on_stop=(tracker.close,), halt=health.halt())
-            if budget.expired(step):  # per invocation; never after the last step
-                break
-    budget.say_stop(tracker)
-    checkpointer.finish(steps_done, state(), stopped=budget.stopped_at is not None)
-
-    # -- 3. Held-out RM metrics (and best-of-N with the sampling policy).
-    model.eval()
-    with distributed.gathered(model):  # every rank scores every held-out example
-        final_eval = (
-            evaluate_rm(cfg, model, eval_items, tokenizer.pad_token_id, device, autocast_dtype)
-            if eval_items
-            else {}
+            self.sep_id = separator_id(tokenizer, d.step_separator)
+        max_len = min(d.max_len, context_length(lm))
+        train_items, eval_items, data_counts = build_rm_data(cfg, tokenizer, lm, splits, env.device)
+        train_items, trunc = truncate_items(train_items, max_len)
+        eval_items, _ = truncate_items(eval_items, max_len)
+        data_counts["truncation"] = trunc
+        if not train_items:
+            raise DataError(f"data: no {cfg.kind} training examples ({data_counts})")
+        self.train_items, self.eval_items, self.data_counts = train_items, eval_items, data_counts
+        model = reward_model_from_causal_lm(
+            lm, num_labels=num_labels, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id
         )
-    if final_eval:
-        tracker.log(steps_done, {f"eval/{k}": v for k, v in final_eval.items()})
-    bon = {}
-    if cfg.eval.best_of_n and splits is not None and d.source == "task_samples":
+        ensure_distinct_pad(model, tokenizer)  # pad == eos: plain transformers would pool elsewhere
+        del lm
+        # model.lora: adapters on the backbone, the score head trained in full beside them
+        model = apply_lora(model, cfg.model.lora, keep_trainable=[reward_head(model)])
+        model.train()
+        distributed.check_split(cfg.train.batch_size, "train.batch_size", "examples")
+        # one process: unchanged; under FSDP2 the backbone and the score head are sharded as two
+        # roots, because the scorer calls them one after the other (rlhflab.models.reward)
+        self.model = distributed.wrap(
+            model, cfg.parallel, roots=[model.base_model, reward_head(model)]
+        )
+        self.tokenizer = tokenizer
+        self.optimizer = make_optimizer(self.model, cfg.optim)
+        self.scheduler = make_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        # Checkpoints hold model, optimizer, schedule, RNGs and the data position (the data
+        # itself is rebuilt exactly by the set-up).
+        self.stream = ShuffledStream(
+            len(train_items), random.Random(cfg.seed), fingerprint=data_fingerprint(train_items),
+            allow_change=cfg.run.allow_config_change,
+        )  # fmt: skip
+        self.last_loss = float("nan")
+        self.final_eval: dict = {}
+        self.bon: dict = {}
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.train_items)} train / {len(self.eval_items)} held-out "
+            f"{self.cfg.kind} examples; data: {self.data_counts}"
+        )
+
+    def checkpointed(self) -> Checkpointed:
+        return Checkpointed(
+            modules={"model": self.model},
+            optimizers={"optimizer": self.optimizer},
+            schedulers={"scheduler": self.scheduler},
+            stateful={"data": self.stream},
+        )
+
+    def state(self) -> dict:
+        return {"last_loss": self.last_loss}
+
+    def load_state(self, state: dict) -> None:
+        self.last_loss = state["last_loss"]
+
+    def step(self, step: int) -> tuple[dict, dict]:
+        cfg, model, device = self.cfg, self.model, self.device
+        t0 = time.perf_counter()
+        batch = [self.train_items[i] for i in self.stream.take(cfg.train.batch_size)]  # global
+        # counted once for the whole optimizer step, over the global batch (every rank)
+        denom = loss_denominator(cfg, batch)
+        local = distributed.shard(batch)  # this rank's contiguous share
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
+        acc_sum = acc_n = 0.0
+        for s in range(0, len(local), cfg.train.micro_batch_size):
+            mb = local[s : s + cfg.train.micro_batch_size]
+            losses, weight, stats = rm_losses(
+                cfg, model, mb, self.tokenizer.pad_token_id, device, self.autocast_dtype
+            )
+            loss = losses.sum() / denom
+            loss = faults.corrupt("loss", step, loss)
+            loss.backward()
+            step_loss += loss.detach().cpu()
+            acc_sum += float((stats["accuracy"] * weight).sum())
+            acc_n += float(weight.sum())
+        faults.hit("step_mid", step)
+        step_loss = distributed.all_reduce_sum(step_loss)
+        acc = distributed.sum_dict({"sum": acc_sum, "n": acc_n})
+        acc_sum, acc_n = acc["sum"], acc["n"]
+        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+        if self.guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
+            self.optimizer.step()
+            self.scheduler.step()
+        self.last_loss = float(step_loss)
+        metrics = {
+            "train/loss": self.last_loss,
+            "rm/accuracy": acc_sum / max(acc_n, 1.0),
+            "optim/grad_norm": float(grad_norm),
+            "optim/lr": self.scheduler.get_last_lr()[0],
+            "perf/step_s": time.perf_counter() - t0,
+        }
+        return metrics, {}
+
+    def finish(self, step: int) -> None:
+        # Held-out RM metrics (and best-of-N with the sampling policy).
+        cfg, model, pad = self.cfg, self.model, self.tokenizer.pad_token_id
+        model.eval()
+        with distributed.gathered(model):  # every rank scores every held-out example
+            self.final_eval = (
+                evaluate_rm(cfg, model, self.eval_items, pad, self.device, self.autocast_dtype)
+                if self.eval_items
+                else {}
+            )
+        if self.final_eval:
+            self.tracker.log(step, {f"eval/{k}": v for k, v in self.final_eval.items()})
+        if cfg.eval.best_of_n and self.splits is not None and cfg.data.source == "task_samples":
+            self.bon = self._best_of_n()
+
+    def _best_of_n(self) -> dict:
+        """Best-of-N on the held-out problems: samples of the sampling policy, picked by this
+        reward model (`rlhflab.eval.best_of_n`)."""
         from rlhflab.eval.best_of_n import best_of_n_eval
         from rlhflab.rewards.reward_model import RewardModelScorer
 
+        cfg, model = self.cfg, self.model
         scorer = RewardModelScorer(
             model,
             kind=cfg.kind,
-            pad_token_id=tokenizer.pad_token_id,
-            sep_id=sep_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            sep_id=self.sep_id,
             prm_reduce=cfg.loss.prm_reduce,
-            autocast_dtype=autocast_dtype,
+            autocast_dtype=self.autocast_dtype,
         )
-        policy = _policy(cfg, device)
+        policy = _policy(cfg, self.device)
         with distributed.gathered(model):  # every rank runs it (the same draws)
-            bon = best_of_n_eval(
+            return best_of_n_eval(
                 policy,
-                tokenizer,
-                splits.heldout[: cfg.eval.n_problems],
+                self.tokenizer,
+                self.splits.heldout[: cfg.eval.n_problems],
                 Verifier(
                     answer_format=cfg.task.answer_format,
                     reward=cfg.task.reward,
@@ -261,35 +259,23 @@ def train(cfg: RMConfig) -> dict:
                 instruction=task_instruction(cfg.task),
             )
 
-    # -- 4. Save model, plots, results.
-    tracker.close()
-    if cfg.run.save_model:
-        state = distributed.full_model_state(model, keep_tied=True)
+    def save(self, model_dir: Path) -> None:
+        # the sequence-classification model (LoRA: adapters folded in), written by rank 0
+        state = distributed.full_model_state(self.model, keep_tied=True)
         if distributed.is_main():
-            merged = merged_state(model, state)  # LoRA: adapters folded in; else `state`
-            save_reward_model(model, tokenizer, run_dir / "model", state_dict=merged)
-    results = {
-        "trainer": "reward_model",
-        "kind": cfg.kind,
-        "steps": steps_done,
-        "status": budget.status,  # complete | stopped_by_max_seconds
-        "final_loss": last_loss,
-        "train_examples": len(train_items),
-        "eval_examples": len(eval_items),
-        "data": data_counts,
-        "eval": final_eval,
-        "best_of_n": bon.get("curves") if bon else None,
-        "health": health.summary(),
-        "wall_s": round(time.perf_counter() - t_start, 2),
-        "run_dir": str(run_dir),
-        "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
-        "world_size": distributed.world_size(),
-    }
-    if distributed.is_main():
-        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
-        write_json_atomic(run_dir / "final_results.json", results)
-    distributed.barrier()
-    return results
+            merged = merged_state(self.model, state)  # LoRA: adapters folded in; else `state`
+            save_reward_model(self.model, self.tokenizer, model_dir, state_dict=merged)
+
+    def results(self) -> dict:
+        return {
+            "kind": self.cfg.kind,
+            "final_loss": self.last_loss,
+            "train_examples": len(self.train_items),
+            "eval_examples": len(self.eval_items),
+            "data": self.data_counts,
+            "eval": self.final_eval,
+            "best_of_n": self.bon.get("curves") if self.bon else None,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
