@@ -266,24 +266,29 @@ class _LinearSelectiveLogSoftmax(torch.autograd.Function):
     """log softmax(h·Wᵀ + b)/τ)[index] by row-chunks, never holding the (N, V) logits.
 
     Forward keeps per-row logsumexp only; backward recomputes each chunk's logits and returns
-    the gradients of the hidden states, the weight and the bias (first order)."""
+    the gradients of the hidden states, the weight and the bias (first order). `mm_dtype`: the
+    dtype of the head's matmuls (autocast's, cast here explicitly so that forward and backward
+    use the same logits); None: the weight's own dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, index, temperature, chunk_size, with_entropy, mm_dtype):
         n = hidden.shape[0]
         dt = _compute_dtype(hidden)
         out = torch.empty(n, dtype=dt, device=hidden.device)
         lse = torch.empty(n, dtype=dt, device=hidden.device)
         ent = torch.empty(n if with_entropy else 0, dtype=dt, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            sl = slice(start, start + chunk_size)
-            z = _chunk_logits(hidden[sl], weight, bias, temperature, dt)  # (C, V)
-            lse[sl] = torch.logsumexp(z, dim=-1)
-            out[sl] = z.gather(-1, index[sl, None]).squeeze(-1) - lse[sl]
-            if with_entropy:
-                ent[sl] = _entropy_rows(z)
+        w, b = _mm_operands(weight, bias, mm_dtype)  # one cast of the head, not one per chunk
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, n, chunk_size):
+                sl = slice(start, start + chunk_size)
+                z = _chunk_logits(hidden[sl], w, b, temperature, dt)  # (C, V)
+                lse[sl] = torch.logsumexp(z, dim=-1)
+                out[sl] = z.gather(-1, index[sl, None]).squeeze(-1) - lse[sl]
+                if with_entropy:
+                    ent[sl] = _entropy_rows(z)
+        del w, b
         ctx.save_for_backward(hidden, weight, bias, index, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.mm_dtype = temperature, chunk_size, mm_dtype
         ctx.mark_non_differentiable(ent)
         return out, ent
 
@@ -296,26 +301,43 @@ class _LinearSelectiveLogSoftmax(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=lse.dtype) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=lse.dtype) if need_b and bias is not None else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            sl = slice(start, start + chunk_size)
-            z = _chunk_logits(hidden[sl], weight, bias, tau, lse.dtype)  # (C, V)
-            g = grad_out[sl].to(lse.dtype)[:, None]  # (C, 1)
-            gz = torch.exp(z - lse[sl, None]).mul_(-g)  # d/dz_k [z_i − lse(z)] = 1[k=i] − p_k
-            gz.scatter_add_(-1, index[sl, None], g)
-            if tau != 1.0:
-                gz = gz / tau  # z = (h·Wᵀ + b) / τ
-            if need_h:
-                grad_h[sl] = (gz @ weight.to(gz.dtype)).to(grad_h.dtype)
-            if need_w:
-                grad_w += gz.T @ hidden[sl].to(gz.dtype)
-            if grad_b is not None:
-                grad_b += gz.sum(0)
+        w, b = _mm_operands(weight, bias, ctx.mm_dtype)
+        # The head's matmuls in the dtype its forward ran in (as nn.Linear's backward does): a
+        # 16-bit head (autocast, a bf16 model) takes grad_z cast to 16 bits; gradients of the
+        # weight and bias are accumulated over chunks in float32 (float64 for float64 inputs).
+        mm = w.dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_size):
+                sl = slice(start, start + chunk_size)
+                z = _chunk_logits(hidden[sl], w, b, tau, lse.dtype)  # (C, V)
+                g = grad_out[sl].to(lse.dtype)[:, None]  # (C, 1)
+                gz = torch.exp(z - lse[sl, None]).mul_(-g)  # d/dz_k [z_i − lse(z)] = 1[k=i] − p_k
+                gz.scatter_add_(-1, index[sl, None], g)
+                if tau != 1.0:
+                    gz = gz / tau  # z = (h·Wᵀ + b) / τ
+                if grad_b is not None:
+                    grad_b += gz.sum(0)
+                gz = gz.to(mm)
+                if need_h:
+                    grad_h[sl] = (gz @ w).to(grad_h.dtype)
+                if need_w:
+                    grad_w += gz.T @ hidden[sl].to(mm)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _mm_operands(
+    weight: Tensor, bias: Tensor | None, mm_dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor | None]:
+    """The head's weight and bias in the matmul dtype (unchanged when None or already so)."""
+    if mm_dtype is None or weight.dtype == mm_dtype:
+        return weight, bias
+    return weight.to(mm_dtype), (bias.to(mm_dtype) if bias is not None else None)
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dt) -> Tensor:
+    h = h if h.dtype == weight.dtype else h.to(weight.dtype)
     z = torch.nn.functional.linear(h, weight, bias).to(dt)
     return z / tau if tau != 1.0 else z
 
@@ -340,6 +362,12 @@ def linear_selective_log_softmax(
     hidden's leading shape. Returns (logp (...), entropy (...) or None), float32 (float64 for
     float64 inputs). chunk_size None picks rows so one block holds about 8 Mi floats.
     Equal to selective_log_softmax(linear(hidden, weight, bias) / τ, index) up to float rounding.
+    Precision: the head's matmuls run in the dtype nn.Linear would use here — the autocast dtype
+    inside torch.autocast (weight and bias cast once per call, not per chunk), else the weight's
+    dtype — and each chunk's logits are upcast to float32 for the log-softmax; the backward's
+    matmuls take grad_z cast to that same dtype, as the unfused head's backward does.
+    Peak extra memory: a few (chunk_size, V) blocks (a chunk's logits and their gradient), the
+    weight's cast when one is needed, and a float32 accumulator of the weight's gradient.
     Raises: ValueError on shape mismatches, a non-integer index or chunk_size < 1.
     """
     if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
@@ -355,9 +383,20 @@ def linear_selective_log_softmax(
     if chunk_size is None:
         chunk_size = max(1, _FUSED_BLOCK // weight.shape[0])
     _check_chunk_size(chunk_size)
+    device = hidden.device.type
+    mm_dtype = None  # autocast leaves float64 alone
+    if torch.is_autocast_enabled(device) and torch.float64 not in (hidden.dtype, weight.dtype):
+        mm_dtype = torch.get_autocast_dtype(device)
     lead = index.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _LinearSelectiveLogSoftmax.apply(
-        flat_h, weight, bias, index.reshape(-1).long(), float(temperature), chunk_size, with_entropy
+        flat_h,
+        weight,
+        bias,
+        index.reshape(-1).long(),
+        float(temperature),
+        chunk_size,
+        with_entropy,
+        mm_dtype,
     )
     return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)

@@ -305,7 +305,11 @@ def completion_logps(
     sampler, keeping logits only for the T completion positions (`logits_to_keep`). Log-probs use
     the tempered distribution softmax(logits / τ), as the sampler does. On CPU, rows of uneven
     length are scored padding-free (`rlhflab.models.packing`): the same values up to float
-    rounding, without paying for the padding.
+    rounding, without paying for the padding. Models with a plain linear LM head (`can_pack`),
+    sharded or not, on any device and under autocast, never hold the (B, T, V) logits: the head
+    and the log-softmax run fused in row-chunks (`ops.linear_selective_log_softmax`), so peak
+    memory does not grow with B × T × V; values and gradients equal the unfused ones up to float
+    rounding (tests/test_fused_head.py).
 
     Returns:
         logp: (B, T) float32, 0 on padding; entropy: (B, T) float32 detached, or None.
@@ -316,16 +320,19 @@ def completion_logps(
     autocast = torch.autocast(
         input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
     )
-    # On CPU with a plain linear LM head (rlhflab.models.packing.can_pack): rows of uneven length
-    # are packed padding-free when that removes enough padding, and in fp32 the head and the
-    # log-softmax are fused in row-chunks (ops.linear_selective_log_softmax), so no (B, T, V)
-    # logits exist. Elsewhere the padded layout with `logits_to_keep` (no host syncs).
-    # An FSDP2-sharded model is only called through its own forward (its hooks gather the
-    # parameters), so it always takes the padded layout.
-    if input_ids.device.type == "cpu" and can_pack(model) and not distributed.is_sharded(model):
-        head = model.get_output_embeddings()
-        fused = autocast_dtype is None and isinstance(head, torch.nn.Linear)
-        layout = packed_layout(rollout)
+    # A model with a plain linear LM head (rlhflab.models.packing.can_pack): the head and the
+    # log-softmax are fused in row-chunks (ops.linear_selective_log_softmax; the head's matmul in
+    # the autocast dtype, the log-softmax in float32), so no (B, T, V) logits exist, on any
+    # device. On CPU, rows of uneven length are also packed padding-free when that removes enough
+    # padding. An FSDP2-sharded model is only called through its own forward (its hooks gather
+    # the parameters): the fused head then runs inside that forward, in place of the LM head
+    # (`_fused_in_forward`). Anything else: the padded layout with `logits_to_keep`.
+    head = model.get_output_embeddings() if can_pack(model) else None
+    fused = isinstance(head, torch.nn.Linear)
+    if fused and distributed.is_sharded(model):
+        return _fused_in_forward(model, head, rollout, temperature, with_entropy, autocast)
+    if head is not None and not distributed.is_sharded(model):
+        layout = packed_layout(rollout) if input_ids.device.type == "cpu" else None
         if layout is not None:
             hidden = packed_hidden(model, layout, autocast)[layout.pred_rows, layout.pred_cols]
             tokens = rollout.completion_ids[layout.out_rows, layout.out_cols]  # (N,)
@@ -342,10 +349,11 @@ def completion_logps(
             tokens = rollout.completion_ids
         if layout is not None or fused:
             if fused:
-                lp, ent = linear_selective_log_softmax(
-                    hidden, head.weight, tokens, bias=head.bias, temperature=temperature,
-                    with_entropy=with_entropy,
-                )  # fmt: skip
+                with autocast:
+                    lp, ent = linear_selective_log_softmax(
+                        hidden, head.weight, tokens, bias=head.bias, temperature=temperature,
+                        with_entropy=with_entropy,
+                    )  # fmt: skip
             else:
                 with autocast:
                     logits = upcast(head(hidden))  # (N, V)
@@ -381,6 +389,52 @@ def completion_logps(
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())[:, :-1] * rollout.mask
     return logp, entropy
+
+
+def _fused_in_forward(model, head, rollout: Rollout, temperature, with_entropy, autocast):
+    """`completion_logps` of an FSDP2-sharded model: its own forward, with the LM head's forward
+    replaced for the call by the fused, row-chunked log-softmax of the chosen tokens.
+
+    The model's forward computes `logits = lm_head(hidden)` for the kept positions and returns
+    them untouched (the architectures of `can_pack`); here lm_head returns the (B, T+1) log-probs
+    instead. FSDP2's hooks are those of an ordinary forward: the root's pre-forward hook has
+    unsharded `head.weight` (read inside the call, as nn.Linear.forward reads it), the backward
+    of the fused op accumulates the head's gradient into that unsharded parameter, which FSDP2
+    reduce-scatters after the backward as it does for the plain head, and the pre-backward hook
+    sits on the returned log-probs. Returns what `completion_logps` returns."""
+    width = rollout.completion_ids.size(1)
+    index = torch.nn.functional.pad(rollout.completion_ids, (0, 1))  # (B, T+1); last is a dummy
+    entropy: list[Tensor | None] = []
+
+    def fused_head(hidden: Tensor) -> Tensor:  # (B, T+1, H) -> (B, T+1) log-probs
+        lp, ent = linear_selective_log_softmax(
+            hidden, head.weight, index, bias=head.bias, temperature=temperature,
+            with_entropy=with_entropy,
+        )  # fmt: skip
+        entropy.append(ent)
+        return lp
+
+    attn = rollout.attention_mask
+    head.forward = fused_head
+    try:
+        with autocast:
+            out = model(
+                input_ids=rollout.input_ids,
+                attention_mask=attn,
+                position_ids=position_ids_from_mask(attn),
+                use_cache=False,
+                logits_to_keep=width + 1,
+            )
+    finally:
+        del head.forward
+    if len(entropy) != 1 or out.logits.shape != index.shape:
+        raise RuntimeError(
+            f"completion_logps: {type(model).__name__}'s forward did not call its LM head once "
+            "on the kept positions; it cannot be scored with the fused head"
+        )
+    logp = out.logits[:, :-1] * rollout.mask
+    ent = entropy[0]
+    return logp, (ent[:, :-1].detach() * rollout.mask if ent is not None else None)
 
 
 def decode_completions(

@@ -1,0 +1,7 @@
+"""`python -m rlhflab.cli ...`, as `python -m rlhflab ...`."""
+
+import sys
+
+from rlhflab.cli import main
+
+sys.exit(main())

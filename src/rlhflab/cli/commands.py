@@ -1,0 +1,263 @@
+"""The command handlers of `rlhflab <command>`: each takes the parsed arguments (`build_parser`
+in `rlhflab.cli`), calls the module that does the work, prints its results, returns the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from rlhflab.errors import ConfigError
+
+
+def _dumps(results: dict) -> str:
+    """Results as JSON for stdout, secrets redacted in string values, NaN / inf as null with a
+    `<key>_note` (`rlhflab.runs.to_json`)."""
+    from rlhflab.runs import to_json
+
+    return to_json(results, indent=2, default=str)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.next_steps import check_start_model, next_command
+    from rlhflab.trainers import run_config
+
+    if args.nproc is not None:
+        return _torchrun(args.nproc, args.argv)
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"run.resume={args.resume}")
+    if args.allow_config_change:
+        overrides.append("run.allow_config_change=true")
+    cfg = load_config(args.config, overrides)
+    check_start_model(cfg)
+    results = run_config(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        _print_summary(results)
+    _print_next(next_command(cfg, results))
+    return 0
+
+
+def _print_next(hint: str | None) -> None:
+    """Print the next-command hint (`rlhflab.next_steps`) on stderr, on rank 0 only."""
+    if hint and os.environ.get("RANK", "0") == "0":
+        print(hint, file=sys.stderr)
+
+
+def _print_summary(results: dict) -> None:
+    """A few lines on stdout (`rlhflab.summary.summary_lines`, secrets redacted); the full
+    results are in the run's final_results.json."""
+    from rlhflab.runs import redact
+    from rlhflab.summary import summary_lines
+
+    for line in summary_lines(results):
+        print(redact(line))
+
+
+def _torchrun(nproc: int, argv: list[str]) -> int:
+    """Run `rlhflab <argv without --nproc>` under torchrun with `nproc` processes; its exit code."""
+    import subprocess
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", "-m", "rlhflab", *rest]
+    from rlhflab.distributed import arm_parent_death_signal
+
+    # torchrun follows this process: killed (even by SIGKILL), it takes torchrun and the workers
+    # with it instead of leaving them training as orphans.
+    return subprocess.call(cmd, preexec_fn=arm_parent_death_signal)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from rlhflab.errors import ConfigError
+    from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
+
+    if args.k > 0 and args.temperature <= 0:
+        raise ConfigError(
+            f"eval --temperature {args.temperature}: pass@k sampling needs a temperature > 0 "
+            "(greedy accuracy is always reported; use --k 0 for greedy only)"
+        )
+
+    if (args.task is None) == (args.data is None):
+        raise ConfigError("eval: give exactly one of --task NAME and --data PATH")
+    if args.task is not None and args.extractor is None:
+        _warn_answer_format(args.model, args.answer_format)
+    if args.data is not None:
+        results = run_prompt_eval_command(
+            args.model,
+            data=args.data,
+            name=args.data_name,
+            split=args.split,
+            prompt_column=args.prompt_column,
+            prompt_format=args.prompt_format,
+            template=args.template,
+            system=args.system,
+            rewards=args.reward_fn,
+            n=args.n,
+            k=args.k,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            engine=args.engine,
+        )
+        print(_dumps(results))
+        return 0
+    results = run_eval_command(
+        args.model,
+        task=args.task,
+        task_config=args.task_config or {},
+        n=args.n,
+        n_train_exclude=args.exclude_train,
+        seed=args.seed,
+        k=args.k,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        answer_format=args.answer_format,
+        reward=args.reward,
+        batch_size=args.batch_size,
+        system=args.system,
+        extractor=args.extractor,
+        instruction=args.instruction,
+        threads=args.threads,
+        show=args.show,
+        gguf_file=args.gguf_file,
+        engine=args.engine,
+        print_fn=lambda line: print(line, file=sys.stderr),
+    )
+    print(_dumps(results))
+    return 0
+
+
+def _cmd_quickstart(args: argparse.Namespace) -> int:
+    from rlhflab.next_steps import after_quickstart
+    from rlhflab.quickstart import run_quickstart, summary_line
+
+    results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
+    print(summary_line(results), file=sys.stderr)
+    print(_dumps(results))
+    _print_next(after_quickstart(results))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from rlhflab.compare import run_compare
+
+    overrides = [a for a in args.args if "=" in a]
+    presets = [a for a in args.args if "=" not in a]
+    results = run_compare(presets, seeds=args.seeds, overrides=overrides, root=args.root)
+    print(_dumps(results))
+    return 0
+
+
+def _cmd_pipeline(args: argparse.Namespace) -> int:
+    from rlhflab.pipeline import run_pipeline
+
+    results = run_pipeline(args.pipeline, overrides=args.overrides, root=args.root)
+    print(_dumps(results))
+    return 0
+
+
+def _cmd_best_of_n(args: argparse.Namespace) -> int:
+    from rlhflab.errors import ConfigError
+    from rlhflab.eval.best_of_n import run_best_of_n_command
+
+    if (args.task is None) == (args.data is None):
+        raise ConfigError("best-of-n: give exactly one of --task NAME and --data PATH")
+    if args.task is not None:
+        _warn_answer_format(args.policy, args.answer_format)
+    data = None
+    if args.data is not None:
+        data = {
+            "path": args.data,
+            "name": args.data_name,
+            "split": args.split,
+            "prompt_column": args.prompt_column,
+            "prompt_format": args.prompt_format,
+            "heldout_split": args.heldout_split,
+        }
+    results = run_best_of_n_command(
+        args.policy,
+        args.rm,
+        task=args.task,
+        task_config=args.task_config or {},
+        problems=args.problems,
+        exclude_train=args.exclude_train,
+        seed=args.seed,
+        ns=args.n,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        answer_format=args.answer_format,
+        instruction=args.instruction,
+        prm_reduce=args.prm_reduce,
+        out_dir=args.out,
+        write_sft=args.write_sft,
+        min_score=args.min_score,
+        threads=args.threads,
+        data=data,
+        reward_fns=args.reward_fn,
+    )
+    print(_dumps(results))
+    return 0
+
+
+def _warn_answer_format(model: str, answer_format: str) -> None:
+    """Print `answer_format_warning`'s line on stderr, if any."""
+    from rlhflab.eval.cli import answer_format_warning
+
+    line = answer_format_warning(model, answer_format)
+    if line is not None:
+        print(line, file=sys.stderr)
+
+
+def _cmd_prm_vs_orm(args: argparse.Namespace) -> int:
+    from rlhflab.prm_vs_orm import run_prm_vs_orm
+
+    results = run_prm_vs_orm(
+        root=args.root,
+        policy=args.policy,
+        task=args.task,
+        task_config=args.task_config,
+        size=args.size,
+        sft_steps=args.sft_steps,
+        n_prompts=args.prompts,
+        samples_per_prompt=args.samples_per_prompt,
+        rm_steps=args.rm_steps,
+        problems=args.problems,
+        ns=args.n,
+        prm_reduce=args.prm_reduce,
+        seed=args.seed,
+        threads=args.threads,
+    )
+    print(_dumps(results))
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rlhflab.plan import plan, render
+
+    over = [a for a in args.args if "=" in a]
+    cfgs = [a for a in args.args if "=" not in a]
+    if len(cfgs) > 1:
+        raise ConfigError(f"plan: at most one CONFIG, got {' '.join(cfgs)}")
+    model = args.model
+    result = plan(model, gpus=args.gpus, gpu_memory_gib=args.gpu_memory,
+                  config=cfgs[0] if cfgs else None, overrides=over, prompt_len=args.prompt_len,
+                  completion_len=args.completion_len, reference_dtype=args.reference_dtype,
+                  activation_checkpointing=args.activation_checkpointing)  # fmt: skip
+    print(json.dumps(result, indent=2)) if args.json else render(result)
+    return 0

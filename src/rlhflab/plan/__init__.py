@@ -1,0 +1,42 @@
+"""`rlhflab plan`: per-GPU memory of a training run, estimated before any GPU is rented.
+
+Pure arithmetic (stdlib only; no torch, no model is built or loaded). The package, by concern:
+
+    shapes.py   ModelShape, the built-in shapes, resolve_shape (a name or a local config.json)
+    memory.py   every memory term derived from first principles (its docstring), PlanInputs,
+                estimate, max_micro_batch, the calibration
+    inputs.py   an rlhflab config as PlanInputs (inputs_from_config), plan (the command's result)
+    report.py   the table (summary_rows, render)
+
+This module re-exports their public names (`from rlhflab.plan import plan, estimate, ...`).
+"""
+
+from rlhflab.plan.inputs import inputs_from_config, plan
+from rlhflab.plan.memory import (
+    CALIBRATION,
+    GIB,
+    PlanInputs,
+    estimate,
+    layer_activation_bytes,
+    max_micro_batch,
+    usable_gib,
+)
+from rlhflab.plan.report import render, summary_rows
+from rlhflab.plan.shapes import BUILTIN_SHAPES, ModelShape, resolve_shape
+
+__all__ = [
+    "BUILTIN_SHAPES",
+    "CALIBRATION",
+    "GIB",
+    "ModelShape",
+    "PlanInputs",
+    "estimate",
+    "inputs_from_config",
+    "layer_activation_bytes",
+    "max_micro_batch",
+    "plan",
+    "render",
+    "resolve_shape",
+    "summary_rows",
+    "usable_gib",
+]

@@ -1,0 +1,171 @@
+"""An rlhflab config as `PlanInputs` (`inputs_from_config`), and `plan`: the `rlhflab plan`
+result (the estimate of `rlhflab.plan.memory`, its inputs, the largest micro-batch that fits)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rlhflab.plan.memory import _DTYPE_BYTES, PlanInputs, estimate, max_micro_batch
+from rlhflab.plan.shapes import ModelShape, resolve_shape
+
+
+def _local_shape(path: str | None, fallback: ModelShape) -> ModelShape:
+    """The shape at a local model directory `path`, else `fallback` (a hub id cannot be read
+    offline; a reward model is assumed to be the policy's shape then)."""
+    if path and (Path(path) / "config.json").is_file():
+        return resolve_shape(path)
+    return fallback
+
+
+def inputs_from_config(
+    cfg,
+    shape: ModelShape,
+    *,
+    gpus: int,
+    gpu_memory_gib: float,
+    prompt_len: int | None = None,
+    completion_len: int | None = None,
+    activation_checkpointing: bool = False,
+    reference_dtype: str | None = None,
+) -> tuple[PlanInputs, int]:
+    """PlanInputs of an rlhflab config (`rlhflab.config.load_config`) on `gpus` GPUs, and the
+    largest micro-batch worth trying (the rows one rank trains per optimizer step).
+
+    prompt_len: prompt tokens where the config does not bound them (policy-gradient prompts, DPO
+    pairs without data.max_prompt_len); None: 256 (0 for SFT / RM, whose max_len bounds the whole
+    sequence). completion_len: overrides the config's max_new_tokens / max_len / completion bound.
+    """
+    trainer = cfg.trainer
+    par = cfg.parallel
+    strategy = par.strategy
+    if strategy == "auto":
+        strategy = "ddp" if gpus > 1 else "none"
+    ranks = gpus if strategy != "none" else 1
+    lora = cfg.model.lora
+    p = PlanInputs(
+        trainer=trainer,
+        gpus=gpus,
+        gpu_memory_gib=gpu_memory_gib,
+        strategy=strategy,
+        mixed_precision=par.mixed_precision,
+        cpu_offload=par.cpu_offload,
+        model_dtype=cfg.model.dtype,
+        autocast=cfg.precision.autocast != "none",
+        lora_r=lora.r if lora is not None else None,
+        lora_targets=lora.target_modules if lora is not None else "all-linear",
+        activation_checkpointing=activation_checkpointing or cfg.model.gradient_checkpointing,
+        reference_dtype=reference_dtype,
+    )
+    default_prompt = 256 if prompt_len is None else prompt_len
+    if trainer == "policy_gradient":
+        ro = cfg.rollout
+        batch = ro.prompts_per_step * ro.group_size
+        per_rank = max(1, batch // ranks)
+        limit = max(1, batch // cfg.train.minibatches // ranks)
+        p.micro_batch = min(cfg.train.micro_batch_size, limit)
+        p.prompt_len = default_prompt
+        p.completion_len = completion_len or ro.max_new_tokens
+        p.rollout_rows, p.rollout_rows_global = per_rank, batch
+        p.temperature = ro.temperature
+        p.reference = cfg.kl.coef > 0
+        p.critic = cfg.value is not None
+        steps_per_batch = cfg.train.update_epochs * cfg.train.minibatches
+        p.scoring_passes = steps_per_batch > 1 or (p.reference and cfg.kl.placement != "loss")
+        rm = [c for c in cfg.reward.components if c.name == "reward_model"]
+        if rm:
+            p.reward_model = _local_shape(rm[0].args.get("path"), shape)
+    elif trainer == "direct_alignment":
+        d, v = cfg.data, cfg.verifiable
+        p.rows_per_example = 2
+        limit = max(1, cfg.train.batch_size // ranks)
+        p.micro_batch = min(cfg.train.micro_batch_size, limit)
+        p.prompt_len = d.max_prompt_len or default_prompt
+        if d.source == "verifiable":
+            p.completion_len = completion_len or v.max_new_tokens
+            p.rollout_rows = p.rollout_rows_global = min(
+                cfg.eval.batch_size, v.n_prompts * v.samples_per_prompt
+            )
+        else:
+            p.completion_len = completion_len or d.max_completion_len or 256
+        p.scoring_passes = True  # reference log-probs, once per round, without gradients
+    elif trainer in ("sft", "reward_model"):
+        max_len = cfg.train.max_len if trainer == "sft" else cfg.data.max_len
+        if trainer == "reward_model" and cfg.kind == "preference":
+            p.rows_per_example = 2
+        limit = max(1, cfg.train.batch_size // ranks)
+        p.micro_batch = min(cfg.train.micro_batch_size, limit)
+        p.prompt_len = 0 if prompt_len is None else prompt_len
+        p.completion_len = completion_len or max(1, max_len - p.prompt_len)
+    else:
+        raise ValueError(f"trainer: {trainer!r} is not planned")
+    return p, limit
+
+
+def plan(
+    model: str,
+    *,
+    gpus: int,
+    gpu_memory_gib: float,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    prompt_len: int | None = None,
+    completion_len: int | None = None,
+    activation_checkpointing: bool = False,
+    reference_dtype: str | None = None,
+) -> dict:
+    """The `rlhflab plan` result: `estimate` of the run, its inputs, the largest micro-batch.
+
+    config: an rlhflab preset (loaded with `rlhflab.config.load_config`, overrides applied); None:
+    a policy-gradient run with every default (overrides such as `trainer=sft` pick another).
+    Raises ConfigError (one line) on a bad model, config, override or number.
+    """
+    from rlhflab.config import apply_overrides, config_from_dict, load_config
+    from rlhflab.errors import ConfigError
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
+    if not gpu_memory_gib > 0:
+        raise ConfigError(f"--gpu-memory: must be > 0 GiB, got {gpu_memory_gib}")
+    for name, v in (("--prompt-len", prompt_len), ("--completion-len", completion_len)):
+        if v is not None and v < (0 if name == "--prompt-len" else 1):
+            raise ConfigError(f"{name}: must be >= {0 if name == '--prompt-len' else 1}, got {v}")
+    if reference_dtype not in (None, *_DTYPE_BYTES):
+        raise ConfigError(f"--reference-dtype: choose one of {', '.join(_DTYPE_BYTES)}")
+    try:
+        shape = resolve_shape(model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if config is not None:
+        cfg = load_config(config, overrides or [])
+    else:
+        raw = apply_overrides({"trainer": "policy_gradient"}, overrides or [])
+        raw.setdefault("model", {})
+        if isinstance(raw["model"], dict) and "build" not in raw["model"]:
+            raw["model"].setdefault("name_or_path", model)
+        cfg = config_from_dict(raw, source="plan")
+    try:
+        p, limit = inputs_from_config(
+            cfg,
+            shape,
+            gpus=gpus,
+            gpu_memory_gib=gpu_memory_gib,
+            prompt_len=prompt_len,
+            completion_len=completion_len,
+            activation_checkpointing=activation_checkpointing,
+            reference_dtype=reference_dtype,
+        )
+        out = estimate(shape, p)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    out["max_micro_batch"] = max_micro_batch(shape, p, limit)
+    out["micro_batch_limit"] = limit
+    inputs = dataclasses.asdict(p)
+    inputs["reward_model"] = p.reward_model.name if p.reward_model else None
+    return {
+        "model": dataclasses.asdict(shape),
+        "config": config,
+        "overrides": list(overrides or []),
+        "inputs": inputs,
+        **out,
+    }

@@ -1,0 +1,152 @@
+"""Model shapes for `rlhflab plan`: `ModelShape` (the config.json fields that set a dense
+decoder's memory, its parameter counts), the built-in shapes (published config values) and
+`resolve_shape` (a built-in name or a local model directory). Stdlib only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The shape of a dense Llama / Qwen3 decoder (the config.json fields that set its memory)."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qk_norm: bool = False  # Qwen3's per-head RMSNorm on q and k
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """{module name: (d_in, d_out)} of the nn.Linear layers of one decoder block."""
+        h, q, k, f = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, k),
+            "v_proj": (h, k),
+            "o_proj": (q, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
+        }
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder block: its linears, two RMSNorms, Qwen3's q/k norms."""
+        lin = sum(i * o for i, o in self.linear_dims().values())
+        return lin + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+
+    def embedding_params(self) -> int:
+        """V·h, and 2·V·h when the LM head is not tied to the embedding."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def params(self) -> int:
+        """Distinct parameters (tied weights once): layers, embeddings, final norm."""
+        return (
+            self.num_hidden_layers * self.layer_params()
+            + self.embedding_params()
+            + self.hidden_size
+        )
+
+    def backbone_params(self) -> int:
+        """Parameters without an untied LM head (the critic's / a reward model's backbone)."""
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.params() - head
+
+    def linear_params(self) -> int:
+        """Parameters that go through nn.Linear (the blocks' linears and the LM head)."""
+        lin = sum(i * o for i, o in self.linear_dims().values())
+        return self.num_hidden_layers * lin + self.vocab_size * self.hidden_size
+
+    def lora_params(self, r: int, targets: list[str] | str = "all-linear") -> int:
+        """Trainable LoRA parameters: r·(d_in + d_out) per adapted linear of every block."""
+        return self.num_hidden_layers * r * sum(i + o for i, o in self._adapted(targets))
+
+    def _names(self, targets: list[str] | str) -> list[str]:
+        """The block linears that `targets` (module-name suffixes or "all-linear") adapt."""
+        dims = self.linear_dims()
+        if targets == "all-linear":
+            return list(dims)
+        return [n for n in dims if any(n == t or n.endswith(t) for t in targets)]
+
+    def _adapted(self, targets: list[str] | str) -> list[tuple[int, int]]:
+        dims = self.linear_dims()
+        return [dims[n] for n in self._names(targets)]
+
+
+def _qwen3(name, h, layers, f, heads, kv, vocab, tied) -> ModelShape:
+    return ModelShape(name, h, layers, f, heads, kv, 128, vocab, tied, qk_norm=True)
+
+
+#: Published config.json values (Hugging Face model cards).
+BUILTIN_SHAPES: dict[str, ModelShape] = {
+    "qwen3-0.6b": _qwen3("qwen3-0.6b", 1024, 28, 3072, 16, 8, 151936, True),
+    "qwen3-1.7b": _qwen3("qwen3-1.7b", 2048, 28, 6144, 16, 8, 151936, True),
+    "qwen3-4b": _qwen3("qwen3-4b", 2560, 36, 9728, 32, 8, 151936, True),
+    "qwen3-8b": _qwen3("qwen3-8b", 4096, 36, 12288, 32, 8, 151936, False),
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", 2048, 16, 8192, 32, 8, 64, 128256, True),
+    "llama-3.2-3b": ModelShape("llama-3.2-3b", 3072, 28, 8192, 24, 8, 128, 128256, True),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 4096, 32, 14336, 32, 8, 128, 128256, False),
+}
+
+
+def resolve_shape(name_or_path: str) -> ModelShape:
+    """A built-in shape by name, or the shape in `<dir>/config.json` of a local model directory.
+
+    Raises:
+        ValueError: neither a built-in name nor a directory with a readable config.json, a
+            field missing or not a positive integer, or a mixture-of-experts model.
+    """
+    key = name_or_path.lower()
+    if key in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[key]
+    path = Path(name_or_path) / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"--model: {name_or_path!r} is neither a built-in shape "
+            f"({', '.join(BUILTIN_SHAPES)}) nor a directory with a config.json"
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model: cannot read {path}: {exc}") from None
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model: {path} is not a JSON object")
+    if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise ValueError(f"--model: {path}: mixture-of-experts models are not planned")
+
+    def field(key: str, default=None) -> int:
+        value = cfg.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"--model: {path}: '{key}' must be a positive integer, got {value!r}")
+        return value
+
+    heads = field("num_attention_heads")
+    hidden = field("hidden_size")
+    return ModelShape(
+        name=str(name_or_path),
+        hidden_size=hidden,
+        num_hidden_layers=field("num_hidden_layers"),
+        intermediate_size=field("intermediate_size"),
+        num_attention_heads=heads,
+        num_key_value_heads=field("num_key_value_heads", heads),
+        head_dim=field("head_dim", cfg.get("head_dim") or hidden // heads),
+        vocab_size=field("vocab_size"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=str(cfg.get("model_type", "")).startswith("qwen3"),
+    )
