@@ -453,7 +453,7 @@ def wrap(
     if mp is not None:
         kwargs["mp_policy"] = mp
     if parallel.cpu_offload:
-        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
+        kwargs["offload_policy"] = offload_policy(device())
     for block in _blocks(model):
         fsdp.fully_shard(block, **kwargs)
     for root in roots or [model]:
@@ -463,6 +463,19 @@ def wrap(
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def offload_policy(dev: torch.device):
+    """FSDP2's `CPUOffloadPolicy` for ranks whose compute device is `dev` (`parallel.cpu_offload`).
+
+    The sharded parameters, their gradients and so the optimizer state live in host memory;
+    each layer's shards are copied to `dev` for its forward/backward and the optimizer steps on
+    the CPU. On CUDA the host copies are pinned (page-locked), for asynchronous transfers; on a
+    CPU device there is no accelerator to pin for (torch refuses: "Cannot access accelerator
+    device when none is available") and placement is unchanged, so the policy only takes
+    FSDP2's offload code path (which the tests on CPU run).
+    """
+    return _fsdp().CPUOffloadPolicy(pin_memory=dev.type == "cuda")
 
 
 def sync_grads(model: torch.nn.Module) -> None:

@@ -325,6 +325,18 @@ def test_lora_two_ranks_equal_one_process(family, strategy, base_model, tmp_path
     assert saved and all(".lora_" in k for k in saved)
 
 
+def test_fsdp2_cpu_offload_equals_no_offload(base_model, tmp_path):
+    """`parallel.cpu_offload` (FSDP2's CPUOffloadPolicy; on CPU the placement is unchanged, but
+    the offload code path runs): GRPO with a KL reference on 2 ranks trains, and its gradients,
+    metrics and weights equal the same run without offload (float64). Before the fix, pinning
+    the host shards raised "Cannot access accelerator device when none is available"."""
+    raw = _grpo(base_model)
+    plain = _train(tmp_path, "grpo", raw, 2, "fsdp2")
+    raw["parallel"] = {**raw["parallel"], "cpu_offload": True}
+    offloaded = _train(tmp_path, "grpo-offload", raw, 2, "fsdp2")
+    _assert_same_run(plain, offloaded)
+
+
 @pytest.mark.parametrize(
     "aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 )
