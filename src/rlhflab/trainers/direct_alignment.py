@@ -285,6 +285,7 @@ def train(cfg: DPOConfig) -> dict:
         device=device,
         seed=cfg.seed,
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+        sharded_later=not verifiable,  # verifiable pairs sample before wrap
     )
     pad = tokenizer.pad_token_id
     verifier = Verifier(answer_format=t.answer_format, reward=t.reward, extractor=t.extractor)

@@ -75,6 +75,7 @@ def train(cfg: SFTConfig) -> dict:
         device=device,
         seed=cfg.seed,
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+        sharded_later=True,
     )
     if cfg.data.source == "task":
         examples = sft_examples_from_problems(
