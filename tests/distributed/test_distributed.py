@@ -337,6 +337,25 @@ def test_fsdp2_cpu_offload_equals_no_offload(base_model, tmp_path):
     _assert_same_run(plain, offloaded)
 
 
+def test_ppo_critic_fsdp2_two_ranks_equal_one_process(base_model, tmp_path):
+    """PPO (GAE) with a critic and a KL reference under FSDP2: rank 1 builds policy, reference
+    and critic on the meta device and receives every shard from rank 0; gradients, metrics (the
+    critic's included) and weights equal one process's (float64)."""
+    raw = _grpo(base_model)
+    raw["rollout"] = {"prompts_per_step": 4, "group_size": 1, "max_new_tokens": 6}
+    raw["loss"] = {
+        "advantage": "gae",
+        "advantage_args": {"gamma": 1.0, "lam": 0.95},
+        "surrogate": "ppo_clip",
+        "aggregation": "token_mean",
+    }
+    raw["kl"] = {"coef": 0.05, "estimator": "k1", "placement": "reward_token"}
+    raw["value"] = {"optim": {"lr": 1e-3}}
+    _assert_same_run(
+        _train(tmp_path, "ppo", raw, 1, "none"), _train(tmp_path, "ppo", raw, 2, "fsdp2")
+    )
+
+
 @pytest.mark.parametrize(
     "aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 )
