@@ -366,11 +366,15 @@ def test_grpo_every_aggregation_two_ranks(aggregation, base_model, tmp_path):
     _assert_same_run(_train(tmp_path, "g", raw, 1, "none"), _train(tmp_path, "g", raw, 2, "ddp"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2-offload"])
 def test_sigkill_one_rank_then_resume_is_exact(strategy, base_model, tmp_path):
     """Rank 1 is killed mid-step 3: the job exits non-zero (no hang); --resume finishes the run
-    bitwise equal to an uninterrupted 2-rank run (weights, metrics except timings)."""
+    bitwise equal to an uninterrupted 2-rank run (weights, metrics except timings). With
+    `parallel.cpu_offload` the optimizer state is restored into host memory before any forward."""
     raw = _grpo(base_model)
+    if strategy == "fsdp2-offload":
+        raw["parallel"] = {**raw["parallel"], "cpu_offload": True}
+        strategy = "fsdp2"
     raw["train"]["steps"] = 4
     raw["checkpoint"] = {"every": 2, "keep_last": 2}
     cfg = _write_cfg(tmp_path / "grpo.yaml", raw)

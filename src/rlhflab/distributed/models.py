@@ -93,9 +93,17 @@ def wrap(
         fsdp.fully_shard(block, **kwargs)
     for root in roots or [model]:
         fsdp.fully_shard(root, **kwargs)
-    # shards on the device (with cpu_offload FSDP2 moves them to host memory at its first use)
-    model.to_empty(device=device())
+    # Shards on the device; with cpu_offload in host memory from the start (FSDP2 pins them on
+    # CUDA at its first forward), so the optimizer steps there and its state is created there
+    # (also when a checkpoint's state is loaded before any forward), while the buffers, which
+    # FSDP2 does not move, are used on the device (torchtitan's order).
+    model.to_empty(device=torch.device("cpu") if parallel.cpu_offload else device())
     _load_from_rank0(model, full, persistent)
+    if parallel.cpu_offload:
+        for m in model.modules():
+            for key, buf in m._buffers.items():
+                if buf is not None:
+                    m._buffers[key] = buf.to(device())
     for m in model.modules():  # sum over ranks (denominators are global); gloo has only SUM
         if isinstance(m, fsdp.FSDPModule):
             m.set_gradient_divide_factor(1.0)
