@@ -103,6 +103,7 @@ def train(cfg: RMConfig) -> dict:
         device=device,
         seed=cfg.seed,
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+        sharded_later=True,  # the LM gives its config and weights to the RM; used after wrap
     )
     num_labels = cfg.loss.num_classes if cfg.kind == "prm" else 1
     sep_id = None
