@@ -341,6 +341,37 @@ def test_lora_two_ranks_equal_one_process(family, strategy, base_model, tmp_path
     assert saved and all(".lora_" in k for k in saved)
 
 
+def test_fsdp2_cpu_offload_equals_no_offload(base_model, tmp_path):
+    """`parallel.cpu_offload` (FSDP2's CPUOffloadPolicy; on CPU the placement is unchanged, but
+    the offload code path runs): GRPO with a KL reference on 2 ranks trains, and its gradients,
+    metrics and weights equal the same run without offload (float64). Before the fix, pinning
+    the host shards raised "Cannot access accelerator device when none is available"."""
+    raw = _grpo(base_model)
+    plain = _train(tmp_path, "grpo", raw, 2, "fsdp2")
+    raw["parallel"] = {**raw["parallel"], "cpu_offload": True}
+    offloaded = _train(tmp_path, "grpo-offload", raw, 2, "fsdp2")
+    _assert_same_run(plain, offloaded)
+
+
+def test_ppo_critic_fsdp2_two_ranks_equal_one_process(base_model, tmp_path):
+    """PPO (GAE) with a critic and a KL reference under FSDP2: rank 1 builds policy, reference
+    and critic on the meta device and receives every shard from rank 0; gradients, metrics (the
+    critic's included) and weights equal one process's (float64)."""
+    raw = _grpo(base_model)
+    raw["rollout"] = {"prompts_per_step": 4, "group_size": 1, "max_new_tokens": 6}
+    raw["loss"] = {
+        "advantage": "gae",
+        "advantage_args": {"gamma": 1.0, "lam": 0.95},
+        "surrogate": "ppo_clip",
+        "aggregation": "token_mean",
+    }
+    raw["kl"] = {"coef": 0.05, "estimator": "k1", "placement": "reward_token"}
+    raw["value"] = {"optim": {"lr": 1e-3}}
+    _assert_same_run(
+        _train(tmp_path, "ppo", raw, 1, "none"), _train(tmp_path, "ppo", raw, 2, "fsdp2")
+    )
+
+
 @pytest.mark.parametrize(
     "aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 )
@@ -351,11 +382,15 @@ def test_grpo_every_aggregation_two_ranks(aggregation, base_model, tmp_path):
     _assert_same_run(_train(tmp_path, "g", raw, 1, "none"), _train(tmp_path, "g", raw, 2, "ddp"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2-offload"])
 def test_sigkill_one_rank_then_resume_is_exact(strategy, base_model, tmp_path):
     """Rank 1 is killed mid-step 3: the job exits non-zero (no hang); --resume finishes the run
-    bitwise equal to an uninterrupted 2-rank run (weights, metrics except timings)."""
+    bitwise equal to an uninterrupted 2-rank run (weights, metrics except timings). With
+    `parallel.cpu_offload` the optimizer state is restored into host memory before any forward."""
     raw = _grpo(base_model)
+    if strategy == "fsdp2-offload":
+        raw["parallel"] = {**raw["parallel"], "cpu_offload": True}
+        strategy = "fsdp2"
     raw["train"]["steps"] = 4
     raw["checkpoint"] = {"every": 2, "keep_last": 2}
     cfg = _write_cfg(tmp_path / "grpo.yaml", raw)

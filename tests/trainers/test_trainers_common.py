@@ -38,3 +38,26 @@ def test_gradient_checkpointing_flag_enables_it():
             cfg, device=torch.device("cpu"), seed=0, tokenizer_texts=lambda: texts
         )
         assert model.is_activation_checkpointing is flag
+
+
+def test_adamw_is_fused_exactly_when_every_parameter_is_on_cuda():
+    """The choice is made from the parameters' devices (checked here without a GPU)."""
+    from rlhflab.trainers.common import adamw_implementation
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert adamw_implementation([cuda, torch.device("cuda", 1)]) == {"fused": True}
+    assert adamw_implementation(["cuda"]) == {"fused": True}
+    assert adamw_implementation([cpu]) == {}  # CPU, and FSDP2 shards offloaded to host memory
+    assert adamw_implementation([cuda, cpu]) == {}
+    assert adamw_implementation([]) == {}
+
+
+def test_make_optimizer_on_cpu_is_the_default_adamw():
+    from rlhflab.config import OptimConfig
+    from rlhflab.trainers.common import make_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    opt = make_optimizer(model, OptimConfig(lr=1e-3))
+    assert isinstance(opt, torch.optim.AdamW) and not opt.defaults["fused"]
+    assert [p for g in opt.param_groups for p in g["params"]] == [model.weight]

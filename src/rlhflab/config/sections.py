@@ -269,7 +269,7 @@ class EvalConfig(Strict):
 
 
 class ParallelConfig(Strict):
-    """Data parallelism under torchrun (see rlhflab/distributed.py and README "Many GPUs").
+    """Data parallelism under torchrun (see rlhflab/distributed/ and README "Many GPUs").
 
     With one process every strategy is the plain single-process run.
     """

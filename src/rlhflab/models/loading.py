@@ -6,6 +6,7 @@ exception is chained (`raise ... from`) for debugging but never shown as the use
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -146,6 +147,47 @@ def load_model(
             f"cannot move model '{name_or_path}' to device {device!r}: {_one_line(exc)}"
         ) from exc
     return model
+
+
+def empty_model(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """The causal LM `load_model` would return, on the meta device: built from its config.json
+    (and generation_config.json when there is one), no weight read, no memory allocated. The
+    model FSDP2 ranks other than 0 shard before rank 0's weights reach them
+    (`rlhflab.distributed.wrap`). Arguments as `load_model` (attn_implementation None: "sdpa").
+
+    Raises:
+        ConfigError: `dtype` not one of `DTYPES`.
+        ModelError: the config cannot be read or the model cannot be built (one line).
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    if dtype not in DTYPES:
+        raise ConfigError(
+            f"model.dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}"
+        )
+    resolved = _resolve(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=DTYPES[dtype],
+                attn_implementation=attn_implementation or "sdpa",
+                trust_remote_code=trust_remote_code,
+            )
+    except Exception as exc:
+        raise _load_error("model", name_or_path, resolved, exc) from exc
+    with contextlib.suppress(OSError):  # none saved: from_pretrained keeps the default one too
+        model.generation_config = GenerationConfig.from_pretrained(resolved)
+    if dtype == "float64":
+        model = float64_exact(model)
+    return model.eval()
 
 
 def _rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ step separators, see `rlhflab.losses.reward_model`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -63,7 +64,9 @@ def reward_model_from_causal_lm(
     """A sequence-classification model with `causal_lm`'s backbone weights and a fresh head.
 
     The head is initialised N(0, 1/(H + 1)) (as TRL's RewardTrainer / OpenAI's lm-human-preferences)
-    with `torch.manual_seed(seed)`. The LM head of `causal_lm` is dropped.
+    with `torch.manual_seed(seed)`. The LM head of `causal_lm` is dropped. A `causal_lm` on the
+    meta device (an FSDP2 rank other than 0, `rlhflab.distributed.loads_from_rank0`) gives a
+    reward model on the meta device: nothing is allocated, `distributed.wrap` fills it.
 
     Raises:
         ModelError: transformers has no sequence-classification class for this architecture.
@@ -75,8 +78,10 @@ def reward_model_from_causal_lm(
         config.pad_token_id = pad_token_id
     if num_labels == 1:
         config.problem_type = "regression"
+    meta = next(causal_lm.parameters()).is_meta  # an FSDP2 rank > 0: weights come from rank 0
     try:
-        rm = AutoModelForSequenceClassification.from_config(config)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            rm = AutoModelForSequenceClassification.from_config(config)
     except Exception as exc:
         raise ModelError(
             f"no sequence-classification model for '{config.model_type}': {exc}"

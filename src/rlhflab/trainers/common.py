@@ -56,6 +56,7 @@ def prepare_model(
     device: torch.device,
     seed: int,
     tokenizer_texts: Callable[[], list[str]] | None = None,
+    sharded_later: bool = False,
 ):
     """Load (hub id / path) or build (from scratch, tokenizer trained on task text) a causal LM.
 
@@ -64,6 +65,12 @@ def prepare_model(
         device: where the model lives.
         seed: initialisation seed for built models.
         tokenizer_texts: called only when building: the strings to train the tokenizer on.
+        sharded_later: the caller uses the weights only after `distributed.wrap` (shapes and
+            config before). Then, under FSDP2 with several processes
+            (`distributed.loads_from_rank0`), rank 0 loads or builds the model in host memory
+            (not on the GPU) and every other rank builds it on the meta device (no weights read,
+            no memory); `wrap` shards it and fills every rank's shards from rank 0. Otherwise
+            (and always with one process or DDP) every rank holds the model on `device`.
 
     Returns:
         (tokenizer, model) with model in train mode, fp32 master weights unless model.dtype says
@@ -74,17 +81,20 @@ def prepare_model(
     from rlhflab.models.build import build_model
     from rlhflab.models.tokenizer import train_tokenizer
 
+    later = sharded_later and distributed.loads_from_rank0()
+    empty = later and not distributed.is_main()  # this rank's weights come from rank 0
     if model_cfg.build is not None:
         b = model_cfg.build
         texts = tokenizer_texts() if tokenizer_texts is not None else []
         tokenizer = train_tokenizer(texts, vocab_size=b.vocab_size)
-        model = build_model(
-            tokenizer,
-            size=b.size,
-            arch=b.arch,
-            max_position_embeddings=b.max_position_embeddings,
-            seed=seed,
-        )
+        with torch.device("meta") if empty else contextlib.nullcontext():
+            model = build_model(
+                tokenizer,
+                size=b.size,
+                arch=b.arch,
+                max_position_embeddings=b.max_position_embeddings,
+                seed=seed,
+            )
         if model_cfg.dtype != "float32":  # built in float32; model.dtype applies here too
             from rlhflab.models.loading import DTYPES, float64_exact
 
@@ -94,8 +104,9 @@ def prepare_model(
                 else model.to(DTYPES[model_cfg.dtype])
             )
     else:
-        tokenizer, model = _load_pretrained(model_cfg, device)
-    model.to(device)
+        tokenizer, model = _load_pretrained(model_cfg, device, later=later, empty=empty)
+    if not later:
+        model.to(device)
     if model_cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
@@ -104,24 +115,42 @@ def prepare_model(
     return tokenizer, model
 
 
-def _load_pretrained(model_cfg: ModelConfig, device: torch.device):
-    """Tokenizer and model from a hub id or local path; errors name `model.name_or_path`."""
-    from rlhflab.models.loading import load_model, load_tokenizer
+def _load_pretrained(
+    model_cfg: ModelConfig, device: torch.device, *, later: bool = False, empty: bool = False
+):
+    """Tokenizer and model from a hub id or local path; errors name `model.name_or_path`.
+    `later`: the model stays in host memory (FSDP2 shards it onto `device`); `empty`: built on
+    the meta device from its config (not for GGUF files, whose config is inside the weights)."""
+    from rlhflab.models.loading import (
+        default_attn_implementation,
+        empty_model,
+        load_model,
+        load_tokenizer,
+    )
 
+    attn = model_cfg.attn_implementation or default_attn_implementation(device)
     try:
         tokenizer = load_tokenizer(
             model_cfg.name_or_path,
             trust_remote_code=model_cfg.trust_remote_code,
             gguf_file=model_cfg.gguf_file,
         )
-        model = load_model(
-            model_cfg.name_or_path,
-            dtype=model_cfg.dtype,
-            attn_implementation=model_cfg.attn_implementation,
-            trust_remote_code=model_cfg.trust_remote_code,
-            gguf_file=model_cfg.gguf_file,
-            device=str(device),
-        )
+        if empty and model_cfg.gguf_file is None:
+            model = empty_model(
+                model_cfg.name_or_path,
+                dtype=model_cfg.dtype,
+                attn_implementation=attn,
+                trust_remote_code=model_cfg.trust_remote_code,
+            )
+        else:
+            model = load_model(
+                model_cfg.name_or_path,
+                dtype=model_cfg.dtype,
+                attn_implementation=attn,
+                trust_remote_code=model_cfg.trust_remote_code,
+                gguf_file=model_cfg.gguf_file,
+                device="cpu" if later else str(device),
+            )
     except ModelError as exc:
         raise ModelError(f"model.name_or_path: {exc}") from None
     return tokenizer, model
@@ -159,11 +188,41 @@ def check_context_fit(rows: list[dict], context: int, *, what: str) -> None:
 
 
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (fp32 state)."""
+    """AdamW over the trainable parameters; its state (m, v) in the parameters' dtype.
+
+    The implementation is `adamw_implementation` of the parameters' devices: torch's fused
+    kernel when they are all on CUDA, the default otherwise (CPU, and FSDP2 shards kept in host
+    memory by `parallel.cpu_offload`, where the optimizer steps on the CPU).
+
+    Bytes per trainable parameter with fp32 master weights (`model.dtype: float32`):
+    weights 4 + gradient 4 + AdamW m and v 8 = 16 (8 + 8 + 16 = 32 in float64). Under FSDP2
+    every term is divided by the number of ranks; with `parallel.mixed_precision: bf16` the
+    master weights, gradients and state stay fp32 (16 bytes, sharded), and what is added is
+    transient: one layer's parameters gathered in bf16 (2 bytes per parameter of that layer)
+    and its gradients reduced in fp32 (4). With `parallel.cpu_offload` the 16 bytes (sharded)
+    live in host memory and the GPU holds only the layers being computed. The fused kernel
+    keeps the same state as the default implementation (no extra bytes per parameter); it
+    updates each tensor in one kernel instead of a chain of element-wise ones.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
-        params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        params,
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        **adamw_implementation({p.device for p in params}),
     )
+
+
+def adamw_implementation(devices) -> dict:
+    """Keyword arguments choosing `torch.optim.AdamW`'s implementation for parameters on
+    `devices` (an iterable of `torch.device`): `{"fused": True}` when every one is a CUDA device
+    (one fused kernel per tensor, as torchtitan uses with FSDP2), else `{}` (torch's default:
+    foreach on accelerators, the for-loop on the CPU: CPU runs, the tests' included, keep the
+    numbers of earlier releases). Mixed devices or no parameters: `{}`."""
+    types = {torch.device(d).type for d in devices}
+    return {"fused": True} if types == {"cuda"} else {}
 
 
 def lr_factor(
@@ -280,10 +339,15 @@ def save_final_model(model, tokenizer, path: Path, lora=None) -> None:
 class Reference:
     """The reference policy π_ref of a KL penalty: the initial policy, frozen.
 
-    A full fine-tune keeps a frozen copy (placed and sharded like the policy). A LoRA policy is
-    its own reference: the same model with its adapters disabled is the frozen base, so no
-    second copy of the weights is held. Create it before the policy is trained (and, for the
-    copy, before `distributed.wrap` of the policy); score through `scoring()`."""
+    A full fine-tune keeps a frozen copy (placed and sharded like the policy). Under FSDP2 with
+    several processes (`distributed.loads_from_rank0`) the copy is made on the meta device (no
+    weights copied) and sharded, and rank 0 sends it the policy's weights, so no rank holds a
+    second full copy; with `parallel.mixed_precision: bf16` it is stored in bf16, the dtype
+    FSDP2 computes it in anyway (2 bytes per parameter instead of 4; the same numbers).
+    Otherwise the copy is a deep copy in the policy's dtype. A LoRA policy is its own reference:
+    the same model with its adapters disabled is the frozen base, so no second copy of the
+    weights is held. Create it before the policy is trained (and, for the copy, before
+    `distributed.wrap` of the policy); score through `scoring()`."""
 
     def __init__(self, policy: torch.nn.Module, parallel) -> None:
         import copy
@@ -291,7 +355,16 @@ class Reference:
         from rlhflab.models.lora import is_lora
 
         self.policy, self.copy = policy, None
-        if not is_lora(policy):
+        if is_lora(policy):
+            return
+        if distributed.loads_from_rank0():
+            frozen = distributed.meta_copy(policy).eval().requires_grad_(False)
+            if parallel.mixed_precision == "bf16":  # parameters only, as FSDP2 casts them:
+                for p in frozen.parameters():  # buffers (RoPE's inv_freq) keep their dtype
+                    p.data = p.data.to(torch.bfloat16)
+            weights = distributed.host_state(policy) if distributed.is_main() else None
+            self.copy = distributed.wrap(frozen, parallel, weights=weights)
+        else:
             frozen = copy.deepcopy(policy).eval().requires_grad_(False)
             self.copy = distributed.wrap(frozen, parallel)
 

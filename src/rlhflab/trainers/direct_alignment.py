@@ -191,6 +191,7 @@ class DirectAlignment(Trainer):
             device=self.device,
             seed=cfg.seed,
             tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+            sharded_later=not self.verifiable,  # verifiable pairs sample before wrap
         )
         self.pad = self.tokenizer.pad_token_id
         self.verifier = Verifier(

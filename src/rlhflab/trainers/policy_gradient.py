@@ -104,6 +104,7 @@ def train(cfg: PGConfig) -> dict:
         device=device,
         seed=cfg.seed,
         tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+        sharded_later=True,  # weights used after wrap only
     )
     prompts = [
         encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))

@@ -107,6 +107,7 @@ class RewardModelTrainer(Trainer):
             device=env.device,
             seed=cfg.seed,
             tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+            sharded_later=True,  # the LM gives its config and weights to the RM; used after wrap
         )
         num_labels = cfg.loss.num_classes if cfg.kind == "prm" else 1
         self.sep_id = None

@@ -70,6 +70,7 @@ class SFT(Trainer):
             device=env.device,
             seed=cfg.seed,
             tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+            sharded_later=True,  # weights used after wrap only
         )
         if cfg.data.source == "task":
             examples = sft_examples_from_problems(

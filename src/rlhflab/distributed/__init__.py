@@ -1,4 +1,4 @@
-"""Data parallelism on torch.distributed: the only module that imports it.
+"""Data parallelism on torch.distributed: the only package that imports it.
 
 Launch with torchrun (`torchrun --nproc-per-node N -m rlhflab train CONFIG ...`); torchrun sets
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and `setup()` reads them. Without
@@ -17,9 +17,13 @@ What the trainers call (nothing else in the package touches torch.distributed):
     all_gather_object / broadcast_object
     any_rank(flag)                     True when any rank says True (stop signals, errors)
     main_then_share(fn)                rank 0 runs fn; its result, or its refusal, on every rank
+  in models.py (re-exported here):
     wrap(model, parallel)              none | ddp | fsdp2 (see below)
+    loads_from_rank0() meta_copy(m)    FSDP2: ranks > 0 build models on the meta device
+    host_state(m)                      rank 0's weights for `wrap(..., weights=)`
     sync_grads(model)                  after the last micro-batch of an optimizer step
     gathered(model)                    full parameters on every rank while sampling
+  in state.py (re-exported here):
     full_model_state / load_full_model_state
     full_optimizer_state / load_full_optimizer_state
 
@@ -43,6 +47,8 @@ Strategies (`parallel.strategy`):
   (ZeRO-3, Rajbhandari et al. 2020, arXiv 1910.02054: parameters, gradients and optimizer state
   sharded), with a `MixedPrecisionPolicy`
   (parameters in bf16 or fp32 for compute, gradients reduced in fp32) and optional CPU offload.
+  Models are loaded without full copies: ranks > 0 build them on the meta device, and `wrap`
+  fills every rank's shards from rank 0's weights, one tensor at a time.
   The reduce-scatter sums (gradient divide factor 1). Forward and backward passes are
   collectives: every rank must run the same number of them, which the trainers ensure by giving
   every rank the same number of micro-batches (`micro_batches`). Sampling unshards the model first
@@ -51,14 +57,13 @@ Strategies (`parallel.strategy`):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import datetime
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -394,347 +399,34 @@ def main_then_share(fn) -> Any:
     raise PeerRefused(f"rank 0 refused to start ({outcome[1]})")
 
 
-# ---------------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------------
-
-
-def _fsdp():
-    from torch.distributed import fsdp
-
-    return fsdp
-
-
-def is_sharded(model: torch.nn.Module | None) -> bool:
-    """True for a model (or a part of it) wrapped by FSDP2: its parameters are DTensor shards."""
-    if model is None or not _on():
-        return False
-    fsdp = _fsdp()
-    return any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
-
-
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks of a causal LM (decoder layers), found as the longest
-    nn.ModuleList in the model; [] when there is none."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
-
-
-def wrap(
-    model: torch.nn.Module,
-    parallel,
-    *,
-    roots: list[torch.nn.Module] | None = None,
-) -> torch.nn.Module:
-    """Prepare a model (already on `device()`) for data parallelism; returns the same object.
-
-    Args:
-        model: policy, reference, critic or reward model; a frozen model (the reference) is
-            sharded the same way and simply has no gradients or optimizer state.
-        parallel: the `parallel` config section (strategy, mixed_precision, cpu_offload).
-        roots: under fsdp2, the parts sharded as separate FSDP roots instead of `model` itself
-            (the reward model: backbone and score head, which the scorer calls one by one).
-    With one process or strategy "none", the model is returned unchanged; under "ddp" rank 0's
-    parameters and buffers are broadcast so every replica starts equal (`sync_grads` keeps them
-    equal). Under "fsdp2" each decoder layer and then the root are `fully_shard`ed.
-    """
-    if not _talk():
-        return model
-    if _STATE["strategy"] != "fsdp2":  # ddp: every replica starts from rank 0's weights
-        with torch.no_grad():
-            for t in model.state_dict().values():
-                dist.broadcast(t, src=0)
-        return model
-    fsdp = _fsdp()
-    mp = None
-    if parallel.mixed_precision == "bf16":
-        mp = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs: dict[str, Any] = {}
-    if mp is not None:
-        kwargs["mp_policy"] = mp
-    if parallel.cpu_offload:
-        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
-    for block in _blocks(model):
-        fsdp.fully_shard(block, **kwargs)
-    for root in roots or [model]:
-        fsdp.fully_shard(root, **kwargs)
-    for m in model.modules():  # sum over ranks (denominators are global); gloo has only SUM
-        if isinstance(m, fsdp.FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def sync_grads(model: torch.nn.Module) -> None:
-    """Sum gradients over ranks after the last micro-batch of an optimizer step ("ddp").
-
-    FSDP2 reduce-scatters (sums) during each backward, and one process has nothing to do; in
-    both cases this is a no-op. Parameters without a gradient on any rank get a zero gradient
-    first, so every rank all-reduces the same buckets.
-    """
-    if not _talk() or is_sharded(model):
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    # flat buckets of ~25 MB, like DDP's default bucket size
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for p in params:
-        bucket.append(p.grad)
-        size += p.grad.numel() * p.grad.element_size()
-        if size >= 25 * 2**20:
-            _all_reduce_bucket(bucket)
-            bucket, size = [], 0
-    if bucket:
-        _all_reduce_bucket(bucket)
-
-
-def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-@contextlib.contextmanager
-def gathered(model: torch.nn.Module | None) -> Iterator[None]:
-    """Full parameters on every rank for the duration (sampling, no-grad scoring, evaluation):
-    under FSDP2 the model is unsharded once and its forwards do no communication, so ranks may
-    run different numbers of them. Otherwise nothing happens."""
-    if model is None or not is_sharded(model):
-        yield
-        return
-    fsdp = _fsdp()
-    mods = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
-    for m in mods:
-        m.unshard()
-        m.set_reshard_after_forward(False)
-    try:
-        yield
-    finally:
-        for m in mods:
-            m.reshard()
-            m.set_reshard_after_forward(True)
-
-
-def grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
-    """Global L2 norm of the gradients before clipping (over all shards), clipping to `max_norm`
-    when it is set. After `sync_grads` every replica holds the summed gradient, so the local
-    norm is the global one; FSDP2's DTensor gradients are reduced by `clip_grad_norm_`.
-    Returns a 0-d float32 tensor (the same on every rank)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if is_sharded(model):
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    if max_norm is None:
-        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{parameter name: full gradient on CPU} (a collective under FSDP2); tied parameters once."""
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        out[name] = g.detach().cpu().clone().contiguous()
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Full state for checkpoints (gathered; see rlhflab.checkpoint for why not DCP)
-# ---------------------------------------------------------------------------------------------
-
-
-def _sd_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def full_model_state(
-    model: torch.nn.Module, *, keep_tied: bool = False
-) -> dict[str, torch.Tensor] | None:
-    """The unsharded state dict on CPU, on rank 0 (None on other ranks) for an FSDP2 model.
-
-    A collective under FSDP2 (every rank must call it). Tied parameters appear under one name
-    only: the first in sorted order, or with `keep_tied` the name `save_pretrained` keeps (the
-    input embedding's, not the LM head's). For other models this returns None: they are saved
-    from the module directly.
-    """
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    sd = get_model_state_dict(model, options=_sd_options())
-    if not is_main():
-        return None
-    for group in _tied_groups(model):
-        if keep_tied:  # what save_pretrained writes for a tied model: the input embedding's name
-            drop = [n for n in group if n in _output_embedding_names(model)]
-            drop = drop if len(drop) < len(group) else []
-        else:
-            drop = sorted(group)[1:]
-        for name in drop:
-            sd.pop(name, None)
-    return {k: v.contiguous() for k, v in sd.items()}
-
-
-def load_full_model_state(
-    model: torch.nn.Module, sd: dict[str, torch.Tensor], *, strict: bool = True
-) -> None:
-    """Load a full (unsharded) state dict, as written from `full_model_state`, into an FSDP2
-    model on every rank; tied names are filled from the saved one. Raises RuntimeError / KeyError
-    when names or shapes do not fit. `strict=False` loads a part (a LoRA model's adapters; the
-    caller checks the names) and leaves the other parameters as they are."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    sd = dict(sd)
-    for group in _tied_groups(model):
-        kept = sorted(group)[0]
-        for name in group:
-            if strict or kept in sd:
-                sd.setdefault(name, sd[kept])
-    set_model_state_dict(model, sd, options=_sd_options_load(strict))
-
-
-def _sd_options_load(strict: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, strict=strict)
-
-
-def _output_embedding_names(model: torch.nn.Module) -> set[str]:
-    """Parameter names of a Hugging Face model's output embedding (LM head), if it has one."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    if head is None:
-        return set()
-    return {f"{n}.weight" for n, m in model.named_modules() if m is head}
-
-
-def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
-    seen: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        seen.setdefault(id(p), []).append(name)
-    return [names for names in seen.values() if len(names) > 1]
-
-
-def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
-    """An FSDP2 model's optimizer state unsharded, in `Optimizer.state_dict()` form (state keyed
-    by parameter index, as one process has it) on rank 0; None on other ranks and for
-    unsharded models (whose `opt.state_dict()` is already complete). A collective."""
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(model, opt, options=_sd_options())
-    if not is_main():
-        return None
-    index: dict[str, int] = {}
-    groups = []
-    for g in osd["param_groups"]:
-        ids = []
-        for fqn in g["params"]:
-            index[fqn] = len(index)
-            ids.append(index[fqn])
-        groups.append({**g, "params": ids})
-    state = {index[fqn]: st for fqn, st in osd["state"].items()}
-    return {"state": state, "param_groups": groups}
-
-
-def load_full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:
-    """Inverse of `full_optimizer_state` on every rank of an FSDP2 model (a collective).
-    Raises: KeyError / RuntimeError when the state does not fit the optimizer's parameters
-    (the checkpoint module turns these into one CheckpointError line)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    # The FQN of each parameter index, in the optimizer's own order.
-    template = get_optimizer_state_dict(model, opt, options=StateDictOptions())
-    fqns = [fqn for g in template["param_groups"] for fqn in g["params"]]
-    state = {fqns[int(i)]: st for i, st in sd["state"].items()}
-    groups, start = [], 0
-    for g in sd["param_groups"]:
-        n = len(g["params"])
-        groups.append({**g, "params": fqns[start : start + n]})
-        start += n
-    set_optimizer_state_dict(
-        model,
-        opt,
-        {"state": state, "param_groups": groups},
-        options=StateDictOptions(full_state_dict=True),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Sharded checkpoints: this rank's pieces (rlhflab.checkpoint.sharded writes and reads the files)
-# ---------------------------------------------------------------------------------------------
-
-
-def _dtensor_type():
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def shard_region(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(global shape, global offset, local shape) of this rank's piece of `t`: for a DTensor
-    (an FSDP2 parameter, or optimizer state shaped like one) the box its local tensor covers
-    in the global tensor (`compute_local_shape_and_global_offset`, as DCP computes it; under
-    FSDP2's Shard(0) rank r holds rows [r·c, min((r+1)·c, n)) with c = ceil(n / world), possibly
-    none); for a plain tensor the whole tensor."""
-    if not isinstance(t, _dtensor_type()):
-        shape = tuple(t.shape)
-        return shape, (0,) * len(shape), shape
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(t.shape), tuple(offset), tuple(local)
-
-
-def local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
-    """What this rank saves of `t` in a sharded checkpoint: (its local tensor, detached, on the
-    CPU; global shape; global offset), or None when another rank saves it — a plain tensor
-    (replicated on every rank: a buffer, AdamW's `step`) is rank 0's, and a DTensor piece
-    replicated over a mesh dimension is saved by the rank at coordinate 0 there. No collective:
-    no rank ever holds more than its own shards."""
-    dtensor = _dtensor_type()
-    if not isinstance(t, dtensor):
-        return (t.detach().cpu(), tuple(t.shape), (0,) * t.dim()) if is_main() else None
-    coord = t.device_mesh.get_coordinate() or []
-    for c, placement in zip(coord, t.placements, strict=False):
-        if not placement.is_shard() and c != 0:
-            return None
-    shape, offset, _ = shard_region(t)
-    return t.to_local().detach().cpu(), shape, offset
-
-
-def from_local_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's piece of a tensor laid out like `like`, of shape
-    `shard_region(like)[2]`) as such a tensor: a DTensor on `like`'s mesh with its placements
-    (on `like`'s local device), or `local` itself when `like` is a plain tensor."""
-    dtensor = _dtensor_type()
-    if not isinstance(like, dtensor):
-        return local
-    return dtensor.from_local(
-        local.to(like.to_local().device),
-        like.device_mesh,
-        like.placements,
-        shape=like.shape,
-        stride=like.stride(),
-    )
-
-
-def local_view(t: torch.Tensor) -> torch.Tensor:
-    """The tensor to copy this rank's piece of `t` into: a DTensor's local tensor (sharing its
-    storage), a plain tensor itself."""
-    return t.to_local() if isinstance(t, _dtensor_type()) else t
+# Models and their full state live in submodules, re-exported here: `distributed.wrap(...)`.
+# (Private helpers too, so that code written against the single module still finds them.)
+from rlhflab.distributed.models import (  # noqa: E402, F401  (they import the helpers above)
+    _all_reduce_bucket,
+    _blocks,
+    _fsdp,
+    full_grads,
+    gathered,
+    grad_norm,
+    host_state,
+    is_sharded,
+    loads_from_rank0,
+    meta_copy,
+    offload_policy,
+    sync_grads,
+    wrap,
+)
+from rlhflab.distributed.state import (  # noqa: E402, F401
+    _output_embedding_names,
+    _sd_options,
+    _sd_options_load,
+    _tied_groups,
+    from_local_like,
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    local_piece,
+    local_view,
+    shard_region,
+)
