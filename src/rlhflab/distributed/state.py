@@ -1,5 +1,6 @@
-"""Full (gathered) model and optimizer state of sharded models, for checkpoints and the final
-export, and this rank's pieces of sharded checkpoints. Part of `rlhflab.distributed` (re-exported there); see rlhflab.checkpoint for why not DCP.
+"""Full (gathered) model and optimizer state of sharded models, for the final export, and this
+rank's pieces for sharded checkpoints (rlhflab.checkpoint.sharded). Part of `rlhflab.distributed`
+(re-exported there); see rlhflab.checkpoint for why not DCP.
 """
 
 from __future__ import annotations
