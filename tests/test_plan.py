@@ -14,6 +14,7 @@ from rlhflab.plan import (
     ModelShape,
     PlanInputs,
     estimate,
+    fused_head_bytes,
     plan,
     resolve_shape,
     usable_gib,
@@ -109,26 +110,83 @@ def test_tiny_components_by_hand():
     assert comps["optimizer_state"] == pytest.approx(8 * P, rel=1e-12)
     # fp32, no autocast (c = rs = 4), per token per layer: norms 2·(32 + 32) = 128; linear
     # inputs o 4·8 + down 4·16 = 96; q/k norms (4 + 4)·(8 + 4) = 96; attention 4·4·8 = 128;
-    # SwiGLU 4·4·16 = 256 → 704. 10 tokens, 2 layers, + final norm & head input (32+32+32)·10.
+    # SwiGLU 4·4·16 = 256 → 704. 10 tokens, 2 layers, + final norm (32 + 32)·10 + the fused
+    # head's saved input, rs·h per scored row: 32·10.
     assert comps["activations"] == pytest.approx(704 * 10 * 2 + 96 * 10, rel=1e-12)
-    # logits (2, 5 + 1, 10) fp32: saved 4 + gradient 4 bytes each
-    assert comps["logits"] == pytest.approx(8 * 2 * 6 * 10, rel=1e-12)
+    # The fused head over N = 2 rows × 5 = 10 scored rows, chunks of min(10, 2**23 // 10) = 10
+    # rows (C·V = 100 elements). Forward: 3 fp32 blocks 12·100 + lse, logp 8·10 = 1280.
+    # Backward: the head's fp32 gradient accumulator 4·V·h = 320, + the larger of a chunk's
+    # (12 + 4)·100 = 1600 and the weight matmul's (V, h) output 4·80 + z, grad_z 8·100 = 1120,
+    # + grad of the hidden states 4·8·10 + lse, logp, grad_out 12·10: 2360.
+    assert comps["logits"] == pytest.approx(320 + 1600 + 320 + 120, rel=1e-12)
     assert comps["rollout_kv_cache"] == 0 and comps["autocast_weight_copies"] == 0
-    assert r["per_gpu_gib"] * GIB == pytest.approx(16 * P + 15040 + 960, rel=1e-12)
+    assert r["per_gpu_gib"] * GIB == pytest.approx(16 * P + 15040 + 2360, rel=1e-12)
     assert r["binding_phase"] == "train"
+
+
+def test_full_logits_path_without_a_plain_linear_head():
+    """A shape whose head is not a plain linear (`fused_head=False`, not `can_pack`) keeps the
+    (B, T+1, V) fp32 logits of `completion_logps`' padded path."""
+    full = dataclasses.replace(TINY, fused_head=False)
+    r = estimate(full, _tiny_sft())
+    # logits (2, 5 + 1, 10) fp32: saved 4 + gradient 4 bytes each
+    assert r["components"]["logits"] * GIB == pytest.approx(8 * 2 * 6 * 10, rel=1e-12)
+    # the head's input is saved as its c-byte cast for every token: 4·8·10, as the fused one
+    assert r["components"]["activations"] * GIB == pytest.approx(704 * 20 + 960, rel=1e-12)
+    # bf16 logits add their 2-byte copy: 10 bytes per element
+    amp = estimate(full, _tiny_sft(autocast=True))
+    assert amp["components"]["logits"] * GIB == pytest.approx(10 * 120)
+    hot = estimate(full, _tiny_sft(trainer="policy_gradient", temperature=0.7))
+    assert hot["components"]["logits"] * GIB == pytest.approx(12 * 120)
 
 
 def test_autocast_checkpointing_and_temperature_terms():
     amp = estimate(TINY, _tiny_sft(autocast=True))
-    # every linear weight (blocks 2·(64+32+32+64+384) + LM head 80) gets a bf16 copy
+    # every linear weight (blocks 2·(64+32+32+64+384) + LM head 80) gets a bf16 copy (the fused
+    # head casts its weight again in its backward, at the train peak)
     assert amp["components"]["autocast_weight_copies"] * GIB == pytest.approx(2 * (2 * 576 + 80))
-    # bf16 logits add their 2-byte copy: 10 bytes per element
-    assert amp["components"]["logits"] * GIB == pytest.approx(10 * 120)
+    # fused head, bf16 matmuls (mm = 2): backward 4·80 + max((12 + 2)·100, 2·80 + 6·100)
+    # + rs·h·N 4·8·10 (fp32 hidden states) + 12·10 = 2160 > forward 12·100 + 80
+    assert amp["components"]["logits"] * GIB == pytest.approx(320 + 1400 + 320 + 120)
     ckpt = estimate(TINY, _tiny_sft(activation_checkpointing=True))
     # layer inputs 4·8 per token per layer + one layer recomputed + outside the layers
     assert ckpt["components"]["activations"] * GIB == pytest.approx(2 * 32 * 10 + 704 * 10 + 960)
     hot = estimate(TINY, _tiny_sft(trainer="policy_gradient", temperature=0.7))
-    assert hot["components"]["logits"] * GIB == pytest.approx(12 * 120)
+    # the policy gradient asks for the entropy: forward 21·100 + 12·10 = 2220; backward
+    # 320 + 1600 + 320 + 16·10 = 2400; τ adds no block to the fused head's peak
+    assert hot["components"]["logits"] * GIB == pytest.approx(2400)
+
+
+def test_fused_head_chunks_lora_and_fsdp2_rows():
+    """C < N: a vocabulary of 2**21 gives chunks of 2**23 // 2**21 = 4 rows."""
+    V = 2**21
+    big = dataclasses.replace(TINY, vocab_size=V)
+    full = estimate(big, _tiny_sft())
+    # backward: 4·V·8 + max(16·(4·V), 4·V·8 + 8·(4·V)) + 4·8·10 + 12·10 = 96·V + 440
+    # (> forward 48·V + 80)
+    assert full["components"]["logits"] * GIB == pytest.approx(96 * V + 440, rel=1e-12)
+    lora = estimate(big, _tiny_sft(lora_r=3, model_dtype="bfloat16"))
+    # frozen head (no weight gradient), bf16 (c = rs = 2): backward 14·4·V + 2·8·10 + 12·10
+    assert lora["components"]["logits"] * GIB == pytest.approx(56 * V + 280, rel=1e-12)
+    # fsdp2 scores the kept T + 1 positions: N = 2 × 6 = 12; the head (unsharded) as above
+    fsdp = estimate(big, _tiny_sft(gpus=2, strategy="fsdp2"))
+    expected = 96 * V + 4 * 8 * 12 + 12 * 12
+    assert fsdp["components"]["logits"] * GIB == pytest.approx(expected, rel=1e-12)
+    # no-grad scoring: the forward's 3 fp32 blocks 12·4·V, lse and logp 8·10, the reshaped
+    # (N, h) input 2·8·10; the policy gradient's training forward adds the entropy's blocks
+    _, score = fused_head_bytes(big, 10, c=2, rs=2, head_trainable=False, entropy=False)
+    assert score == 48 * V + 80 + 160
+    train, _ = fused_head_bytes(big, 10, c=2, rs=2, head_trainable=False, entropy=True)
+    assert train == max(21 * 4 * V + 12 * 10, 14 * 4 * V + 160 + 16 * 10) == 84 * V + 120
+
+
+def test_fused_head_constants_match_the_code():
+    from rlhflab import ops
+    from rlhflab.models.packing import PACKABLE
+    from rlhflab.plan import FUSED_BLOCK
+    from rlhflab.plan.shapes import FUSED_HEAD_TYPES
+
+    assert FUSED_BLOCK == ops._FUSED_BLOCK and FUSED_HEAD_TYPES == PACKABLE
 
 
 def test_rollout_kv_cache_by_hand():
@@ -171,6 +229,10 @@ def test_local_config_json(tmp_path):
         )
     )
     assert dataclasses.replace(resolve_shape(str(tmp_path)), name="tiny") == TINY
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for extra in ({"final_logit_softcapping": 30.0}, {"model_type": "gemma2"}):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **extra}))
+        assert not resolve_shape(str(tmp_path)).fused_head  # completion_logps' padded path
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="num_attention_heads"):
         resolve_shape(str(tmp_path))

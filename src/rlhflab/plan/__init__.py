@@ -14,9 +14,11 @@ This module re-exports their public names (`from rlhflab.plan import plan, estim
 from rlhflab.plan.inputs import inputs_from_config, plan
 from rlhflab.plan.memory import (
     CALIBRATION,
+    FUSED_BLOCK,
     GIB,
     PlanInputs,
     estimate,
+    fused_head_bytes,
     layer_activation_bytes,
     max_micro_batch,
     usable_gib,
@@ -27,10 +29,12 @@ from rlhflab.plan.shapes import BUILTIN_SHAPES, ModelShape, resolve_shape
 __all__ = [
     "BUILTIN_SHAPES",
     "CALIBRATION",
+    "FUSED_BLOCK",
     "GIB",
     "ModelShape",
     "PlanInputs",
     "estimate",
+    "fused_head_bytes",
     "inputs_from_config",
     "layer_activation_bytes",
     "max_micro_batch",

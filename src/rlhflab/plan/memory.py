@@ -86,18 +86,54 @@ dropout; no s² term: flash / memory-efficient SDPA kernels keep no attention ma
     With activation checkpointing (model.gradient_checkpointing; HF non-reentrant, per layer):
         rs·h per token per layer (the layer's input) + one layer's full activations, recomputed
         during its backward.
-    Outside the layers: the final norm (4h + rs·h) + c·h per token.
+    Outside the layers: the final norm (4h + rs·h) per token, and the LM head's saved input:
+    c·h per token (its autocast cast) for the full-logits head, rs·h per scored row (N, below)
+    for the fused head.
 Tokens per micro-batch: rows × (prompt + completion) (DPO: 2 rows per pair; SFT / RM: max_len).
 
-Logits (`completion_logps`): the model forward returns (B, T+1, V) logits for the completion
-positions (`logits_to_keep`), in c bytes; the trainer takes `.float()` and
+Logits (`completion_logps`), the LM head and the log-softmax of the scored rows. Two paths,
+chosen as `completion_logps` chooses (`ModelShape.fused_head`, i.e. `models.packing.can_pack`):
+
+Fused head (Llama / Qwen3 / Qwen2 / Mistral: a plain nn.Linear head; any device, autocast, FSDP2):
+`ops.linear_selective_log_softmax` takes the (N, h) hidden states of the scored positions and
+the head's weight and never holds the (N, V) logits; it works on row-chunks of
+C = min(N, max(1, 2**23 // V)) rows (one fp32 (C, V) block ≈ 32 MiB; C = 55 at V = 151,936).
+N = rows·T (rows·(T+1) under fsdp2: the sharded model's forward scores the kept T+1 positions).
+mm = the head's matmul bytes (autocast's bf16, else the weight's dtype) = c. Bytes at its peaks:
+    forward, per chunk   z_prev·4 (the previous chunk's logits are alive until `z` is rebound)
+                         + z·4 + z/τ·4 (or logsumexp's (z − max) and exp): 12·C·V; with entropy
+                         (`_entropy_rows`: z, log_softmax, exp, p > 0 (1 byte), p·logp, where):
+                         21·C·V. The policy-gradient trainer asks for the entropy on the first
+                         optimizer step of each batch; SFT / DPO and no-grad scoring do not.
+    backward, per chunk  z·4 + the previous chunk's grad_z·mm + (z − lse)·4 + exp(·)·4
+                         (then grad_z /= τ and its cast to mm, no larger): (12 + mm)·C·V.
+    weight gradient      (full fine-tuning: the head is trainable) a float32 accumulator
+                         `zeros_like(weight, dtype=float32)`: 4·V·h for the whole backward,
+                         and at each chunk's `grad_w += gz.T @ h` the (V, h) matmul output in
+                         mm bytes while z (4) and grad_z (mm) are alive: mm·V·h + (4 + mm)·C·V.
+                         So 4·V·h + max((12 + mm)·C·V, mm·V·h + (4 + mm)·C·V); the whole
+                         head (unsharded under fsdp2), whatever N. Frozen head (LoRA): the
+                         chunk's (12 + mm)·C·V only.
+    grad of hidden       `empty_like(hidden)`: rs·N·h (backward only).
+    per token            lse and logp 4 + 4 (saved / returned), entropy 4 when asked, and
+                         grad_out 4 in the backward: N·4·(2 + [entropy] + [backward]).
+    train = max(forward, backward) with every term above of its pass; scoring (no grad) =
+    12·C·V + 8·N + rs·N·h (the reshaped (N, h) copy of the kept positions, freed after).
+The head's bf16 weight copy under autocast (2·V·h) is made in the op's forward, freed, and made
+again in its backward, so it is alive at the train peak: it stays in `autocast_weight_copies`.
+The op saves its input, the (N, h) hidden states reshaped from a strided slice (a copy):
+rs·N·h, counted with the activations (in place of the unfused head's saved c·h input cast).
+An upper bound on the first micro-batch of a step (the accumulator then becomes `.grad`,
+already counted in `gradients`).
+
+Full logits (any other architecture): the model forward returns (B, T+1, V) logits for the
+completion positions (`logits_to_keep`), in c bytes; the trainer takes `.float()` and
 `ops.selective_log_softmax` saves that fp32 tensor for its chunked backward, which allocates one
 fp32 gradient of the same shape, cast back to c bytes for the LM head. Peak per element:
 4 (saved) + 4 (gradient) + 2 if 16-bit logits (the cast) + 4 if temperature != 1 (the division's
-copy). The row-chunked log-softmax removes only the *extra* fp32 copies inside the softmax; the
-(B, T+1, V) tensors remain. SFT counts every position of max_len (an upper bound: prompt positions
-carry no loss but are in the logits when the prompt length is not given); RM has a scalar head
-(no logits).
+copy). Scoring: (c + 4) bytes per element (+ 4 if temperature != 1).
+SFT counts every position of max_len (an upper bound: prompt positions carry no loss but are
+scored when the prompt length is not given); RM has a scalar head (no logits).
 
 Loading (`load_peak_gib`): today every rank builds the full model on its GPU in model.dtype before
 sharding (P·w), and the reference (a deep copy) and the critic (a copy of the backbone) are made
@@ -213,6 +249,29 @@ def layer_activation_bytes(
     return 2 * 4 * h + qk * 4 * (q + k) + 4 * c * q + 3 * c * f + adapters
 
 
+#: Elements of one float32 (rows, V) block of the fused head (`ops._FUSED_BLOCK`, 8 Mi).
+FUSED_BLOCK = 1 << 23
+
+
+def fused_head_bytes(
+    shape: ModelShape, scored: int, *, c: int, rs: int, head_trainable: bool, entropy: bool
+) -> tuple[int, int]:
+    """(train, scoring) bytes of `ops.linear_selective_log_softmax` over `scored` rows (N) at its
+    peaks, the module docstring's "Fused head" terms; c: the matmul bytes (2 or 4), rs: the
+    hidden states' bytes. Excludes the head's autocast copy and its saved input (counted
+    elsewhere)."""
+    h, V = shape.hidden_size, shape.vocab_size
+    chunk = min(scored, max(1, FUSED_BLOCK // V)) * V  # C·V elements
+    e = 1 if entropy else 0
+    forward = (21 if entropy else 12) * chunk + 4 * (2 + e) * scored
+    loop = (12 + c) * chunk  # the chunk's own peak: z, grad_z, (z − lse), exp
+    if head_trainable:  # the accumulator, and at the weight's matmul its output + z + grad_z
+        loop = 4 * V * h + max(loop, c * V * h + (4 + c) * chunk)
+    backward = loop + rs * h * scored + 4 * (3 + e) * scored
+    scoring = 12 * chunk + 8 * scored + rs * h * scored
+    return max(forward, backward), scoring
+
+
 def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     """Per-GPU memory of one rank of the run `p` on model `shape`.
 
@@ -281,15 +340,24 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     a_layer = layer_activation_bytes(
         shape, c=c, rs=rs, autocast=p.autocast, lora_r=p.lora_r, lora_targets=p.lora_targets
     )
-    outside = (4 * shape.hidden_size + rs * shape.hidden_size + c * shape.hidden_size) * tokens
+    h, V = shape.hidden_size, shape.vocab_size
+    scored = rows * (p.completion_len + (1 if fsdp else 0))  # N: rows the fused head scores
+    fused = shape.fused_head and p.trainer != "reward_model"  # RM: a scalar score head
+    head_in = rs * h * scored if fused else c * h * tokens
+    outside = (4 * h + rs * h) * tokens + head_in
     if p.activation_checkpointing:
-        act = L * rs * shape.hidden_size * tokens + a_layer * tokens + outside
+        act = L * rs * h * tokens + a_layer * tokens + outside
     else:
         act = L * a_layer * tokens + outside
     if p.trainer == "reward_model":
         logits_train = logits_score = 0.0
+    elif fused:
+        logits_train, logits_score = fused_head_bytes(
+            shape, scored, c=c, rs=rs, head_trainable=not lora,
+            entropy=p.trainer == "policy_gradient",
+        )  # fmt: skip
     else:
-        elems = rows * (p.completion_len + 1) * shape.vocab_size
+        elems = rows * (p.completion_len + 1) * V
         half = c == 2
         tau = 4 if p.temperature != 1.0 else 0
         logits_train = elems * (8 + (2 if half else 0) + tau)

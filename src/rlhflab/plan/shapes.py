@@ -23,6 +23,10 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     qk_norm: bool = False  # Qwen3's per-head RMSNorm on q and k
+    # logits = a plain nn.Linear LM head on the backbone output (`rlhflab.models.packing.can_pack`:
+    # model_type in FUSED_HEAD_TYPES, no final_logit_softcapping): completion_logps then scores
+    # with the fused row-chunked head (`ops.linear_selective_log_softmax`), no (B, T+1, V) logits
+    fused_head: bool = True
 
     @property
     def q_dim(self) -> int:
@@ -88,6 +92,10 @@ class ModelShape:
         return [dims[n] for n in self._names(targets)]
 
 
+#: `rlhflab.models.packing.PACKABLE` (kept equal by tests/test_plan.py; this package is stdlib only).
+FUSED_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "rlhflab_gpt"})
+
+
 def _qwen3(name, h, layers, f, heads, kv, vocab, tied) -> ModelShape:
     return ModelShape(name, h, layers, f, heads, kv, 128, vocab, tied, qk_norm=True)
 
@@ -149,4 +157,8 @@ def resolve_shape(name_or_path: str) -> ModelShape:
         vocab_size=field("vocab_size"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=str(cfg.get("model_type", "")).startswith("qwen3"),
+        fused_head=(
+            str(cfg.get("model_type", "")) in FUSED_HEAD_TYPES
+            and cfg.get("final_logit_softcapping") is None
+        ),
     )
