@@ -9,7 +9,8 @@ its share of the checkpoint; `run` owns everything around them, in this order:
     1. the run directory (new, or the checkpoint's own) and its lock, the metrics tracker, the
        sample writer, the health monitor, the non-finite guard, the checkpointer
     2. resume from the checkpoint, or the step-0 evaluation of a fresh run
-    3. the step loop: step → health checks → log → periodic evaluation / samples → progress →
+    3. the step loop: step → health checks → log → per-step outputs (samples) → periodic
+       evaluation → progress →
        checkpoint and stop signals (SIGTERM / SIGINT, health stops) → time budget
     4. the end-of-training checkpoint, the final evaluation, the model, plots and
        `final_results.json` (rank 0 writes; every rank returns the same results)
@@ -271,6 +272,10 @@ class Trainer:
         arguments of `HealthMonitor.check` (`sample=`, `rollout=`, ...)."""
         raise NotImplementedError
 
+    def logged(self, step: int, metrics: dict) -> None:
+        """After step `step` is logged, at every step (the last included) and before `periodic`:
+        per-step outputs such as rollout samples. By default nothing."""
+
     def periodic(self, step: int, metrics: dict) -> dict:
         """After step `step` (not the last) is logged: periodic evaluations and samples; returns
         metrics to add to the step's (they reach the progress line, not metrics.jsonl, which
@@ -363,6 +368,7 @@ def run(cfg, make: type[Trainer]) -> dict:
             metrics.update(health.check(step, metrics, **health_inputs))
             if step % cfg.tracking.log_every == 0 or step == total:
                 tracker.log(step, metrics)
+            trainer.logged(step, metrics)
             if step < total:
                 metrics.update(trainer.periodic(step, metrics))
             tracker.advance(step, metrics)
