@@ -46,7 +46,7 @@ from rlhflab.data.tasks import task_texts
 from rlhflab.eval.accuracy import majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.advantages import ADVANTAGES
-from rlhflab.losses.kl import adaptive_kl_coef
+from rlhflab.losses.kl import KLController
 from rlhflab.losses.policy import POLICY_LOSSES
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import apply_lora, merged_state
@@ -140,7 +140,10 @@ class PolicyGradient(Trainer):
         model = apply_lora(model, cfg.model.lora)  # model.lora unset: unchanged
         # π_ref: a frozen copy of the initial policy, or (LoRA) the policy with adapters disabled.
         self.reference = Reference(model, cfg.parallel) if cfg.kl.coef > 0 else None
-        self.kl_coef = cfg.kl.coef  # changes only under the adaptive controller
+        # β of the KL term: cfg.kl.coef, moved after every step by the adaptive controller
+        self.kl = KLController(
+            cfg.kl.coef, controller=cfg.kl.controller, target=cfg.kl.target, horizon=cfg.kl.horizon
+        )
         value_model = value_optimizer = value_scheduler = None
         if cfg.value is not None:  # PPO's critic: its own weights, optimizer and LR
             value_model = (
@@ -233,14 +236,15 @@ class PolicyGradient(Trainer):
 
     def state(self) -> dict:
         return {
-            "kl_coef": self.kl_coef,
+            **self.kl.state(),  # "kl_coef"
             "initial_eval": self.initial_eval,
             "verifier_errors": self.verifier.n_errors,
             "reward_norm": running_norm_state(),
         }
 
     def load_state(self, state: dict) -> None:
-        self.kl_coef, self.initial_eval = state["kl_coef"], state["initial_eval"]
+        self.kl.load(state)
+        self.initial_eval = state["initial_eval"]
         self.verifier.n_errors = state["verifier_errors"]
         load_running_norm_state(state.get("reward_norm", {}))
 
@@ -271,26 +275,19 @@ class PolicyGradient(Trainer):
         t_rollout = time.perf_counter() - t0
         pg_phases.no_grad_passes(data, learners, self.reference, cfg, self.autocast_dtype,
                                  self.need_logp_old)  # fmt: skip
-        pg_phases.advantages(data, cfg, self.kl_coef, self.advantage_kwargs)
+        pg_phases.advantages(data, cfg, self.kl.coef, self.advantage_kwargs)
         stats = pg_phases.update(
-            data, learners, self.guard, cfg, step=step, kl_coef=self.kl_coef,
+            data, learners, self.guard, cfg, step=step, kl_coef=self.kl.coef,
             surrogate_fn=self.surrogate_fn, shuffle_rng=self.shuffle_rng,
             autocast_dtype=self.autocast_dtype,
         )  # fmt: skip
         self.engine.update_weights(self.model.named_parameters())  # "hf": nothing to do
         metrics, kl_seq = pg_phases.step_metrics(
-            data, stats, cfg, sampling_stats=sampling_stats, kl_coef=self.kl_coef,
+            data, stats, cfg, sampling_stats=sampling_stats, kl_coef=self.kl.coef,
             lr=learners.scheduler.get_last_lr()[0], dt=time.perf_counter() - t0,
             t_rollout=t_rollout, verifier_errors=self.verifier.n_errors,
         )  # fmt: skip
-        if cfg.kl.controller == "adaptive" and kl_seq is not None:  # then the controller moves
-            self.kl_coef = adaptive_kl_coef(
-                self.kl_coef,
-                kl_seq,
-                target=cfg.kl.target,
-                horizon=cfg.kl.horizon,
-                n_steps=self.batch_size,
-            )
+        self.kl.update(kl_seq, n_steps=self.batch_size)  # the adaptive controller moves β
         self.last_batch = batch  # for `logged` (samples)
         health_inputs = {  # the global batch: every rank sees the same
             "rollout": batch.rollout,
