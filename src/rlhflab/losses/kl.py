@@ -25,6 +25,7 @@ from torch import Tensor
 __all__ = [
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
+    "KL_ESTIMATOR_ALIASES",
     "KLController",
     "adaptive_kl_coef",
     "k1",
@@ -205,3 +206,8 @@ KL_ESTIMATORS = {
     "k2": k2,
     "k3": k3,
 }
+
+# Other libraries' names for the same estimators (config values that resolve to ours): verl's
+# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2, "low_var_kl" is k3 (verl clamps it to
+# [−10, 10]; ours does not).
+KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}

@@ -110,7 +110,7 @@ def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> N
     group estimators); an estimator that needs values (GAE) gets per-token rewards (the sequence
     reward at the last valid token) and the critic's values and also returns the λ-returns.
     Whitening uses the statistics of the global batch. Sets adv, returns, kl_reward_tok."""
-    advantage_fn = ADVANTAGES[cfg.loss.advantage]
+    advantage = ADVANTAGES[cfg.loss.advantage]  # the estimator and what it declares it needs
     rewards, mask = data.local.rewards, data.local.rollout.mask
     kl_reward_tok = None
     shaped = rewards
@@ -124,12 +124,12 @@ def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> N
             per_token=cfg.kl.placement == "reward_token",
         )
     returns = None
-    if data.values_old is not None:
+    if advantage.needs_values:
         if shaped.ndim == 1:  # sequence reward at the last token, no per-token penalty
             shaped = kl_in_reward(shaped, torch.zeros_like(mask), mask, coef=0.0, per_token=True)
-        adv, returns = advantage_fn(shaped, data.values_old, mask, **advantage_kwargs)
+        adv, returns = advantage.fn(shaped, data.values_old, mask, **advantage_kwargs)
     else:
-        adv = advantage_fn(shaped, **advantage_kwargs)
+        adv = advantage.fn(shaped, **advantage_kwargs)
     if cfg.loss.whiten_advantages:  # statistics of the global batch
         adv_all = distributed.gather_cat(adv)
         mask_all = distributed.gather_cat(mask) if adv.ndim == 2 else None

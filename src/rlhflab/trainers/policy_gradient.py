@@ -29,7 +29,6 @@ so the ratio is exactly 1 there.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import random
 import time
@@ -168,9 +167,8 @@ class PolicyGradient(Trainer):
             top_k=cfg.rollout.top_k,
             min_p=cfg.rollout.min_p,
         )
-        advantage_fn = ADVANTAGES[cfg.loss.advantage]
         self.advantage_kwargs = dict(cfg.loss.advantage_args)
-        if "group_size" in inspect.signature(advantage_fn).parameters:
+        if ADVANTAGES[cfg.loss.advantage].needs_groups:  # as the registry entry declares
             self.advantage_kwargs["group_size"] = cfg.rollout.group_size
         self.surrogate_fn = POLICY_LOSSES[cfg.loss.surrogate]
         self.group_size = cfg.rollout.group_size
