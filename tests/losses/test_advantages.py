@@ -166,3 +166,14 @@ def test_registry_every_name_calls():
         else:
             adv = fn(r)
         assert adv.numel() == 4 and torch.isfinite(adv).all(), name
+
+
+def test_registry_declares_capabilities():
+    """What the config and the trainer read instead of the signatures."""
+    declared = {
+        flag: {name for name, entry in A.ADVANTAGES.items() if getattr(entry, flag)}
+        for flag in ("needs_groups", "needs_values", "per_token")
+    }
+    assert declared["needs_groups"] == {"group_zscore", "group_mean", "rloo"}
+    assert declared["needs_values"] == declared["per_token"] == {"gae"}
+    assert A.ADVANTAGE_ALIASES == {"grpo": "group_zscore"}  # verl's adv_estimator name

@@ -96,3 +96,26 @@ def test_per_micro_batch_token_count_would_be_wrong():
         for r in (slice(0, 1), slice(1, 3))
     )
     assert right.item() == 1.0 and wrong.item() == 2.0  # 4/4 + 2/2
+
+
+def test_aggregate_dispatches_through_its_tables():
+    """Every mode has its denominators declared (the keyword arguments of its function), and
+    aggregate() passes exactly those: the others may be None."""
+    import inspect
+
+    assert set(agg.DENOMINATORS) == set(agg.AGGREGATIONS)
+    for mode, fn in agg.AGGREGATIONS.items():
+        params = inspect.signature(fn).parameters
+        kw = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        assert set(agg.DENOMINATORS[mode]) == kw, mode
+    got = agg.aggregate(LOSS, MASK, "seq_mean_token_sum_norm", num_seqs=2, max_len=3)
+    assert got.item() == pytest.approx(10 / 6, abs=1e-12)
+    with pytest.raises(ValueError, match=r"^num_seqs is required by this aggregation"):
+        agg.aggregate(LOSS, MASK, "seq_mean_token_mean", num_tokens=4)
+    with pytest.raises(ValueError, match=r"unknown aggregation mode 'sum'; valid: token_mean, "):
+        agg.aggregate(LOSS, MASK, "sum", num_tokens=4)
+
+
+def test_aliases_name_registered_modes():
+    assert set(agg.AGGREGATION_ALIASES.values()) <= set(agg.AGGREGATIONS)
+    assert not set(agg.AGGREGATION_ALIASES) & set(agg.AGGREGATIONS)

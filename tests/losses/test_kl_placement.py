@@ -1,9 +1,11 @@
 """KL in the reward (per sequence, per token) and the adaptive KL controller, by hand."""
 
+import json
+
 import pytest
 import torch
 
-from rlhflab.losses.kl import adaptive_kl_coef, kl_in_reward
+from rlhflab.losses.kl import KLController, adaptive_kl_coef, kl_in_reward
 
 F64 = torch.float64
 
@@ -52,3 +54,52 @@ def test_adaptive_kl_controller_by_hand():
     assert adaptive_kl_coef(0.1, 6.6, target=6.0, horizon=100, n_steps=10) == pytest.approx(0.101)
     with pytest.raises(ValueError, match="target"):
         adaptive_kl_coef(0.1, 1.0, target=0.0, horizon=1, n_steps=1)
+
+
+# -- The stateful controller (KLController) ----------------------------------------------------
+
+
+def test_kl_controller_adaptive_two_steps_by_hand():
+    ctl = KLController(0.1, controller="adaptive", target=6.0, horizon=100)
+    # step 1, KL 6.6 per completion: e = 6.6/6 − 1 = 0.1; β = 0.1·(1 + 0.1·10/100) = 0.101
+    assert ctl.update(6.6, n_steps=10) == pytest.approx(0.101, rel=1e-12, abs=0)
+    # step 2, KL 3: e = clip(3/6 − 1, ±0.2) = −0.2; β = 0.101·(1 − 0.2·10/100) = 0.09898
+    assert ctl.update(3.0, n_steps=10) == pytest.approx(0.09898, rel=1e-12, abs=0)
+    assert ctl.coef == pytest.approx(0.09898, rel=1e-12, abs=0)
+    assert ctl.update(None, n_steps=10) == ctl.coef  # no KL measured this step: unchanged
+
+
+def test_kl_controller_fixed_keeps_its_coef():
+    ctl = KLController(0.05)
+    assert ctl.update(100.0, n_steps=64) == 0.05 and ctl.coef == 0.05
+
+
+def test_kl_controller_state_round_trip():
+    a = KLController(0.05, controller="adaptive", target=0.01, horizon=100)
+    a.update(0.013, n_steps=8)
+    state = json.loads(json.dumps(a.state()))  # as the checkpoint stores it
+    assert state == {"kl_coef": a.coef}  # the key of earlier checkpoints
+    b = KLController(0.05, controller="adaptive", target=0.01, horizon=100)
+    b.load(state)
+    assert b.coef == a.coef  # exactly: resume is bitwise
+    assert b.update(0.02, n_steps=8) == a.update(0.02, n_steps=8)
+    # a checkpoint of an earlier version: the trainer's state dict with "kl_coef" among others
+    c = KLController(0.05)
+    c.load({"kl_coef": 0.0625, "initial_eval": {}, "verifier_errors": 0, "reward_norm": {}})
+    assert c.coef == 0.0625
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"controller": "pid"}, r"unknown KL controller 'pid'; valid: fixed, adaptive"),
+        ({"controller": "adaptive"}, r"target must be > 0"),
+        ({"controller": "adaptive", "target": 1.0, "horizon": 0}, r"horizon must be >= 1"),
+        ({"coef": 0.0, "controller": "adaptive", "target": 1.0}, r"initial coef > 0"),
+        ({"coef": -1.0}, r"coef must be >= 0"),
+    ],
+)
+def test_kl_controller_refuses_bad_settings(kwargs, match):
+    kwargs = {"coef": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        KLController(kwargs.pop("coef"), **kwargs)

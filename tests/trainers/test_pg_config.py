@@ -93,3 +93,50 @@ def test_good_variants_load():
     assert cfg.loss.surrogate_args["eps_low"] is None
     cfg = load("rloo", "kl.placement=loss")
     assert cfg.kl.placement == "loss"
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "ours"),
+    [
+        # verl's actor.loss_agg_mode
+        ("loss.aggregation=seq-mean-token-mean", "aggregation", "seq_mean_token_mean"),
+        ("loss.aggregation=token-mean", "aggregation", "token_mean"),
+        ("loss.aggregation=seq-mean-token-sum", "aggregation", "seq_mean_token_sum"),
+        ("loss.aggregation=seq-mean-token-sum-norm", "aggregation", "seq_mean_token_sum_norm"),
+        # TRL's GRPOConfig.loss_type
+        ("loss.aggregation=dr_grpo", "aggregation", "seq_mean_token_sum_norm"),
+        ("loss.aggregation=dapo", "aggregation", "token_mean"),
+        # verl's algorithm.adv_estimator
+        ("loss.advantage=grpo", "advantage", "group_zscore"),
+    ],
+)
+def test_other_libraries_names_resolve_to_ours(tmp_path, override, field, ours):
+    cfg = load("dr_grpo", override)
+    assert getattr(cfg.loss, field) == ours
+    # the run's config.yaml (cfg.model_dump) records our name
+    assert cfg.model_dump(mode="json")["loss"][field] == ours
+
+
+def test_kl_estimator_alias_and_our_names_unchanged():
+    assert load("grpo", "kl.estimator=low_var_kl").kl.estimator == "k3"  # verl's kl_loss_type
+    assert load("grpo", "kl.estimator=mse").kl.estimator == "k2"
+    cfg = load("dr_grpo")
+    assert (cfg.loss.advantage, cfg.loss.aggregation) == ("group_mean", "seq_mean_token_sum_norm")
+    with pytest.raises(ConfigError, match=r"loss\.aggregation: unknown name 'bnpo'"):
+        load("dr_grpo", "loss.aggregation=bnpo")  # TRL's per-micro-batch mode: no counterpart
+
+
+def test_advantage_capabilities_are_declared_not_sniffed(monkeypatch):
+    """The config reads what the registry entry declares: an estimator registered with
+    needs_groups refuses group_size 1, whatever its signature."""
+    from rlhflab.losses.advantages import ADVANTAGES, Advantage, batch_mean
+
+    def any_kwargs(rewards, **kwargs):  # nothing to sniff
+        return batch_mean(rewards)
+
+    monkeypatch.setitem(ADVANTAGES, "grouped", Advantage(any_kwargs, needs_groups=True))
+    with pytest.raises(ConfigError, match=r"rollout.group_size must be >= 2 .*'grouped'"):
+        load("grpo", "loss.advantage=grouped", "loss.advantage_args={}", "rollout.group_size=1")
+    monkeypatch.setitem(ADVANTAGES, "critic", Advantage(any_kwargs, needs_values=True))
+    with pytest.raises(ConfigError, match=r"value: loss.advantage 'critic' needs a value model"):
+        load("grpo", "loss.advantage=critic", "loss.advantage_args={}")

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhflab.config.base import Strict, _check_clip_bounds, _check_kwargs, _check_name
 from rlhflab.config.sections import (
@@ -22,6 +21,13 @@ from rlhflab.config.sections import (
 # ---------------------------------------------------------------------------------------------
 # Policy gradients
 # ---------------------------------------------------------------------------------------------
+
+
+def _our_name(value: Any, aliases: dict[str, str]) -> Any:
+    """`value` under our name when it is another library's name for the same thing (a key of
+    `aliases`, the registry's alias table); resolved before validation, so the run's config.yaml
+    records our name."""
+    return aliases.get(value, value) if isinstance(value, str) else value
 
 
 class DynamicSamplingConfig(Strict):
@@ -104,6 +110,20 @@ class LossConfig(Strict):
     aggregation: str = "seq_mean_token_mean"
     tis: TISConfig = Field(default_factory=TISConfig)  # training–inference mismatch correction
 
+    @field_validator("advantage", mode="before")
+    @classmethod
+    def _advantage_alias(cls, value: Any) -> Any:
+        from rlhflab.losses.advantages import ADVANTAGE_ALIASES  # verl's adv_estimator names
+
+        return _our_name(value, ADVANTAGE_ALIASES)
+
+    @field_validator("aggregation", mode="before")
+    @classmethod
+    def _aggregation_alias(cls, value: Any) -> Any:
+        from rlhflab.losses.aggregate import AGGREGATION_ALIASES  # verl's, TRL's names
+
+        return _our_name(value, AGGREGATION_ALIASES)
+
     @model_validator(mode="after")
     def _names_and_args(self) -> LossConfig:
         from rlhflab.losses.advantages import ADVANTAGES
@@ -113,11 +133,12 @@ class LossConfig(Strict):
         _check_name("loss.advantage", self.advantage, ADVANTAGES)
         _check_name("loss.surrogate", self.surrogate, POLICY_LOSSES)
         _check_name("loss.aggregation", self.aggregation, AGGREGATIONS)
+        advantage = ADVANTAGES[self.advantage]
         _check_kwargs(
             "loss.advantage_args",
-            ADVANTAGES[self.advantage],
+            advantage.fn,
             self.advantage_args,
-            {"group_size"},
+            {"group_size"} if advantage.needs_groups else set(),  # the trainer passes it
             required=True,
         )
         _check_kwargs(
@@ -144,6 +165,13 @@ class KLConfig(Strict):
     controller: Literal["fixed", "adaptive"] = "fixed"
     target: float | None = Field(None, gt=0)
     horizon: int = Field(10000, ge=1)
+
+    @field_validator("estimator", mode="before")
+    @classmethod
+    def _estimator_alias(cls, value: Any) -> Any:
+        from rlhflab.losses.kl import KL_ESTIMATOR_ALIASES  # verl's kl_loss_type names
+
+        return _our_name(value, KL_ESTIMATOR_ALIASES)
 
     @model_validator(mode="after")
     def _estimator(self) -> KLConfig:
@@ -195,9 +223,8 @@ class PGConfig(TrainerConfig):
     def _consistency(self) -> PGConfig:
         from rlhflab.losses.advantages import ADVANTAGES
 
-        params = inspect.signature(ADVANTAGES[self.loss.advantage]).parameters
-        per_group, per_token = "group_size" in params, "values" in params
-        if per_group and self.rollout.group_size < 2:
+        advantage = ADVANTAGES[self.loss.advantage]  # what it declares it needs
+        if advantage.needs_groups and self.rollout.group_size < 2:
             raise ValueError(
                 f"rollout.group_size must be >= 2 for the group advantage "
                 f"'{self.loss.advantage}' (got {self.rollout.group_size})"
@@ -207,17 +234,17 @@ class PGConfig(TrainerConfig):
                 "rollout.group_size must be >= 2 for rollout.dynamic_sampling "
                 f"(got {self.rollout.group_size})"
             )
-        if per_token and self.value is None:
+        if advantage.needs_values and self.value is None:
             raise ValueError(
                 f"value: loss.advantage '{self.loss.advantage}' needs a value model; "
                 "add a `value:` section"
             )
-        if self.value is not None and not per_token:
+        if self.value is not None and not advantage.needs_values:
             raise ValueError(
                 f"value: a value model is set but loss.advantage '{self.loss.advantage}' "
                 "does not use one (use 'gae' or remove the `value:` section)"
             )
-        if self.kl.placement == "reward_token" and not per_token:
+        if self.kl.placement == "reward_token" and not advantage.per_token:
             raise ValueError(
                 f"kl.placement 'reward_token' needs a per-token advantage such as 'gae' "
                 f"(loss.advantage is '{self.loss.advantage}'; use 'reward_sequence')"

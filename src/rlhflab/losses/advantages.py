@@ -6,7 +6,17 @@ adjacent). They return adv (B,), which the policy losses broadcast over a comple
 Integer or bool rewards are promoted to float32; float rewards keep their dtype.
 A group whose rewards are all equal gets an advantage of exactly 0 (no learning signal), never the
 rounding noise of r − mean(r).
+
+`ADVANTAGES` maps each name to an `Advantage`: the function and what it declares it needs, which
+the config checks and the trainer read (never the function's signature): `needs_groups` (the
+trainer passes `group_size`; rollout.group_size must be >= 2), `needs_values` (a critic: the
+function takes per-token rewards, values and mask and returns (adv, returns)) and `per_token`
+(the advantage is (B, T), so the KL may enter the reward per token). `ADVANTAGE_ALIASES` maps the
+names other libraries give the same estimator to ours.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -15,6 +25,8 @@ from rlhflab.ops import masked_whiten
 
 __all__ = [
     "ADVANTAGES",
+    "ADVANTAGE_ALIASES",
+    "Advantage",
     "batch_mean",
     "gae",
     "group_mean",
@@ -187,11 +199,38 @@ def whiten(adv: Tensor, mask: Tensor | None = None, *, shift_mean: bool = True) 
     return masked_whiten(adv, mask, shift_mean=shift_mean)
 
 
-ADVANTAGES = {
-    "group_zscore": group_zscore,
-    "group_mean": group_mean,
-    "rloo": rloo,
-    "batch_mean": batch_mean,
-    "none": no_baseline,
-    "gae": gae,
+@dataclass(frozen=True)
+class Advantage:
+    """A registry entry: an advantage estimator and the capabilities it declares.
+
+    needs_groups: takes `group_size` (rewards laid out group-contiguous, G >= 2); the trainer
+        passes rollout.group_size.
+    needs_values: takes (rewards (B, T), values (B, T), mask (B, T)) and returns (adv, returns),
+        both (B, T); the run needs a critic (a `value:` section). Otherwise it takes rewards (B,).
+    per_token: returns a per-token advantage (B, T) (so kl.placement "reward_token" fits).
+    Calling the entry calls `fn`.
+    """
+
+    fn: Callable
+    needs_groups: bool = False
+    needs_values: bool = False
+    per_token: bool = False
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+ADVANTAGES: dict[str, Advantage] = {
+    "group_zscore": Advantage(group_zscore, needs_groups=True),
+    "group_mean": Advantage(group_mean, needs_groups=True),
+    "rloo": Advantage(rloo, needs_groups=True),
+    "batch_mean": Advantage(batch_mean),
+    "none": Advantage(no_baseline),
+    "gae": Advantage(gae, needs_values=True, per_token=True),
 }
+
+# Other libraries' names for the same estimators (config values that resolve to ours): verl's
+# `algorithm.adv_estimator` "grpo" is group_zscore (sample std, eps 1e-6; its
+# norm_adv_by_std_in_grpo=False is group_mean); "rloo" and "gae" are ours already. verl's
+# reinforce_plus_plus(_baseline), remax, opo and grpo_passk have no counterpart here.
+ADVANTAGE_ALIASES: dict[str, str] = {"grpo": "group_zscore"}

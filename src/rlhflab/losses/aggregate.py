@@ -18,6 +18,8 @@ from rlhflab.ops import masked_mean, masked_sum
 
 __all__ = [
     "AGGREGATIONS",
+    "AGGREGATION_ALIASES",
+    "DENOMINATORS",
     "aggregate",
     "seq_mean_token_mean",
     "seq_mean_token_sum",
@@ -111,21 +113,17 @@ def aggregate(
         "seq_mean_token_mean"      Σ_i (Σ_t loss·mask / |o_i|) / num_seqs      (GRPO)
         "seq_mean_token_sum"       Σ loss·mask / num_seqs                      (REINFORCE)
         "seq_mean_token_sum_norm"  Σ loss·mask / (num_seqs · max_len)          (Dr. GRPO)
-    Denominators are per optimizer step (all micro-batches, all ranks), so summing aggregate() over
-    micro-batches gives exactly the full batch's loss and gradient.
+    Dispatch goes through AGGREGATIONS (the function) and DENOMINATORS (the denominators each
+    mode takes). Denominators are per optimizer step (all micro-batches, all ranks), so summing
+    aggregate() over micro-batches gives exactly the full batch's loss and gradient.
     Shapes: loss (B, T) float; mask (B, T). Returns a 0-d tensor in loss's dtype.
     Raises: ValueError for an unknown mode (listing the valid ones), a needed denominator that is
     None or not > 0, or mismatched shapes.
     """
-    if mode == "token_mean":
-        return token_mean(loss, mask, num_tokens=num_tokens)
-    if mode == "seq_mean_token_mean":
-        return seq_mean_token_mean(loss, mask, num_seqs=num_seqs)
-    if mode == "seq_mean_token_sum":
-        return seq_mean_token_sum(loss, mask, num_seqs=num_seqs)
-    if mode == "seq_mean_token_sum_norm":
-        return seq_mean_token_sum_norm(loss, mask, num_seqs=num_seqs, max_len=max_len)
-    raise ValueError(f"unknown aggregation mode {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    given = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    return AGGREGATIONS[mode](loss, mask, **{name: given[name] for name in DENOMINATORS[mode]})
 
 
 AGGREGATIONS = {
@@ -133,4 +131,29 @@ AGGREGATIONS = {
     "seq_mean_token_mean": seq_mean_token_mean,
     "seq_mean_token_sum": seq_mean_token_sum,
     "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+}
+
+# The per-step denominators each mode takes (keyword arguments of its function).
+DENOMINATORS: dict[str, tuple[str, ...]] = {
+    "token_mean": ("num_tokens",),
+    "seq_mean_token_mean": ("num_seqs",),
+    "seq_mean_token_sum": ("num_seqs",),
+    "seq_mean_token_sum_norm": ("num_seqs", "max_len"),
+}
+
+# Other libraries' names for the same reductions (config values that resolve to ours):
+# - verl's `actor.loss_agg_mode`: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+#   "seq-mean-token-sum-norm" (verl divides the last by its padded response length and not by the
+#   number of sequences; ours by num_seqs · max_len, Dr. GRPO's constant);
+# - TRL's GRPOConfig `loss_type` (a reduction): "grpo" (per-sequence token mean), "dr_grpo"
+#   (Σ / (B · max_completion_length)), "dapo" (Σ / the tokens of the whole accumulated batch).
+#   TRL's "bnpo" normalises by the tokens of each local micro-batch: no counterpart here.
+AGGREGATION_ALIASES: dict[str, str] = {
+    "token-mean": "token_mean",
+    "seq-mean-token-mean": "seq_mean_token_mean",
+    "seq-mean-token-sum": "seq_mean_token_sum",
+    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+    "grpo": "seq_mean_token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+    "dapo": "token_mean",
 }

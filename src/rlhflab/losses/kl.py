@@ -23,7 +23,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
+    "KL_ESTIMATOR_ALIASES",
+    "KLController",
     "adaptive_kl_coef",
     "k1",
     "k2",
@@ -139,8 +142,72 @@ def adaptive_kl_coef(coef: float, kl: float, *, target: float, horizon: int, n_s
     return coef * (1.0 + error * n_steps / horizon)
 
 
+class KLController:
+    """The KL coefficient β across steps, and its share of a checkpoint.
+
+    controller "fixed": β stays `coef`. "adaptive": after each step, `update(kl_seq, n_steps)`
+    applies Ziegler et al.'s proportional update (`adaptive_kl_coef`) towards `target`, with
+    horizon `horizon` completions. `coef` is the β of the next step.
+    `state()` is {"kl_coef": β} (the key the trainers' checkpoints have always used, so older
+    checkpoints load); `load(state)` restores it exactly.
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", arXiv
+    1909.08593, §2.2.
+    Raises: ValueError for an unknown controller, coef < 0, or (adaptive) target <= 0 / None,
+    horizon < 1 or coef <= 0.
+    """
+
+    def __init__(
+        self,
+        coef: float,
+        *,
+        controller: str = "fixed",
+        target: float | None = None,
+        horizon: int = 10000,
+    ) -> None:
+        if controller not in KL_CONTROLLERS:
+            raise ValueError(
+                f"unknown KL controller {controller!r}; valid: {', '.join(KL_CONTROLLERS)}"
+            )
+        if coef < 0:
+            raise ValueError(f"coef must be >= 0, got {coef}")
+        if controller == "adaptive":
+            if target is None or not target > 0:
+                raise ValueError(f"target must be > 0 for the adaptive controller, got {target}")
+            if horizon < 1:
+                raise ValueError(f"horizon must be >= 1, got {horizon}")
+            if not coef > 0:
+                raise ValueError(f"the adaptive controller needs an initial coef > 0, got {coef}")
+        self.coef, self.controller = coef, controller
+        self.target, self.horizon = target, horizon
+
+    def update(self, kl_seq: float | None, n_steps: int) -> float:
+        """After a step whose measured KL per completion (summed over tokens, mean over the
+        batch) was `kl_seq` over `n_steps` completions: the adaptive controller moves β (a
+        `kl_seq` of None, no KL measured, leaves it); the fixed one keeps it. Returns β."""
+        if self.controller == "adaptive" and kl_seq is not None:
+            self.coef = adaptive_kl_coef(
+                self.coef, kl_seq, target=self.target, horizon=self.horizon, n_steps=n_steps
+            )
+        return self.coef
+
+    def state(self) -> dict:
+        """{"kl_coef": β}: JSON-serialisable, the checkpoint key of earlier versions."""
+        return {"kl_coef": self.coef}
+
+    def load(self, state: dict) -> None:
+        """Continue from `state()` of a checkpoint (any dict with "kl_coef")."""
+        self.coef = state["kl_coef"]
+
+
+KL_CONTROLLERS = ("fixed", "adaptive")
+
 KL_ESTIMATORS = {
     "k1": k1,
     "k2": k2,
     "k3": k3,
 }
+
+# Other libraries' names for the same estimators (config values that resolve to ours): verl's
+# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2, "low_var_kl" is k3 (verl clamps it to
+# [−10, 10]; ours does not).
+KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}

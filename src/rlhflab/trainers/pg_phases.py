@@ -1,0 +1,425 @@
+"""The phases of one policy-gradient step (rlhflab.trainers.policy_gradient), as named functions:
+
+    no_grad_passes   log-probs of the pre-update and the reference policy, the critic's values
+    advantages       KL into the reward (kl.placement), `loss.advantage`, optional whitening
+    update           update_epochs × minibatches optimizer steps, each over micro-batches
+    step_metrics     the step's metrics (names in docs/metrics.md)
+
+Rollout and scoring stay with the trainer (they sample with its engine and score with its
+reward components). Every function here works on this rank's share of the global batch and
+makes the same collectives, in the same order, on every rank. This module is the policy-gradient
+family's own: only `trainers/policy_gradient.py` imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhflab import distributed, faults
+from rlhflab.losses.advantages import ADVANTAGES, whiten
+from rlhflab.losses.aggregate import aggregate
+from rlhflab.losses.correction import mismatch_stats, tis
+from rlhflab.losses.kl import kl_in_reward, kl_penalty
+from rlhflab.losses.value import clipped_value_loss, explained_variance
+from rlhflab.rollout.dynamic import ScoredBatch
+from rlhflab.rollout.sampler import completion_logps
+from rlhflab.trainers.common import grad_norm_and_clip
+
+
+@dataclass
+class Learners:
+    """What the update trains: the policy and (PPO) the critic, each with its optimizer and LR
+    schedule (the critic's three are None without a `value:` section)."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    value_model: torch.nn.Module | None = None
+    value_optimizer: Any = None
+    value_scheduler: Any = None
+
+
+@dataclass
+class StepData:
+    """One step's tensors on this rank. `batch` is the global batch (every rank holds it);
+    `local` this rank's share, whole groups, the global rows [r0, r1). Per-token tensors are
+    (B_local, T): logp_old (None when no optimizer step needs it), logp_ref (None without a
+    reference), values_old and returns (None without a critic), kl_reward_tok (the per-token KL
+    that entered the reward, None otherwise); adv is (B_local,) or (B_local, T)."""
+
+    batch: ScoredBatch
+    local: ScoredBatch
+    r0: int
+    r1: int
+    logp_old: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None
+    values_old: torch.Tensor | None = None
+    adv: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    kl_reward_tok: torch.Tensor | None = None
+
+
+@dataclass
+class UpdateStats:
+    """What the update measured: masked sums of the first (on-policy) optimizer step (`sums`)
+    and of every optimizer step (`update_sums`), per-rank until `step_metrics` reduces them;
+    the summed losses and the grad norms of the optimizer steps."""
+
+    sums: dict = field(default_factory=dict)
+    update_sums: dict = field(default_factory=dict)
+    loss_total: float = 0.0
+    value_loss_total: float = 0.0
+    grad_norms: list = field(default_factory=list)
+
+
+def local_share(batch: ScoredBatch, batch_size: int, group_size: int) -> StepData:
+    """This rank's share of the global batch: whole groups, the contiguous rows [r0, r1)."""
+    r0, r1 = distributed.shard_bounds(batch_size)
+    local = batch.select_groups(torch.arange(r0, r1, group_size) // group_size, group_size)
+    return StepData(batch=batch, local=local, r0=r0, r1=r1)
+
+
+def no_grad_passes(data: StepData, learners: Learners, reference, cfg, autocast_dtype,
+                   need_logp_old: bool) -> None:  # fmt: skip
+    """Phase 3: log-probs of the pre-update policy (when an optimizer step other than the first
+    uses them, or the KL goes into the reward), of the reference policy (when there is one) and
+    the critic's values (when there is one), in micro-batches without gradients; set on `data`."""
+    rollout, model, value_model = data.local.rollout, learners.model, learners.value_model
+    with distributed.gathered(model):
+        data.logp_old = (
+            no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
+        )
+    data.logp_ref = None
+    if reference is not None:
+        with reference.scoring() as ref_model:
+            data.logp_ref = no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
+    with distributed.gathered(value_model):
+        data.values_old = (
+            no_grad_values(value_model, rollout, cfg, autocast_dtype)
+            if value_model is not None
+            else None
+        )
+
+
+def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> None:
+    """Phase 4: the KL penalty enters the reward when kl.placement says so (per sequence or per
+    token); then `loss.advantage` with the kwargs its registry entry declares (group_size for
+    group estimators); an estimator that needs values (GAE) gets per-token rewards (the sequence
+    reward at the last valid token) and the critic's values and also returns the λ-returns.
+    Whitening uses the statistics of the global batch. Sets adv, returns, kl_reward_tok."""
+    advantage = ADVANTAGES[cfg.loss.advantage]  # the estimator and what it declares it needs
+    rewards, mask = data.local.rewards, data.local.rollout.mask
+    kl_reward_tok = None
+    shaped = rewards
+    if data.logp_ref is not None and cfg.kl.placement != "loss":
+        kl_reward_tok = kl_penalty(data.logp_old, data.logp_ref, cfg.kl.estimator)
+        shaped = kl_in_reward(
+            rewards,
+            kl_reward_tok,
+            mask,
+            coef=kl_coef,
+            per_token=cfg.kl.placement == "reward_token",
+        )
+    returns = None
+    if advantage.needs_values:
+        if shaped.ndim == 1:  # sequence reward at the last token, no per-token penalty
+            shaped = kl_in_reward(shaped, torch.zeros_like(mask), mask, coef=0.0, per_token=True)
+        adv, returns = advantage.fn(shaped, data.values_old, mask, **advantage_kwargs)
+    else:
+        adv = advantage.fn(shaped, **advantage_kwargs)
+    if cfg.loss.whiten_advantages:  # statistics of the global batch
+        adv_all = distributed.gather_cat(adv)
+        mask_all = distributed.gather_cat(mask) if adv.ndim == 2 else None
+        adv = whiten(adv_all, mask_all)[data.r0 : data.r1]
+    data.adv, data.returns, data.kl_reward_tok = adv, returns, kl_reward_tok
+
+
+def update(data: StepData, learners: Learners, guard, cfg, *, step: int, kl_coef: float,
+           surrogate_fn, shuffle_rng: torch.Generator, autocast_dtype) -> UpdateStats:  # fmt: skip
+    """Phase 5: update_epochs × minibatches optimizer steps over the rollout batch. Each
+    accumulates micro-batches of `loss.surrogate` (+ kl_coef·KL when kl.placement is "loss"),
+    reduced by `loss.aggregation` with denominators counted once per optimizer step over all
+    micro-batches and ranks; the critic, if any, takes a step on the clipped value loss with its
+    own optimizer. On the first optimizer step logp_old is the detached logp of the same forward
+    (ratio exactly 1)."""
+    batch_size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    minibatch_size = batch_size // cfg.train.minibatches
+    device = data.local.rollout.mask.device
+    stats = UpdateStats()
+    first_step = True
+    for _epoch in range(cfg.train.update_epochs):
+        perm = torch.randperm(batch_size, generator=shuffle_rng).to(device)
+        for m in range(cfg.train.minibatches):
+            mb_rows = perm[m * minibatch_size : (m + 1) * minibatch_size]  # global rows
+            _optimizer_step(
+                data, learners, guard, cfg, stats, mb_rows,
+                step=step, kl_coef=kl_coef, surrogate_fn=surrogate_fn, first_step=first_step,
+                autocast_dtype=autocast_dtype,
+            )  # fmt: skip
+            first_step = False
+    return stats
+
+
+def _optimizer_step(data: StepData, learners: Learners, guard, cfg, stats: UpdateStats, mb_rows,
+                    *, step, kl_coef, surrogate_fn, first_step, autocast_dtype) -> None:  # fmt: skip
+    """One optimizer step of the policy (and the critic) on the minibatch `mb_rows` (global
+    rows), accumulated over this rank's micro-batches."""
+    model, value_model = learners.model, learners.value_model
+    rollout, r0, r1 = data.local.rollout, data.r0, data.r1
+    device = rollout.mask.device
+    minibatch_size = mb_rows.numel()
+    sums, update_sums = stats.sums, stats.update_sums
+    # Denominators of this optimizer step, counted once over all its micro-batches and all
+    # ranks (every rank holds the global batch's mask).
+    num_tokens = data.batch.rollout.mask[mb_rows].sum()
+    mine = mb_rows[(mb_rows >= r0) & (mb_rows < r1)] - r0  # this rank's, in order
+    learners.optimizer.zero_grad(set_to_none=True)
+    step_loss = step_value_loss = 0.0  # this optimizer step's, for nan_policy
+    if learners.value_optimizer is not None:
+        learners.value_optimizer.zero_grad(set_to_none=True)
+    # `weight` is 0 only for the padding passes that give every rank the same number of
+    # forward/backward passes (distributed.micro_batches).
+    for row_list, weight in distributed.micro_batches(
+        mine.tolist(), cfg.train.micro_batch_size, pad_row=0
+    ):
+        rows = torch.tensor(row_list, dtype=torch.long, device=device)
+        micro = rollout.select(rows)
+        logp, entropy = completion_logps(
+            model,
+            micro,
+            temperature=cfg.rollout.temperature,
+            with_entropy=first_step,
+            autocast_dtype=autocast_dtype,
+        )
+        old = logp.detach() if first_step else data.logp_old[rows]
+        loss_tok, tok_stats = surrogate_fn(
+            logp, old, data.adv[rows], micro.mask, **cfg.loss.surrogate_args
+        )
+        if cfg.loss.tis.enabled:  # training–inference mismatch correction
+            old_trainer = logp.detach() if first_step else data.logp_old[rows]
+            loss_tok, tis_stats = tis(
+                loss_tok, old_trainer, micro.logp, micro.mask, cap=cfg.loss.tis.cap
+            )
+            tok_stats = {**tok_stats, **tis_stats}
+        if data.logp_ref is not None and cfg.kl.placement == "loss":
+            kl_tok = kl_penalty(logp, data.logp_ref[rows], cfg.kl.estimator)
+            loss_tok = loss_tok + kl_coef * kl_tok
+            tok_stats = {**tok_stats, "kl": kl_tok.detach()}
+        elif data.kl_reward_tok is not None:
+            tok_stats = {**tok_stats, "kl": data.kl_reward_tok[rows]}
+        loss = aggregate(
+            loss_tok,
+            micro.mask,
+            cfg.loss.aggregation,
+            num_tokens=num_tokens,
+            num_seqs=minibatch_size,
+            max_len=cfg.rollout.max_new_tokens,
+        )
+        loss = faults.corrupt("loss", step, loss) * weight
+        loss.backward()
+        step_loss += float(loss.detach())
+        if value_model is not None:  # the critic regresses the λ-returns
+            values = value_model(micro, autocast_dtype)
+            v_tok, v_stats = clipped_value_loss(
+                values,
+                data.values_old[rows],
+                data.returns[rows],
+                micro.mask,
+                clip_range=cfg.value.clip_range,
+            )
+            v_loss = weight * aggregate(v_tok, micro.mask, "token_mean", num_tokens=num_tokens)
+            v_loss.backward()
+            step_value_loss += float(v_loss.detach())
+            _add(update_sums, "value/clip_frac", weight * v_stats["clipped"].sum())
+        if weight:
+            _accumulate_update(update_sums, micro.mask, tok_stats)
+            if first_step:  # diagnostics of the batch under the sampling policy
+                _accumulate(sums, micro, tok_stats, entropy, logp.detach())
+    faults.hit("step_mid", step)
+    global_loss = distributed.sum_dict({"p": step_loss, "v": step_value_loss})
+    step_loss, step_value_loss = global_loss["p"], global_loss["v"]
+    grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+    stats.grad_norms.append(grad_norm)
+    stats.loss_total += step_loss
+    stats.value_loss_total += step_value_loss
+    finite = guard.check(step, {"policy/loss": step_loss, "optim/grad_norm": grad_norm})
+    if finite:
+        learners.optimizer.step()
+        learners.scheduler.step()
+    if learners.value_optimizer is not None:
+        v_norm = grad_norm_and_clip(value_model, cfg.value.optim.max_grad_norm)
+        if finite and guard.check(step, {"value/loss": step_value_loss, "value/grad_norm": v_norm}):
+            learners.value_optimizer.step()
+            learners.value_scheduler.step()
+
+
+def step_metrics(data: StepData, stats: UpdateStats, cfg, *, sampling_stats: dict,
+                 kl_coef: float, lr: float, dt: float, t_rollout: float,
+                 verifier_errors: int) -> tuple[dict, float | None]:  # fmt: skip
+    """Phase 6: the step's metrics on the global batch (names in docs/metrics.md; the masked
+    sums reduced over ranks), and the KL per completion (summed over tokens) on the first
+    optimizer step's minibatch (None without a KL term), which the KL controller reads."""
+    batch, group_size = data.batch, cfg.rollout.group_size
+    minibatch_size = cfg.rollout.prompts_per_step * group_size // cfg.train.minibatches
+    optimizer_steps = cfg.train.update_epochs * cfg.train.minibatches
+    metrics = _rollout_metrics(batch, group_size)  # the global batch
+    metrics.update({f"rollout/{k}": v for k, v in sampling_stats.items()})
+    sums, update_sums = _reduce_sums(stats.sums), _reduce_sums(stats.update_sums)  # over ranks
+    n_tok = sums.pop("tokens")
+    if "rollout/logp_diff_max" in sums:  # a maximum, not a sum
+        metrics["rollout/logp_diff_max"] = sums.pop("rollout/logp_diff_max").item()
+    kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
+    metrics.update({name: (value / n_tok).item() for name, value in sums.items()})
+    metrics.update(_update_metrics(update_sums))
+    if kl_seq is not None:
+        metrics["policy/kl_seq"] = kl_seq
+        metrics["policy/kl_coef"] = kl_coef
+    if data.values_old is not None:
+        v_all = distributed.gather_cat(data.values_old)
+        ret_all = distributed.gather_cat(data.returns)
+        mask_all = batch.rollout.mask
+        metrics["value/loss"] = stats.value_loss_total / optimizer_steps
+        metrics["value/explained_var"] = explained_variance(v_all, ret_all, mask_all).item()
+        metrics["value/mean"] = (v_all.sum() / mask_all.sum()).item()
+    metrics.update(
+        {
+            "policy/loss": stats.loss_total / optimizer_steps,
+            "optim/grad_norm": torch.stack(stats.grad_norms).mean().item(),
+            "optim/lr": lr,
+            "perf/step_s": dt,
+            "perf/rollout_s": t_rollout,
+            "perf/tokens_per_s": batch.rollout.mask.sum().item() / dt,
+            "verifier/errors": verifier_errors,
+        }
+    )
+    return metrics, kl_seq
+
+
+@torch.no_grad()
+def no_grad_logps(model, rollout, cfg, autocast_dtype) -> torch.Tensor:
+    """(B, T) log-probs of the rollout under `model`, computed in micro-batches."""
+    out = []
+    for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
+        micro = rollout.select(slice(s, s + cfg.train.micro_batch_size))
+        logp, _ = completion_logps(
+            model, micro, temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype
+        )
+        out.append(logp)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def no_grad_values(value_model, rollout, cfg, autocast_dtype) -> torch.Tensor:
+    """(B, T) critic values of the rollout, computed in micro-batches."""
+    out = []
+    for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
+        out.append(
+            value_model(rollout.select(slice(s, s + cfg.train.micro_batch_size)), autocast_dtype)
+        )
+    return torch.cat(out)
+
+
+def _add(sums: dict, name: str, value) -> None:
+    sums[name] = sums.get(name, 0.0) + value
+
+
+def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
+    """Masked sums of per-token diagnostics of the first (on-policy) optimizer step; divided by the
+    step's token count when logged. (The ratio's extremes are 1 there by construction; they are
+    tracked over every optimizer step by `_accumulate_update`.)"""
+    mask = micro.mask
+
+    def add(name: str, value: torch.Tensor) -> None:
+        _add(sums, name, value)
+
+    add("tokens", mask.sum())
+    add("policy/entropy", (entropy * mask).sum())
+    add("policy/ratio_mean", (stats["ratio"] * mask).sum())
+    add("policy/clip_frac_low", (stats["clipped_low"] * mask).sum())
+    add("policy/clip_frac_high", (stats["clipped_high"] * mask).sum())
+    # Training–inference mismatch on the sampled tokens (0 up to rounding with the hf engine).
+    mm = mismatch_stats(logp, micro.logp, mask)
+    add("rollout/logp_diff_mean", mm["logp_diff"].sum())
+    add("rollout/sampler_kl", mm["sampler_kl"].sum())
+    hi = mm["logp_diff"].max() if mask.numel() else torch.zeros(())
+    sums["rollout/logp_diff_max"] = torch.maximum(sums.get("rollout/logp_diff_max", hi), hi)
+    if "tis_weight" in stats:
+        add("rollout/tis_weight_mean", (stats["tis_weight"] * mask).sum())
+        add("rollout/tis_capped_frac", (stats["capped"] * mask).sum())
+    if "kl" in stats:
+        add("policy/kl", (stats["kl"] * mask).sum())
+
+
+def _accumulate_update(sums: dict, mask, stats: dict) -> None:
+    """Ratio and clip statistics over every optimizer step of the batch (off-policy included)."""
+    m = mask.bool()
+    _add(sums, "tokens", mask.sum())
+    _add(sums, "update/ratio_mean", (stats["ratio"] * mask).sum())
+    _add(sums, "update/clip_frac_low", (stats["clipped_low"] * mask).sum())
+    _add(sums, "update/clip_frac_high", (stats["clipped_high"] * mask).sum())
+    hi = stats["ratio"].masked_fill(~m, float("-inf")).max()  # -inf / inf: no valid token
+    lo = stats["ratio"].masked_fill(~m, float("inf")).min()
+    sums["ratio_max"] = torch.maximum(sums.get("ratio_max", hi), hi)
+    sums["ratio_min"] = torch.minimum(sums.get("ratio_min", lo), lo)
+
+
+def _reduce_sums(sums: dict) -> dict:
+    """Per-rank masked sums → global ones: summed over ranks, except the ratio extremes (max /
+    min), in float64. A key some rank lacks (it had no rows in that minibatch) counts as 0 / ∓inf
+    there."""
+    keys = sorted({k for part in distributed.all_gather_object(sorted(sums)) for k in part})
+    default = {"ratio_max": float("-inf"), "ratio_min": float("inf"), "rollout/logp_diff_max": 0.0}
+    out = {}
+    for k in keys:
+        v = sums.get(k, default.get(k, 0.0))
+        # float64, as distributed.sum_dict: the same dtype on every rank, and a float64 run's
+        # sums keep their precision
+        if torch.is_tensor(v):
+            v = v.detach().to(torch.float64).clone()
+        else:
+            v = torch.tensor(float(v), dtype=torch.float64)
+        if k in ("ratio_max", "rollout/logp_diff_max"):
+            out[k] = distributed.all_reduce_max(v)
+        elif k == "ratio_min":
+            out[k] = distributed.all_reduce_min(v)
+        else:
+            out[k] = distributed.all_reduce_sum(v)
+    return out
+
+
+def _update_metrics(sums: dict) -> dict:
+    n_tok = sums.pop("tokens")
+    out = {k: (v / n_tok).item() for k, v in sums.items() if not k.startswith("ratio_")}
+    if "ratio_max" in sums and torch.isfinite(sums["ratio_max"]):
+        out["update/ratio_max"] = sums["ratio_max"].item()
+        out["update/ratio_min"] = sums["ratio_min"].item()
+    return out
+
+
+def _rollout_metrics(batch: ScoredBatch, group_size: int) -> dict:
+    """Reward (total and per component), accuracy, length and truncation of one rollout batch."""
+    rewards, rollout = batch.rewards, batch.rollout
+    correct = batch.components.get("correctness", batch.components.get("math_verify", rewards))
+    grouped = rewards.view(-1, group_size)
+    lengths = rollout.lengths
+    metrics = {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "rollout/accuracy": (correct == 1.0).float().mean().item(),
+        "rollout/response_len_mean": lengths.mean().item(),
+        "rollout/response_len_max": lengths.max().item(),
+        "rollout/truncated_frac": rollout.truncated.float().mean().item(),
+        "rollout/zero_std_group_frac": (grouped.std(1) == 0).float().mean().item()
+        if group_size > 1
+        else 0.0,
+    }
+    for name, values in batch.components.items():
+        values = values[~values.isnan()]  # a reward function's None entries are NaN
+        if values.numel() == 0:  # no sample of the batch got this reward
+            continue
+        metrics[f"rollout/reward/{name}_mean"] = values.mean().item()
+        metrics[f"rollout/reward/{name}_std"] = values.std().item() if values.numel() > 1 else 0.0
+    return metrics
