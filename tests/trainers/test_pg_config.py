@@ -102,7 +102,6 @@ def test_good_variants_load():
         ("loss.aggregation=seq-mean-token-mean", "aggregation", "seq_mean_token_mean"),
         ("loss.aggregation=token-mean", "aggregation", "token_mean"),
         ("loss.aggregation=seq-mean-token-sum", "aggregation", "seq_mean_token_sum"),
-        ("loss.aggregation=seq-mean-token-sum-norm", "aggregation", "seq_mean_token_sum_norm"),
         # TRL's GRPOConfig.loss_type
         ("loss.aggregation=dr_grpo", "aggregation", "seq_mean_token_sum_norm"),
         ("loss.aggregation=dapo", "aggregation", "token_mean"),
@@ -118,7 +117,7 @@ def test_other_libraries_names_resolve_to_ours(tmp_path, override, field, ours):
 
 
 def test_kl_estimator_alias_and_our_names_unchanged():
-    assert load("grpo", "kl.estimator=low_var_kl").kl.estimator == "k3"  # verl's kl_loss_type
+    assert load("grpo", "kl.estimator=kl").kl.estimator == "k1"  # verl's kl_loss_type
     assert load("grpo", "kl.estimator=mse").kl.estimator == "k2"
     cfg = load("dr_grpo")
     assert (cfg.loss.advantage, cfg.loss.aggregation) == ("group_mean", "seq_mean_token_sum_norm")
@@ -140,3 +139,17 @@ def test_advantage_capabilities_are_declared_not_sniffed(monkeypatch):
     monkeypatch.setitem(ADVANTAGES, "critic", Advantage(any_kwargs, needs_values=True))
     with pytest.raises(ConfigError, match=r"value: loss.advantage 'critic' needs a value model"):
         load("grpo", "loss.advantage=critic", "loss.advantage_args={}")
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        # verl's seq-mean-token-sum-norm has no mean over sequences; ours is Dr. GRPO's
+        ("loss.aggregation=seq-mean-token-sum-norm", r"^loss\.aggregation: verl's .*num_seqs"),
+        # verl's low_var_kl is a clamped k3
+        ("kl.estimator=low_var_kl", r"^kl\.estimator: verl's 'low_var_kl' is k3 clamped"),
+    ],
+)
+def test_names_that_look_like_ours_but_differ_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load("grpo", override)

@@ -17,16 +17,22 @@ from rlhflab.config.sections import (
     TrainBase,
     TrainerConfig,
 )
+from rlhflab.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # Policy gradients
 # ---------------------------------------------------------------------------------------------
 
 
-def _our_name(value: Any, aliases: dict[str, str]) -> Any:
+def _our_name(
+    value: Any, aliases: dict[str, str], field: str = "", near_misses: dict[str, str] | None = None
+) -> Any:
     """`value` under our name when it is another library's name for the same thing (a key of
     `aliases`, the registry's alias table); resolved before validation, so the run's config.yaml
-    records our name."""
+    records our name. A name that looks like ours but computes something else (a key of
+    `near_misses`) is refused: ConfigError naming `field` and the difference."""
+    if isinstance(value, str) and near_misses and value in near_misses:
+        raise ConfigError(f"{field}: {near_misses[value]}; set ours explicitly")
     return aliases.get(value, value) if isinstance(value, str) else value
 
 
@@ -120,9 +126,10 @@ class LossConfig(Strict):
     @field_validator("aggregation", mode="before")
     @classmethod
     def _aggregation_alias(cls, value: Any) -> Any:
-        from rlhflab.losses.aggregate import AGGREGATION_ALIASES  # verl's, TRL's names
+        from rlhflab.losses.aggregate import AGGREGATION_ALIASES, AGGREGATION_NEAR_MISSES
 
-        return _our_name(value, AGGREGATION_ALIASES)
+        # verl's, TRL's names
+        return _our_name(value, AGGREGATION_ALIASES, "loss.aggregation", AGGREGATION_NEAR_MISSES)
 
     @model_validator(mode="after")
     def _names_and_args(self) -> LossConfig:
@@ -169,9 +176,10 @@ class KLConfig(Strict):
     @field_validator("estimator", mode="before")
     @classmethod
     def _estimator_alias(cls, value: Any) -> Any:
-        from rlhflab.losses.kl import KL_ESTIMATOR_ALIASES  # verl's kl_loss_type names
+        from rlhflab.losses.kl import KL_ESTIMATOR_ALIASES, KL_ESTIMATOR_NEAR_MISSES
 
-        return _our_name(value, KL_ESTIMATOR_ALIASES)
+        # verl's kl_loss_type names
+        return _our_name(value, KL_ESTIMATOR_ALIASES, "kl.estimator", KL_ESTIMATOR_NEAR_MISSES)
 
     @model_validator(mode="after")
     def _estimator(self) -> KLConfig:

@@ -19,6 +19,7 @@ from rlhflab.ops import masked_mean, masked_sum
 __all__ = [
     "AGGREGATIONS",
     "AGGREGATION_ALIASES",
+    "AGGREGATION_NEAR_MISSES",
     "DENOMINATORS",
     "aggregate",
     "seq_mean_token_mean",
@@ -152,8 +153,16 @@ AGGREGATION_ALIASES: dict[str, str] = {
     "token-mean": "token_mean",
     "seq-mean-token-mean": "seq_mean_token_mean",
     "seq-mean-token-sum": "seq_mean_token_sum",
-    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
     "grpo": "seq_mean_token_mean",
     "dr_grpo": "seq_mean_token_sum_norm",
     "dapo": "token_mean",
+}
+
+# Other libraries' names that look like ours but compute something else: refused with the
+# difference, never resolved silently (a loss must match its definition and its peers').
+AGGREGATION_NEAR_MISSES: dict[str, str] = {
+    "seq-mean-token-sum-norm": (
+        "verl's 'seq-mean-token-sum-norm' is Σ_i Σ_t loss / max_len (no mean over sequences); "
+        "ours, 'seq_mean_token_sum_norm', is Σ_i Σ_t loss / (num_seqs · max_len) (Dr. GRPO)"
+    ),
 }

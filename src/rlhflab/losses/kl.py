@@ -26,6 +26,7 @@ __all__ = [
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "KL_ESTIMATOR_ALIASES",
+    "KL_ESTIMATOR_NEAR_MISSES",
     "KLController",
     "adaptive_kl_coef",
     "k1",
@@ -208,6 +209,10 @@ KL_ESTIMATORS = {
 }
 
 # Other libraries' names for the same estimators (config values that resolve to ours): verl's
-# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2, "low_var_kl" is k3 (verl clamps it to
-# [−10, 10]; ours does not).
-KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2.
+KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2"}
+
+# Names that look like ours but compute something else: refused with the difference.
+KL_ESTIMATOR_NEAR_MISSES: dict[str, str] = {
+    "low_var_kl": "verl's 'low_var_kl' is k3 clamped to [-10, 10]; ours, 'k3', is not clamped",
+}
