@@ -247,6 +247,12 @@ def test_loading_peak_by_hand():
                                    loads_full=True))  # fmt: skip
     assert dpo["load_peak_gib"] * GIB == pytest.approx(4 * P / 4 + 4 * P)
     assert dpo["load_host_gib"] == 0
+    # a reward model: rank 0 loads the causal LM (untied here: + its LM head V·h = 80) on its host
+    untied = dataclasses.replace(TINY, tie_word_embeddings=False)
+    rm = estimate(untied, _tiny_sft(trainer="reward_model", gpus=4, strategy="fsdp2"))
+    assert rm["load_host_gib"] * GIB == pytest.approx(4 * (P + 80))
+    # its GPUs: shards of the backbone and the score head (P + h + 1) / 4 + the gate h·f
+    assert rm["load_peak_gib"] * GIB == pytest.approx(4 * (P + 9) / 4 + 4 * 128)
 
 
 def test_local_config_json(tmp_path):

@@ -153,7 +153,8 @@ sharded_later=True)`, `Reference` and `distributed.wrap(..., weights=)` hold bef
     rank 0 copies it from its host to the GPU to send it). Under cpu_offload the shards are
     allocated in host memory and the broadcast goes through gloo on the host (the
     "cpu:gloo,cuda:nccl" group): the GPU holds none of it, load = the reward model only.
-    Rank 0's host (`load_host_gib`): its full policy w·P, plus the critic's copy of the backbone
+    Rank 0's host (`load_host_gib`): its full policy w·P (a reward model: the causal LM it is
+    made from, LM head included), plus the critic's copy of the backbone
     w·P_critic (4·(T + h + 1) under LoRA: the frozen base is shared), plus its offloaded shards
     under cpu_offload (the three terms / N); the reference shares the policy's tensors
     (`host_state`).
@@ -442,7 +443,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
             load = (ref_b + policy_b) * sh + crit_b + max(flight, crit_b * sh)
         load += rm_b
         host_crit = 0.0 if p.critic_init_from else crit_b
-        load_host = 0.0 if p.loads_full else policy_b + host_crit
+        lm_b = w * P if (p.trainer == "reward_model" and not lora) else policy_b  # the full LM
+        load_host = 0.0 if p.loads_full else lm_b + host_crit
         if offload:
             load_host += (ref_b + policy_b + crit_b) / n
     else:  # the model on the GPU, a deep copy for the reference, a copy of the backbone
