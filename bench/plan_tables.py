@@ -44,8 +44,9 @@ CLUSTERS = {"4× RTX A6000 48 GB": (4, 48.0), "8× H100 80 GB": (8, 80.0)}
 
 
 def cell(shape: str, job: str, gpus: int, mem: float) -> str:
-    """'31.2 bf16' (GiB per GPU, the settings that fit), with '⚠' when today's loader's peak does
-    not fit; '✗ 61.0' with the smallest estimate when nothing fits."""
+    """'31.2 bf16' (GiB per GPU, the settings that fit), with '⚠' when the loading peak
+    (`load_peak_gib`: shards filled from rank 0) does not fit; '✗ 61.0' with the smallest
+    estimate when nothing fits."""
     preset, over, prompt_len, lora = JOBS[job]
     ladder = [("", [])] if lora else LADDER
     best = None

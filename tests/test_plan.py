@@ -212,6 +212,49 @@ def test_sharding_offload_and_lora():
     assert lora["components"]["optimizer_state"] * GIB == pytest.approx(8 * T)
 
 
+def _tiny_pg(**kw) -> PlanInputs:
+    return _tiny_sft(trainer="policy_gradient", reference=True, critic=True, **kw)
+
+
+def test_loading_peak_by_hand():
+    # TINY: P = 1288 (tied: backbone 1288), critic P_bb + h + 1 = 1297, the largest tensor the
+    # gate / up projection h·f = 128 (> the embedding V·h = 80); fp32 model (w = 4).
+    P, Pc = 1288, 1297
+    one = estimate(TINY, _tiny_pg())
+    ddp = estimate(TINY, _tiny_pg(gpus=4, strategy="ddp"))
+    for r in (one, ddp):  # the model, the reference's deep copy, the critic's backbone copy
+        assert r["load_peak_gib"] * GIB == pytest.approx(4 * (P + P + Pc), rel=1e-12)
+        assert r["load_host_gib"] == 0
+    # fsdp2 over 4 ranks, fp32 parameters: each GPU its shards of the three + one full tensor
+    fsdp = estimate(TINY, _tiny_pg(gpus=4, strategy="fsdp2"))
+    assert fsdp["load_peak_gib"] * GIB == pytest.approx(4 * (P + P + Pc) / 4 + 4 * 128)
+    assert fsdp["load_host_gib"] * GIB == pytest.approx(4 * P + 4 * Pc)  # policy + critic copy
+    # mixed_precision bf16: the reference's shards in bf16 (2 bytes), the tensors sent in fp32
+    bf16 = estimate(TINY, _tiny_pg(gpus=4, strategy="fsdp2", mixed_precision="bf16"))
+    assert bf16["components"]["reference"] * GIB == pytest.approx(2 * P / 4)
+    assert bf16["load_peak_gib"] * GIB == pytest.approx((2 * P + 4 * P + 4 * Pc) / 4 + 4 * 128)
+    # cpu_offload: shards filled in host memory through gloo; nothing on the GPU
+    off = estimate(TINY, _tiny_pg(gpus=4, strategy="fsdp2", mixed_precision="bf16",
+                                  cpu_offload=True))  # fmt: skip
+    assert off["load_peak_gib"] == 0
+    assert off["load_host_gib"] * GIB == pytest.approx(4 * (P + Pc) + (2 * P + 4 * (P + Pc)) / 4)
+    # value.init_from: the critic loads in full on the device, rank 0 holds it through its wrap
+    init = estimate(TINY, _tiny_pg(gpus=4, strategy="fsdp2", critic_init_from=True))
+    assert init["load_peak_gib"] * GIB == pytest.approx(4 * (P + P) / 4 + 4 * Pc + 4 * Pc / 4)
+    assert init["load_host_gib"] * GIB == pytest.approx(4 * P)
+    # verifiable-pairs DPO: the model on every GPU first; rank 0 keeps it until its shards fill
+    dpo = estimate(TINY, _tiny_sft(trainer="direct_alignment", gpus=4, strategy="fsdp2",
+                                   loads_full=True))  # fmt: skip
+    assert dpo["load_peak_gib"] * GIB == pytest.approx(4 * P / 4 + 4 * P)
+    assert dpo["load_host_gib"] == 0
+    # a reward model: rank 0 loads the causal LM (untied here: + its LM head V·h = 80) on its host
+    untied = dataclasses.replace(TINY, tie_word_embeddings=False)
+    rm = estimate(untied, _tiny_sft(trainer="reward_model", gpus=4, strategy="fsdp2"))
+    assert rm["load_host_gib"] * GIB == pytest.approx(4 * (P + 80))
+    # its GPUs: shards of the backbone and the score head (P + h + 1) / 4 + the gate h·f
+    assert rm["load_peak_gib"] * GIB == pytest.approx(4 * (P + 9) / 4 + 4 * 128)
+
+
 def test_local_config_json(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -275,10 +318,19 @@ def test_qwen3_8b_full_grpo_with_reference_fits_4x48gb_under_fsdp2_with_offload(
     # whole bf16 policy: over 48 GB. With CPUOffloadPolicy the state lives on the host.
     assert not resident["fits"]
     assert offload["fits"] and offload["components"]["optimizer_state"] == 0
-    assert offload["host_gib"] == pytest.approx((16 + 4) * 8.19e9 / 4 / GIB, rel=0.01)
-    # today's loader puts the policy and its reference copy on every GPU first: flagged
-    assert not offload["load_fits"] and offload["binding_constraint"] == "load"
-    assert resident["binding_constraint"] == "steady state (rollout)"
+    # host: 16 bytes per parameter of the policy + the bf16 reference (2), each over 4 ranks
+    P = BUILTIN_SHAPES["qwen3-8b"].params()
+    assert offload["host_gib"] * GIB == pytest.approx((16 + 2) * P / 4, rel=1e-12)
+    # loading from rank 0 (fp32 model.dtype, w = 4): with offload the shards are filled in host
+    # memory, so the GPU holds nothing while loading, and rank 0's host holds its full fp32
+    # policy (4·P) plus its shards of policy and bf16 reference ((4 + 2)·P / 4); without
+    # offload each GPU holds its shards (4 + 2)·P / 4 and the embedding being broadcast, 4·V·h.
+    assert offload["load_fits"] and offload["load_peak_gib"] == 0
+    assert offload["load_host_gib"] * GIB == pytest.approx(4 * P + 6 * P / 4, rel=1e-12)
+    assert offload["binding_constraint"] == "steady state (rollout)"
+    Vh = 151936 * 4096
+    assert resident["load_peak_gib"] * GIB == pytest.approx(6 * P / 4 + 4 * Vh, rel=1e-12)
+    assert resident["load_fits"] and resident["binding_constraint"] == "steady state (rollout)"
 
 
 def test_usable_memory_calibration():

@@ -70,6 +70,7 @@ def inputs_from_config(
         p.temperature = ro.temperature
         p.reference = cfg.kl.coef > 0
         p.critic = cfg.value is not None
+        p.critic_init_from = p.critic and bool(cfg.value.init_from)
         steps_per_batch = cfg.train.update_epochs * cfg.train.minibatches
         p.scoring_passes = steps_per_batch > 1 or (p.reference and cfg.kl.placement != "loss")
         rm = [c for c in cfg.reward.components if c.name == "reward_model"]
@@ -82,6 +83,7 @@ def inputs_from_config(
         p.micro_batch = min(cfg.train.micro_batch_size, limit)
         p.prompt_len = d.max_prompt_len or default_prompt
         if d.source == "verifiable":
+            p.loads_full = True  # samples before wrap: the model on every rank's device
             p.completion_len = completion_len or v.max_new_tokens
             p.rollout_rows = p.rollout_rows_global = min(
                 cfg.eval.batch_size, v.n_prompts * v.samples_per_prompt

@@ -24,9 +24,11 @@ Resident state (alive the whole step; per GPU):
                  backward to the next `zero_grad(set_to_none=True)`, so through the next rollout.
     optimizer    torch AdamW: exp_avg and exp_avg_sq like the parameter: 2·w per trainable
                  parameter (8 bytes in fp32; 4 for a bf16 model.dtype).
-    reference    (policy gradient with kl.coef > 0, full fine-tuning) a frozen deep copy of the
-                 policy: w_ref·P (w_ref = model.dtype today; `reference_dtype` plans the bf16 copy
-                 issue #25 asks for). LoRA: 0 (the base with adapters disabled is π_ref).
+    reference    (policy gradient with kl.coef > 0, full fine-tuning) a frozen copy of the
+                 policy: w_ref·P (w_ref: 2 under fsdp2 over N > 1 ranks with mixed_precision
+                 bf16, which stores the reference in bf16 (`trainers.common.Reference`), else
+                 model.dtype; `reference_dtype` overrides it). LoRA: 0 (the base with adapters
+                 disabled is π_ref).
                  DPO: 0 (reference log-probs are computed once per round and cached).
     critic       (PPO, advantage gae) a copy of the backbone (no LM head) with a scalar head, its
                  own gradients and AdamW: 4·w·P_backbone; LoRA: its own adapters only, 16·T.
@@ -135,10 +137,38 @@ copy). Scoring: (c + 4) bytes per element (+ 4 if temperature != 1).
 SFT counts every position of max_len (an upper bound: prompt positions carry no loss but are
 scored when the prompt length is not given); RM has a scalar head (no logits).
 
-Loading (`load_peak_gib`): today every rank builds the full model on its GPU in model.dtype before
-sharding (P·w), and the reference (a deep copy) and the critic (a copy of the backbone) are made
-from that full model before it is sharded: one more full copy at that moment. This peak precedes
-training; it is reported apart and flagged when it, not the steady state, is what does not fit.
+Loading (`load_peak_gib`, `load_host_gib`), what `trainers.common.prepare_model(...,
+sharded_later=True)`, `Reference` and `distributed.wrap(..., weights=)` hold before training.
+    fsdp2 over N > 1 ranks (`distributed.loads_from_rank0`): rank 0 loads or builds the model in
+    host memory (model.dtype; GGUF files: every rank, in host memory), the other ranks build it
+    on the meta device; the reference is a meta copy of the policy, the critic
+    (`ValueModel.from_policy`) a copy of its backbone (on rank 0's host, meta elsewhere), and
+    `wrap` shards each one and fills every rank's shards from rank 0's full tensors
+    (`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`: one full tensor
+    at a time, broadcast in rank 0's dtype w, then copied into the shard). Per GPU, once the
+    last model (the critic, wrapped after the policy) is filled:
+        load = (w_ref·P + w·P + w·P_critic) / N + w·max_tensor + reward model
+    (P_critic = P_backbone + h + 1; LoRA: the policy's w·P_base + 4·T, no reference, a critic
+    of 4·(T + h + 1)); max_tensor is the largest parameter (the embedding V·h in real models;
+    rank 0 copies it from its host to the GPU to send it). Under cpu_offload the shards are
+    allocated in host memory and the broadcast goes through gloo on the host (the
+    "cpu:gloo,cuda:nccl" group): the GPU holds none of it, load = the reward model only.
+    Rank 0's host (`load_host_gib`): its full policy w·P (a reward model: the causal LM it is
+    made from, LM head included), plus the critic's copy of the backbone
+    w·P_critic (4·(T + h + 1) under LoRA: the frozen base is shared), plus its offloaded shards
+    under cpu_offload (the three terms / N); the reference shares the policy's tensors
+    (`host_state`).
+    Still full on every rank's GPU before sharding: verifiable-pairs DPO (it samples before
+    `wrap`; rank 0 keeps its full copy, whose tensors are the ones broadcast, until its shards
+    are filled: load = w·P/N + w·P) and a critic from `value.init_from` (loaded on the device
+    before the policy is wrapped, and held by rank 0 through its own `wrap`: load =
+    (w_ref·P + w·P)/N + w·P_critic + max(w·max_tensor, w·P_critic/N)); under cpu_offload the
+    terms / N and w·max_tensor are 0 there too.
+    One process, or ddp: the model is loaded on the GPU (w·P), the reference is a deep copy
+    (+ w·P) and the critic a copy of the backbone (+ w·P_critic): load = w·(P + P + P_critic)
+    with both, plus the reward model; nothing on the host.
+This peak precedes training; it is reported apart and flagged when it, not the steady state, is
+what does not fit.
 
 What is not counted (so the estimate is a lower bound there): the CUDA context, cuBLAS / NCCL
 workspaces and the caching allocator's fragmentation (`CALIBRATION`, subtracted from the card
@@ -198,8 +228,10 @@ class PlanInputs:
     rollout_rows_global: int = 0
     temperature: float = 1.0
     reference: bool = False
-    reference_dtype: str | None = None  # None: model.dtype (a deep copy, as the code does today)
+    reference_dtype: str | None = None  # None: what the code stores (bf16 under fsdp2 mp bf16)
     critic: bool = False
+    critic_init_from: bool = False  # value.init_from: the critic loads on every rank's device
+    loads_full: bool = False  # the model loads on every rank's device before wrap (verifiable DPO)
     reward_model: ModelShape | None = None
     activation_checkpointing: bool = False
     scoring_passes: bool = False  # no-grad log-prob passes over the rollout (PG)
@@ -277,7 +309,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
 
     Returns a dict: `components` {name: GiB} (each term at its own peak), `phases`
     {phase: GiB of its transient terms}, `resident_gib`, `binding_phase`, `per_gpu_gib`
-    (resident + the largest phase), `usable_gib`, `fits`, `load_peak_gib`, `load_fits`,
+    (resident + the largest phase), `usable_gib`, `fits`, `load_peak_gib` (per GPU),
+    `load_fits`, `load_host_gib` (rank 0's host memory while loading),
     `binding_constraint` ("load", or "steady state (<phase>)"),
     `host_gib` (per rank, offloaded state), `params_b`, `trainable_b`.
     Raises ValueError on an unknown strategy or dtype, or gpus / micro_batch < 1.
@@ -290,8 +323,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     n = p.gpus if fsdp else 1
     offload = fsdp and p.cpu_offload
     w = _bytes_of(p.model_dtype)
-    w_ref = _bytes_of(p.reference_dtype) if p.reference_dtype else w
     compute_w = 2 if (fsdp and p.mixed_precision == "bf16") else w  # unsharded param dtype
+    w_ref = _bytes_of(p.reference_dtype) if p.reference_dtype else (2 if compute_w == 2 else w)
     c = 2 if (p.autocast or compute_w == 2) else 4
     rs = compute_w
     casts_weights = p.autocast and compute_w == 4  # autocast makes bf16 copies of fp32 weights
@@ -392,11 +425,31 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     binding = max(phases, key=phases.get)
     total = resident + phases[binding]
 
-    # loading: the full model on every rank's GPU, plus a full copy for the reference / critic
-    extra_copy = (p.reference and not lora) or (p.critic and not lora)
-    load = w * P_model * (2 if extra_copy else 1)
-    if fsdp and not offload:
-        load += gpu.get("reward_model", 0.0)
+    # loading (module docstring "Loading"): parameter bytes of each model, unsharded
+    policy_b = w * (P_model - head) + 4 * (T + head) if lora else w * P_model
+    ref_b = w_ref * P if (p.reference and not lora) else 0.0
+    crit_b = 0.0
+    if p.critic:
+        crit_b = 4 * (T + h + 1) if lora else w * (P_bb + h + 1)
+    rm_b = gpu.get("reward_model", 0.0)
+    if fsdp:
+        biggest = max([V * h, *(a * b for a, b in shape.linear_dims().values())])
+        flight = 0.0 if offload else w * biggest  # the full tensor being broadcast
+        sh = 0.0 if offload else 1 / n  # the share of each model's shards on the GPU
+        load = (ref_b + policy_b + crit_b) * sh + flight
+        if p.loads_full:  # rank 0 keeps its full copy on the GPU until its shards are filled
+            load = (ref_b + policy_b + crit_b) * sh + policy_b
+        if p.critic and p.critic_init_from:  # full on the GPU, held by rank 0 through its wrap
+            load = (ref_b + policy_b) * sh + crit_b + max(flight, crit_b * sh)
+        load += rm_b
+        host_crit = 0.0 if p.critic_init_from else crit_b
+        lm_b = w * P if (p.trainer == "reward_model" and not lora) else policy_b  # the full LM
+        load_host = 0.0 if p.loads_full else lm_b + host_crit
+        if offload:
+            load_host += (ref_b + policy_b + crit_b) / n
+    else:  # the model on the GPU, a deep copy for the reference, a copy of the backbone
+        load = policy_b + (w * P if ref_b else 0.0) + crit_b + rm_b
+        load_host = 0.0
 
     usable = usable_gib(p.gpu_memory_gib)
     comps = {
@@ -422,7 +475,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         "fits": total / GIB <= usable,
         "load_peak_gib": load / GIB,
         "load_fits": load / GIB <= usable,
-        # what does not fit first: "load" when only today's loading peak is over the card
+        "load_host_gib": load_host / GIB,
+        # what does not fit first: "load" when only the loading peak is over the card
         "binding_constraint": (
             "load" if total / GIB <= usable < load / GIB else f"steady state ({binding})"
         ),

@@ -70,7 +70,7 @@ def render(result: dict, console=None) -> None:
         f"resident + {result['binding_phase']}: {verdict} in {result['usable_gib']:.1f} usable",
     )
     load = "fits" if result["load_fits"] else "does NOT fit (binding)"
-    table.add_row("load peak (today's loader)", f"{result['load_peak_gib']:.2f}", load)
+    table.add_row("load peak (before training)", f"{result['load_peak_gib']:.2f}", load)
     console.print(table)
     cal = result["calibration"]
     console.print(
@@ -78,4 +78,5 @@ def render(result: dict, console=None) -> None:
         f" / (1 + {cal['fragmentation']:.0%} fragmentation) = {result['usable_gib']:.1f} GiB; "
         f"micro-batch {i['micro_batch']} (largest that fits: {result['max_micro_batch']} "
         f"of {result['micro_batch_limit']}); host (offloaded) {result['host_gib']:.1f} GiB per rank"
+        f"; rank 0's host while loading {result['load_host_gib']:.1f} GiB"
     )
