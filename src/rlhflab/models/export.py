@@ -216,14 +216,15 @@ def save_pretrained_streamed(
     embedding's name only, as `save_pretrained` keeps them), config.json (with `dtype` and
     `architectures` set as `save_pretrained` sets them), generation_config.json for a
     generative model, the tokenizer and the model card. `names`: `export_names(model)`, the
-    same list on every rank (None: computed here, for one process).
+    same list on every rank (None: rank 0 computes it and shares it, a collective).
 
     Raises:
         ModelError: the model cannot be streamed (`export_names` is None).
     """
     from rlhflab.models.build import write_model_card
 
-    names = export_names(model) if names is None else names
+    if names is None:  # rank 0's: the order can differ between ranks (see export_names)
+        names = distributed.broadcast_object(export_names(model) if distributed.is_main() else None)
     if names is None:
         raise ModelError(f"export: {type(model).__name__} cannot be streamed; save it whole")
     all_specs = distributed.model_state_specs(model, keep_tied=True)
