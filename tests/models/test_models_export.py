@@ -137,3 +137,28 @@ def test_out_of_order_or_wrong_shape_is_one_error_and_the_stream_is_drained(tmp_
         write_safetensors_streamed(tmp_path, specs, stream([("b", torch.zeros(3))]))
     with pytest.raises(ModelError, match="tensor b never came"):
         write_safetensors_streamed(tmp_path, specs, stream([("a", torch.zeros(2))]))
+
+
+def test_final_model_is_renamed_into_place_only_when_complete(tmp_path, tiny_tokenizer):
+    """`save_final_model` writes `.model.partial` and renames it: a save that fails halfway
+    leaves no `model/` (or the previous one, untouched), never a half-written directory."""
+    from rlhflab.trainers.common import save_final_model
+
+    class Broken:
+        def save_pretrained(self, path):
+            raise OSError("disk full")
+
+    model = _model(tiny_tokenizer, tied=True)
+    path = tmp_path / "model"
+    with pytest.raises(OSError, match="disk full"):
+        save_final_model(model, Broken(), path)
+    assert not path.exists()
+    save_final_model(model, tiny_tokenizer, path)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    assert "model.safetensors" in before and not (tmp_path / ".model.partial").exists()
+    with pytest.raises(OSError, match="disk full"):
+        save_final_model(model, Broken(), path)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    save_final_model(model, tiny_tokenizer, path)  # a later save replaces the partial one
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
