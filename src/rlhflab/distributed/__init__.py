@@ -428,5 +428,7 @@ from rlhflab.distributed.state import (  # noqa: E402, F401
     load_full_optimizer_state,
     local_piece,
     local_view,
+    model_state_specs,
     shard_region,
+    stream_model_state,
 )

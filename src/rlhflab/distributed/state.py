@@ -38,15 +38,53 @@ def full_model_state(
     sd = get_model_state_dict(model, options=_sd_options())
     if not is_main():
         return None
+    for name in _tied_dropped(model, keep_tied=keep_tied):
+        sd.pop(name, None)
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def _tied_dropped(model: torch.nn.Module, *, keep_tied: bool) -> set[str]:
+    """The names of tied parameters that a saved state leaves out (see `full_model_state`)."""
+    out: set[str] = set()
     for group in _tied_groups(model):
         if keep_tied:  # what save_pretrained writes for a tied model: the input embedding's name
             drop = [n for n in group if n in _output_embedding_names(model)]
             drop = drop if len(drop) < len(group) else []
         else:
             drop = sorted(group)[1:]
-        for name in drop:
-            sd.pop(name, None)
-    return {k: v.contiguous() for k, v in sd.items()}
+        out.update(drop)
+    return out
+
+
+def model_state_specs(
+    model: torch.nn.Module, *, keep_tied: bool = True
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(global shape, dtype) of each tensor of `model`'s full state dict, in `state_dict()`
+    order, tied names left out as in `full_model_state(keep_tied=...)`. Reads metadata only: no
+    collective, nothing gathered (a sharded parameter's DTensor knows its global shape)."""
+    dropped = _tied_dropped(model, keep_tied=keep_tied)
+    return {
+        name: (tuple(t.shape), t.dtype)
+        for name, t in model.state_dict().items()
+        if name not in dropped
+    }
+
+
+def stream_model_state(model: torch.nn.Module, names: list[str]):
+    """Yields `(name, tensor)` for each of `names` (keys of `model.state_dict()`), one at a
+    time and in that order: the full tensor, detached, contiguous, on the CPU, on rank 0, and
+    None on other ranks. For an FSDP2 model each sharded tensor is gathered as it is reached
+    (`DTensor.full_tensor`, a collective: every rank must run the generator to its end, in
+    the same order), so rank 0 holds one full tensor at a time, not the whole state (4 bytes
+    a parameter in float32). Plain models and replicated tensors are read as they are."""
+    dtensor = _dtensor_type()
+    sd = model.state_dict()  # sharded DTensors under FSDP2: nothing gathered yet
+    for name in names:
+        t = sd[name].detach()
+        if isinstance(t, dtensor):
+            t = t.full_tensor()
+        yield name, (t.cpu().contiguous() if is_main() else None)
+        del t
 
 
 def load_full_model_state(

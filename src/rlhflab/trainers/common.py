@@ -320,20 +320,52 @@ class NonFiniteGuard:
 def save_final_model(model, tokenizer, path: Path, lora=None) -> None:
     """The trained model (and tokenizer) as one Hugging Face directory, written by rank 0.
 
-    Every rank calls it: under FSDP2 the full state dict is gathered first (a collective). A LoRA
-    model (`lora`: the `model.lora` section) is saved with its adapters merged into the weights
-    (a plain model), or with `lora.save: adapter` as an adapter directory for
-    `PeftModel.from_pretrained` (`rlhflab.models.lora`)."""
+    Every rank calls it. Under FSDP2 a plain model is streamed: each tensor is gathered in turn
+    (a collective) and appended to its safetensors file by rank 0, which never holds more than
+    one full tensor (`rlhflab.models.export`; sharded as `save_pretrained` shards, 5 GB a file).
+    A LoRA model (`lora`: the `model.lora` section) is gathered whole as before and saved with
+    its adapters merged into the weights (a plain model), or with `lora.save: adapter` as an
+    adapter directory for `PeftModel.from_pretrained` (`rlhflab.models.lora`); one process and
+    DDP save the module directly. The directory is written under a temporary name beside `path`
+    and renamed into place when complete, so a failed save leaves no half-written `path`."""
     from rlhflab.models.build import save_pretrained
+    from rlhflab.models.export import export_names, save_pretrained_streamed
     from rlhflab.models.lora import merged_state, save_adapter
 
-    state = distributed.full_model_state(model, keep_tied=True)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
     if distributed.is_main():
-        if lora is not None and lora.save == "adapter":
-            save_adapter(model, tokenizer, path, state)
-        else:
-            save_pretrained(model, tokenizer, path, state_dict=merged_state(model, state))
+        _remove_tree(tmp)
+        tmp.mkdir(parents=True)
+    names = None  # rank 0's list: the order must be the same on every rank
+    if distributed.is_sharded(model) and lora is None:
+        names = distributed.broadcast_object(export_names(model) if distributed.is_main() else None)
+    if names is not None:
+        save_pretrained_streamed(model, tokenizer, tmp, names=names)
+    else:
+        state = distributed.full_model_state(model, keep_tied=True)
+        if distributed.is_main():
+            if lora is not None and lora.save == "adapter":
+                save_adapter(model, tokenizer, tmp, state)
+            else:
+                save_pretrained(model, tokenizer, tmp, state_dict=merged_state(model, state))
+    if distributed.is_main():
+        old = path.with_name(f".{path.name}.old")
+        _remove_tree(old)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        _remove_tree(old)
     distributed.barrier()
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 class Reference:
