@@ -456,3 +456,125 @@ def test_quickstart_grpo_stage_under_torchrun(tmp_path):
     assert one["heldout_n"] == two["heldout_n"] == 300 and two["world_size"] == 2
     assert one["heldout_accuracy_before"] == two["heldout_accuracy_before"]
     assert abs(two["heldout_accuracy"] - one["heldout_accuracy"]) <= one["heldout_accuracy_stderr"]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(base_model, tmp_path_factory) -> str:
+    """A sequence-classification reward model saved as a trained one is (`save_reward_model`):
+    the base model's backbone with a fresh random head, so its scores vary by completion."""
+    from rlhflab.models.loading import load_tokenizer
+    from rlhflab.models.reward import load_reward_model, save_reward_model
+
+    path = tmp_path_factory.mktemp("rm") / "model"
+    save_reward_model(load_reward_model(base_model), load_tokenizer(base_model), path)
+    return str(path)
+
+
+def _grpo_against_rm(base, rm) -> dict:
+    raw = _grpo(base)
+    raw["reward"]["components"] = [
+        {"name": "reward_model", "weight": 1.0, "args": {"path": rm, "dtype": "float64"}},
+        {"name": "correctness", "weight": 0.0},
+    ]
+    return raw
+
+
+def test_grpo_against_reward_model_fsdp2_two_ranks_equal_one_process(base_model, rm_dir, tmp_path):
+    """GRPO scored by a reward-model component (configs/rm/grpo_against_rm.yaml's setup) under
+    FSDP2: the RM is sharded from rank 0 and every rank scores its own rows; gradients, per-step
+    metrics (the RM's mean score included) and weights equal one process's (float64)."""
+    raw = _grpo_against_rm(base_model, rm_dir)
+    one = _train(tmp_path, "grpo-rm", raw, 1, "none")
+    two = _train(tmp_path, "grpo-rm", raw, 2, "fsdp2")
+    _assert_same_run(one, two)
+    scores = [r["rollout/reward/reward_model_mean"] for r in _metrics(one) if "optim/lr" in r]
+    assert len(scores) == 2 and all(s != 0 for s in scores)
+
+
+RM_WORKER = """
+import json, sys
+import torch
+from rlhflab import distributed
+from rlhflab.config import ParallelConfig
+import rlhflab.models.reward as reward
+from rlhflab.rewards import reward_model as rm
+from rlhflab.rollout.sampler import pack
+
+paths, out = json.loads(sys.argv[1]), sys.argv[2]
+distributed.setup("fsdp2", timeout_s=120)
+loads = []
+real = reward.load_reward_model
+reward.load_reward_model = lambda *a, **k: (loads.append(a[0]), real(*a, **k))[1]
+rank, world = distributed.rank(), distributed.world_size()
+prompts = [[1 + (3 * i + j) % 50 for j in range(4 + i % 3)] for i in range(8)]
+completions = [[2 + (5 * i + j) % 60 for j in range(1 + i % 5)] for i in range(8)]
+mine = slice(rank * 4, rank * 4 + 4)
+result = {"loads": loads}
+for name, path in paths.items():
+    ro = pack(prompts[mine], completions[mine], 0)
+    scores = rm.reward_model_component(
+        rollout=ro, path=path, dtype="float64", parallel=ParallelConfig(strategy="fsdp2")
+    )
+    scorer = next(s for k, s in rm._SCORERS.items() if k[0] == path)
+    params = list(scorer.model.parameters())
+    result[name] = {
+        "scores": scores.tolist(),
+        "all_dtensor": all(hasattr(p, "to_local") for p in params),
+        "local": sum(p.to_local().numel() for p in params if hasattr(p, "to_local")),
+        "full": sum(p.numel() for p in params),
+        "frozen": not any(p.requires_grad for p in params) and not scorer.model.training,
+    }
+# A round where rank 1 has no rows (more ranks than prompts): it takes part in the loading and
+# unsharding without scoring, and rank 0 scores all rows.
+from rlhflab.config import RewardComponentConfig
+args = {"path": paths["seq_cls"], "dtype": "float64", "micro_batch_size": 3}
+comps = [RewardComponentConfig(name="reward_model", args=args)]
+fsdp2 = ParallelConfig(strategy="fsdp2")
+if rank == 0:
+    result["alone"] = rm.reward_model_component(
+        rollout=pack(prompts, completions, 0), parallel=fsdp2, **args
+    ).tolist()
+else:
+    rm.take_part_without_rows(comps, fsdp2, distributed.device())
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+distributed.teardown()
+"""
+
+
+def test_reward_model_component_fsdp2_rank1_holds_no_full_copy(base_model, rm_dir, tmp_path):
+    """Under FSDP2 the reward-model component is sharded: rank 1 never loads the RM's weights
+    (its model is built on the meta device and filled from rank 0), each rank keeps about half
+    of the parameters as DTensor shards (frozen, eval), and the scores of each rank's rows equal
+    one process's — for a saved sequence-classification RM and for an RM made from a causal LM.
+    A rank without rows in a round (`take_part_without_rows`) keeps the others from hanging."""
+    from rlhflab.rewards.reward_model import RewardModelScorer
+
+    paths = {"seq_cls": rm_dir, "causal_lm": base_model}
+    script = tmp_path / "worker.py"
+    script.write_text(RM_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    res = subprocess.run(
+        [*cmd, str(script), json.dumps(paths), str(tmp_path)],
+        env=_env(), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # rank 0 loads each scorer once (the rowless round's is a third); rank 1 never
+    assert sorted(ranks[0]["loads"]) == sorted([*paths.values(), rm_dir])
+    assert ranks[1]["loads"] == []
+    prompts = [[1 + (3 * i + j) % 50 for j in range(4 + i % 3)] for i in range(8)]
+    completions = [[2 + (5 * i + j) % 60 for j in range(1 + i % 5)] for i in range(8)]
+    for name, path in paths.items():
+        got = [ranks[r][name] for r in range(2)]
+        for g in got:
+            assert g["all_dtensor"] and g["frozen"], name
+            assert g["local"] <= 0.55 * g["full"], (name, g["local"], g["full"])
+        scorer = RewardModelScorer.from_pretrained(path, kind="preference", dtype="float64")
+        want = scorer.score(prompts, completions)
+        scores = torch.tensor(got[0]["scores"] + got[1]["scores"], dtype=torch.float64)
+        assert want.std() > 0
+        torch.testing.assert_close(scores, want.double(), rtol=RTOL, atol=RTOL, msg=name)
+        if name == "seq_cls":
+            alone = torch.tensor(ranks[0]["alone"], dtype=torch.float64)
+            torch.testing.assert_close(alone, want.double(), rtol=RTOL, atol=RTOL)

@@ -25,6 +25,7 @@ named "reward_model" (`rlhflab.rewards.shaping.REWARD_COMPONENTS`), next to the 
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
@@ -83,8 +84,22 @@ class RewardModelScorer:
         self.last_raw: Tensor | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str, *, kind: str, device="cpu", sep: str = "\n", **kwargs):
-        """Load a saved reward model and its tokenizer (for pad / separator ids)."""
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        kind: str,
+        device="cpu",
+        sep: str = "\n",
+        dtype: str = "float32",
+        meta: bool = False,
+        **kwargs,
+    ):
+        """Load a saved reward model and its tokenizer (for pad / separator ids).
+
+        dtype: the parameters' dtype ("float32", or "float64" for exactness tests).
+        meta: build the model on the meta device from its config instead (no weights, no
+            memory: an FSDP2 rank other than 0, filled by `load_sharded`)."""
         from rlhflab.data.prm import separator_id
         from rlhflab.models.loading import load_tokenizer
         from rlhflab.models.reward import load_reward_model
@@ -95,7 +110,10 @@ class RewardModelScorer:
             from transformers import AutoConfig
 
             num_labels = AutoConfig.from_pretrained(path).num_labels
-        model = load_reward_model(path, num_labels=num_labels or 1, device=device)
+        if meta:
+            model = _meta_reward_model(path, num_labels=num_labels or 1, dtype=dtype)
+        else:
+            model = load_reward_model(path, num_labels=num_labels or 1, dtype=dtype, device=device)
         sep_id = separator_id(tokenizer, sep) if kind == "prm" else None
         scorer = cls(model, kind=kind, pad_token_id=tokenizer.pad_token_id, sep_id=sep_id, **kwargs)
         scorer.tokenizer = tokenizer  # for scoring decoded text (`score_texts`)
@@ -121,20 +139,26 @@ class RewardModelScorer:
     @torch.no_grad()
     def raw_scores_rollout(self, rollout) -> Tensor:
         """Un-normalised scores (B,) of a Rollout (micro-batched)."""
+        from rlhflab import distributed
         from rlhflab.models.reward import completion_token_logits, score_rollout
 
         device = next(self.model.parameters()).device
         out = []
-        for s in range(0, rollout.completion_ids.size(0), self.micro_batch_size):
-            mb = rollout.select(slice(s, s + self.micro_batch_size)).to(device)
-            if self.kind == "prm":
-                logits = completion_token_logits(self.model, mb, autocast_dtype=self.autocast_dtype)
-                probs = prm_step_correct_prob(logits)  # (b, T)
-                steps = (mb.completion_ids == self.sep_id) & mb.mask.bool()
-                out.append(prm_solution_score(probs, steps, reduce=self.prm_reduce))
-            else:
-                scores = score_rollout(self.model, mb, autocast_dtype=self.autocast_dtype)
-                out.append(torch.sigmoid(scores) if self.kind == "orm" else scores)
+        # Sharded (FSDP2, `load_sharded`): unsharded once for this rank's rows (a collective:
+        # every rank scores at the same steps); otherwise nothing happens.
+        with distributed.gathered(self.model):
+            for s in range(0, rollout.completion_ids.size(0), self.micro_batch_size):
+                mb = rollout.select(slice(s, s + self.micro_batch_size)).to(device)
+                if self.kind == "prm":
+                    logits = completion_token_logits(
+                        self.model, mb, autocast_dtype=self.autocast_dtype
+                    )
+                    probs = prm_step_correct_prob(logits)  # (b, T)
+                    steps = (mb.completion_ids == self.sep_id) & mb.mask.bool()
+                    out.append(prm_solution_score(probs, steps, reduce=self.prm_reduce))
+                else:
+                    scores = score_rollout(self.model, mb, autocast_dtype=self.autocast_dtype)
+                    out.append(torch.sigmoid(scores) if self.kind == "orm" else scores)
         return torch.cat(out).float()
 
     def score_rollout(self, rollout) -> Tensor:
@@ -171,6 +195,57 @@ class RewardModelScorer:
             self._m2 += delta * (x - self._mean)
         std = math.sqrt(self._m2 / (self._n - 1)) if self._n > 1 else 1.0
         return (raw - self._mean) / (std + 1e-8)
+
+
+def _meta_reward_model(path: str, *, num_labels: int, dtype: str):
+    """The reward model `load_reward_model(path, num_labels=..., dtype=...)` would load, built on
+    the meta device from its config: the same modules, parameter names, shapes and dtypes, no
+    weights (a sequence-classification checkpoint as is; a causal LM with a head, as
+    `reward_model_from_causal_lm` makes it, which draws nothing on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhflab.models.loading import DTYPES, float64_exact
+    from rlhflab.models.reward import reward_model_from_causal_lm
+
+    config = AutoConfig.from_pretrained(path)
+    seq_cls = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        if seq_cls:
+            model = AutoModelForSequenceClassification.from_config(config)
+        else:
+            lm = AutoModelForCausalLM.from_config(config)
+    if not seq_cls:  # seeds the global RNG as rank 0's load does (same streams on every rank)
+        model = reward_model_from_causal_lm(
+            lm, num_labels=num_labels, pad_token_id=lm.config.pad_token_id
+        )
+    model = model.to(DTYPES[dtype])
+    return float64_exact(model) if dtype == "float64" else model
+
+
+def load_sharded(
+    path: str, parallel, *, kind: str, sep: str = "\n", dtype: str = "float32", **kwargs
+) -> RewardModelScorer:
+    """A `RewardModelScorer` whose model is sharded over the ranks by FSDP2, without a full copy
+    on any rank but 0's host (`rlhflab.distributed.loads_from_rank0`): rank 0 loads the model
+    in host memory, the other ranks build it on the meta device from its config, and
+    `distributed.wrap(..., roots=[backbone, head])` shards it from rank 0's weights (frozen,
+    eval). Scoring unshards it for the duration (`distributed.gathered`). A collective: every
+    rank calls it at the same point. `parallel` is the `parallel` config section (mixed
+    precision, cpu offload); the other arguments are `RewardModelScorer.from_pretrained`'s."""
+    from rlhflab import distributed
+    from rlhflab.models.reward import reward_head
+
+    meta = not distributed.is_main()
+    scorer = RewardModelScorer.from_pretrained(
+        path, kind=kind, device="cpu", sep=sep, dtype=dtype, meta=meta, **kwargs
+    )
+    model = scorer.model
+    weights = distributed.host_state(model) if not meta else None
+    scorer.model = distributed.wrap(
+        model, parallel, roots=[model.base_model, reward_head(model)], weights=weights
+    )
+    scorer.model.eval().requires_grad_(False)
+    return scorer
 
 
 def check_reward_model_paths(components) -> None:
@@ -224,6 +299,63 @@ def load_running_norm_state(state: dict[str, dict]) -> None:
         scorer.load_running_state({"n": 0, "mean": 0.0, "m2": 0.0})
 
 
+def _scorer(
+    device, parallel, *, path, kind, normalize, prm_reduce, step_separator, micro_batch_size, dtype
+) -> tuple[RewardModelScorer, tuple]:
+    """The process's scorer for these arguments (loaded at the first call) and its key."""
+    from rlhflab import distributed
+    from rlhflab.models.loading import DTYPES
+
+    if dtype not in DTYPES:
+        raise ConfigError(
+            f"reward.components[reward_model].args.dtype: one of {', '.join(DTYPES)}, got {dtype!r}"
+        )
+    key = (path, kind, normalize, prm_reduce, step_separator, micro_batch_size)
+    key = (*key, *([dtype] if dtype != "float32" else []), str(device))
+    scorer = _SCORERS.get(key)
+    if scorer is None:
+        load = dict(
+            kind=kind,
+            sep=step_separator,
+            prm_reduce=prm_reduce,
+            normalize=normalize,
+            micro_batch_size=micro_batch_size,
+        )
+        if dtype != "float32":
+            load["dtype"] = dtype
+        if parallel is not None and distributed.loads_from_rank0():
+            scorer = load_sharded(path, parallel, **load)
+        else:
+            scorer = RewardModelScorer.from_pretrained(path, device=device, **load)
+        _SCORERS[key] = scorer
+    return scorer, key
+
+
+def take_part_without_rows(components, parallel, device) -> None:
+    """A rank with no rows to score this round (more ranks than prompts) takes part in what the
+    sharded reward models' scoring does collectively on the other ranks (loading, unsharding):
+    without it they would wait forever. Nothing happens unless the reward models are sharded
+    (`load_sharded`)."""
+    from rlhflab import distributed
+
+    if parallel is None or not distributed.loads_from_rank0():
+        return
+    params = inspect.signature(reward_model_component).parameters
+    defaults = {k: p.default for k, p in params.items() if k in _SCORER_ARGS and k != "path"}
+    for comp in components:
+        if comp.name != "reward_model" or getattr(comp, "function", None):
+            continue
+        args = {**defaults, **{k: v for k, v in comp.args.items() if k in _SCORER_ARGS}}
+        scorer, _ = _scorer(device, parallel, **args)
+        with distributed.gathered(scorer.model):
+            pass
+
+
+_SCORER_ARGS = (
+    "path", "kind", "normalize", "prm_reduce", "step_separator", "micro_batch_size", "dtype"
+)  # fmt: skip
+
+
 def reward_model_component(
     *,
     rollout,
@@ -236,6 +368,8 @@ def reward_model_component(
     step_separator: str = "\n",
     micro_batch_size: int = 64,
     retokenize: bool = False,
+    dtype: str = "float32",
+    parallel=None,
 ) -> Tensor:
     """Reward component "reward_model": the RM's score of each completion of the rollout (B,) on
     the CPU, float32. The RM at `path` is loaded once per process (on the rollout's device) and
@@ -245,21 +379,25 @@ def reward_model_component(
     they are. True: the decoded completions and their prompt rows are re-tokenised with the RM's
     own tokenizer and chat template (`RewardModelScorer.score_texts`) — an RM whose tokenizer
     differs from the policy's.
+
+    dtype: the RM's parameter dtype ("float32"; "float64" for exactness tests). `parallel` (the
+    run's `parallel` config section, supplied by the trainer): under FSDP2 with several
+    processes (`distributed.loads_from_rank0`) the RM is sharded without full copies
+    (`load_sharded`) and every rank must score at the same steps; otherwise every process
+    loads it whole on its device.
     """
     device = rollout.completion_ids.device
-    key = (path, kind, normalize, prm_reduce, step_separator, micro_batch_size, str(device))
-    scorer = _SCORERS.get(key)
-    if scorer is None:
-        scorer = RewardModelScorer.from_pretrained(
-            path,
-            kind=kind,
-            device=device,
-            sep=step_separator,
-            prm_reduce=prm_reduce,
-            normalize=normalize,
-            micro_batch_size=micro_batch_size,
-        )
-        _SCORERS[key] = scorer
+    scorer, key = _scorer(
+        device,
+        parallel,
+        path=path,
+        kind=kind,
+        normalize=normalize,
+        prm_reduce=prm_reduce,
+        step_separator=step_separator,
+        micro_batch_size=micro_batch_size,
+        dtype=dtype,
+    )
     if _state_key(key) in _PENDING:
         scorer.load_running_state(_PENDING.pop(_state_key(key)))
     if retokenize:

@@ -10,6 +10,7 @@ these it accepts (SUPPLIED_ARGS):
     truncated        (B,) bool         no EOS within the budget
     max_new_tokens   int               the generation budget L_max
     rollout          Rollout           the sampled token ids (for reward models)
+    parallel         ParallelConfig    the run's `parallel` section (reward models under FSDP2)
 
 and the preset gives the others (`reward.components[i].args`, checked against the signature when
 the config loads). Each returns a (B,) float32 tensor, logged as `rollout/reward/<name>_mean`
@@ -46,6 +47,7 @@ SUPPLIED_ARGS = {
     "truncated",
     "max_new_tokens",
     "rollout",
+    "parallel",
 }
 
 

@@ -54,6 +54,7 @@ from rlhflab.rewards.reward_model import (
     check_reward_model_paths,
     load_running_norm_state,
     running_norm_state,
+    take_part_without_rows,
 )
 from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
@@ -325,6 +326,7 @@ class PolicyGradient(Trainer):
         mine = chosen[g0:g1]
         if not mine:  # more ranks than prompts in a dynamic-sampling round's remainder
             draw_seed(self.sampler_rng, device)  # the draw `sample` would take: stay in step
+            take_part_without_rows(cfg.reward.components, cfg.parallel, device)
             return ScoredBatch.gather(None, tokenizer.pad_token_id, device)
         problems = [self.splits.train[i] for i in mine for _ in range(group_size)]
         model.eval()
@@ -351,6 +353,7 @@ class PolicyGradient(Trainer):
                 "truncated": rollout.truncated.cpu(),
                 "max_new_tokens": cfg.rollout.max_new_tokens,
                 "rollout": rollout,
+                "parallel": cfg.parallel,
             },
             where=f"step {step}",
         )
