@@ -93,3 +93,38 @@ def tiny_dpo(root: str | Path, model_dir: str | Path, **sections: Any) -> dict:
     }
     raw.update(sections)
     return raw
+
+
+def worker_env() -> dict:
+    """The environment of a torchrun test job: this one without rlhflab's fault switches, one
+    thread per process, offline."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHFLAB_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def saved_qwen3_105m(path: Path, *, tokenizer: bool = False) -> int:
+    """A random Qwen3-shape model of 105 M parameters (420 MB in float32) saved as safetensors
+    at `path` (and a 300-token tokenizer trained on sums when `tokenizer`); returns the weights'
+    size in bytes. Many layers and a small vocabulary: its largest tensor (the 8 MB embedding,
+    what a rank holds while one tensor is broadcast or exported) is small beside the model, so
+    memory tests can tell one tensor from a full copy."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=32,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(path)
+    if tokenizer:
+        from rlhflab.models.tokenizer import train_tokenizer
+
+        texts = [f"{i} + {i % 7} = {i + i % 7}" for i in range(300)]
+        train_tokenizer(texts, vocab_size=300).save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -9,14 +9,13 @@ when the shard size is forced small, and loads with `from_pretrained`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from factories import saved_qwen3_105m, worker_env
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -67,44 +66,16 @@ WORKER = textwrap.dedent(
 )
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHFLAB_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def _saved_model(path: Path) -> int:
-    """A random Qwen3-shape model of 105 M parameters (420 MB in float32) and a tokenizer,
-    saved; returns the weights' size in bytes. Many layers and a small vocabulary: its largest
-    tensor (the 8 MB embedding) is small beside the model."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from rlhflab.models.tokenizer import train_tokenizer
-
-    config = Qwen3Config(
-        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=32,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
-    model.save_pretrained(path)
-    train_tokenizer(
-        [f"{i} + {i % 7} = {i + i % 7}" for i in range(300)], vocab_size=300
-    ).save_pretrained(path)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def test_fsdp2_export_is_streamed_and_exact(tmp_path):
     from transformers import AutoModelForCausalLM
 
     src = tmp_path / "src"
-    nbytes = _saved_model(src)
+    nbytes = saved_qwen3_105m(src, tokenizer=True)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(script), str(src), str(tmp_path)]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
 
     peaks = json.loads((tmp_path / "peaks.json").read_text())

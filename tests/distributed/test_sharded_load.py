@@ -11,14 +11,13 @@ reference is stored in bf16, and both compute the same logits at the start.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from factories import saved_qwen3_105m, worker_env
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -104,29 +103,6 @@ WORKER = textwrap.dedent(
 )
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHFLAB_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def _saved_model(path: Path) -> int:
-    """A random Qwen3-shape model of 105 M parameters (420 MB in float32), saved as
-    safetensors; returns its size in bytes. Many layers and a small vocabulary: its largest
-    tensor (the 8 MB embedding), which a rank holds while it is broadcast, is small beside it."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=32,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
-    model.save_pretrained(path)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def _one_process(cfg, input_ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
     from rlhflab.trainers.common import prepare_model
 
@@ -140,12 +116,12 @@ def test_fsdp2_load_rank1_holds_no_full_copy(tmp_path):
     from rlhflab.config import BuildConfig, ModelConfig
 
     model_dir = tmp_path / "model"
-    nbytes = _saved_model(model_dir)
+    nbytes = saved_qwen3_105m(model_dir)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(script), str(model_dir), str(tmp_path), json.dumps(TEXTS), json.dumps(BUILD)]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
 
     # Memory: rank 0 reads the model once (one full copy); rank 1 holds its half of the shards
