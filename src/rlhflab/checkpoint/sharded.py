@@ -24,7 +24,7 @@ one piece covering the whole tensor. Ranks with an empty shard write no piece.
     TensorReader(dir, name)          reads whole tensors or boxes of them from a sharded
                                      checkpoint or from an ordinary full `<name>.safetensors`
     read_tensors(dir, name)          every tensor whole (world size 1; consolidation)
-    tied_groups(module)              names that share one parameter (written once)
+    (tied parameters, `distributed.tied_groups`, are written once, under the group's first name)
     module_pieces / optimizer_pieces this rank's pieces of a module / an optimizer's state
     load_module / optimizer_tensors  this rank's slices back into a module / optimizer state
 
@@ -305,15 +305,6 @@ def _parse_index(path: Path) -> dict[str, dict]:
         raise CheckpointError(f"checkpoint {path.parent}: {path.name} unreadable: {msg}") from None
 
 
-def tied_groups(module: torch.nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (tied embeddings), each group sorted; a sharded
-    checkpoint holds each group once, under its first name."""
-    seen: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        seen.setdefault(id(p), []).append(name)
-    return [sorted(names) for names in seen.values() if len(names) > 1]
-
-
 # ---------------------------------------------------------------------------------------------
 # Modules and optimizers ↔ pieces (this rank's shards; `rlhflab.distributed` knows the layout)
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +313,7 @@ def tied_groups(module: torch.nn.Module) -> list[list[str]]:
 def module_pieces(module: torch.nn.Module) -> dict[str, Piece | None]:
     """This rank's pieces of `module`'s state dict (tied names once, under the first), for
     `write_rank_file`: a sharded parameter's local shard, a replicated tensor on rank 0 only."""
-    drop = {n for group in tied_groups(module) for n in group[1:]}
+    drop = {n for group in distributed.tied_groups(module) for n in group[1:]}
     return {k: distributed.local_piece(t) for k, t in module.state_dict().items() if k not in drop}
 
 
@@ -351,7 +342,7 @@ def load_module(module: torch.nn.Module, reader: TensorReader) -> None:
             the module does not have.
         ValueError: a saved shape differs from the module's.
     """
-    aliases = {n: group for group in tied_groups(module) for n in group}
+    aliases = {n: group for group in distributed.tied_groups(module) for n in group}
     used = set()
     for name, t in module.state_dict(keep_vars=True).items():
         src = next((n for n in aliases.get(name, [name]) if n in reader.tensors), None)

@@ -420,7 +420,6 @@ from rlhflab.distributed.state import (  # noqa: E402, F401
     _output_embedding_names,
     _sd_options,
     _sd_options_load,
-    _tied_groups,
     from_local_like,
     full_model_state,
     full_optimizer_state,
@@ -431,4 +430,5 @@ from rlhflab.distributed.state import (  # noqa: E402, F401
     model_state_specs,
     shard_region,
     stream_model_state,
+    tied_groups,
 )

@@ -46,7 +46,7 @@ def full_model_state(
 def _tied_dropped(model: torch.nn.Module, *, keep_tied: bool) -> set[str]:
     """The names of tied parameters that a saved state leaves out (see `full_model_state`)."""
     out: set[str] = set()
-    for group in _tied_groups(model):
+    for group in tied_groups(model):
         if keep_tied:  # what save_pretrained writes for a tied model: the input embedding's name
             drop = [n for n in group if n in _output_embedding_names(model)]
             drop = drop if len(drop) < len(group) else []
@@ -97,7 +97,7 @@ def load_full_model_state(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     sd = dict(sd)
-    for group in _tied_groups(model):
+    for group in tied_groups(model):
         kept = sorted(group)[0]
         for name in group:
             if strict or kept in sd:
@@ -120,11 +120,13 @@ def _output_embedding_names(model: torch.nn.Module) -> set[str]:
     return {f"{n}.weight" for n, m in model.named_modules() if m is head}
 
 
-def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (tied embeddings), each group sorted; [] when
+    nothing is tied. Saved states (full or sharded) hold each group once."""
     seen: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         seen.setdefault(id(p), []).append(name)
-    return [names for names in seen.values() if len(names) > 1]
+    return [sorted(names) for names in seen.values() if len(names) > 1]
 
 
 def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:

@@ -300,12 +300,8 @@ class DirectAlignment(Trainer):
         )
 
     def checkpointed(self) -> Checkpointed:
-        return Checkpointed(
-            modules={"model": self.model},
-            optimizers={"optimizer": self.optimizer},
-            schedulers={"scheduler": self.scheduler},
-            generators={"sampler": self.generator},
-            stateful={"data": self.stream},
+        return Checkpointed.one_model(
+            self.model, self.optimizer, self.scheduler, self.stream, {"sampler": self.generator}
         )
 
     def begin(self) -> None:

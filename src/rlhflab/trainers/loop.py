@@ -218,6 +218,20 @@ class Checkpointed:
     generators: dict[str, torch.Generator] = field(default_factory=dict)
     stateful: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def one_model(
+        cls, model, optimizer, scheduler, data, generators: dict | None = None
+    ) -> Checkpointed:
+        """The usual share of a trainer with one trained model: "model", its "optimizer" and
+        LR "scheduler", the data stream's position ("data"), and `generators` (name → RNG)."""
+        return cls(
+            modules={"model": model},
+            optimizers={"optimizer": optimizer},
+            schedulers={"scheduler": scheduler},
+            generators=generators or {},
+            stateful={"data": data},
+        )
+
 
 class Trainer:
     """One trainer family, as the harness calls it. Subclasses set, in `__init__` (the set-up,

@@ -157,12 +157,7 @@ class RewardModelTrainer(Trainer):
         )
 
     def checkpointed(self) -> Checkpointed:
-        return Checkpointed(
-            modules={"model": self.model},
-            optimizers={"optimizer": self.optimizer},
-            schedulers={"scheduler": self.scheduler},
-            stateful={"data": self.stream},
-        )
+        return Checkpointed.one_model(self.model, self.optimizer, self.scheduler, self.stream)
 
     def state(self) -> dict:
         return {"last_loss": self.last_loss}

@@ -130,12 +130,7 @@ class SFT(Trainer):
 
     def checkpointed(self) -> Checkpointed:
         # model, optimizer, schedule and the data position (`order`); the harness adds the rest
-        return Checkpointed(
-            modules={"model": self.model},
-            optimizers={"optimizer": self.optimizer},
-            schedulers={"scheduler": self.scheduler},
-            stateful={"data": self.stream},
-        )
+        return Checkpointed.one_model(self.model, self.optimizer, self.scheduler, self.stream)
 
     def has_heldout(self) -> bool:
         return bool(self.heldout)
