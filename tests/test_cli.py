@@ -238,8 +238,11 @@ def test_eval_command_on_a_prompt_dataset_with_reward_functions(tmp_path, tiny_t
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     # 4 GSM8K test rows (the file as is: no held-out filtering in eval), each 2 · 0.5 = 1.0;
-    # math_verify has weight 0 and does not count.
-    assert out["n"] == 4 and out["metric"] == "reward" and out["accuracy"] == 1.0
+    # math_verify has weight 0 and does not count in the sum, but it is the headline: a
+    # correctness (0 for an untrained model), never the weighted sum called accuracy.
+    assert out["n"] == 4 and out["reward"] == 1.0 and out["reward/half"] == 0.5
+    assert out["metric"] == "accuracy" and out["accuracy"] == out["reward/math_verify"] == 0.0
+    assert out["headline_name"] == "correctness (math_verify)" and out["headline"] == 0.0
     assert out["rewards"] == ["half=2", "math_verify=0"]
     assert main([*argv[:2], "--task", "chain_sum", *argv[2:]]) == 2
     assert "give exactly one of --task NAME and --data PATH" in capsys.readouterr().err

@@ -191,7 +191,9 @@ def run_compare(
         cfg0 = configs[p][0]
         own_signal = SIGNALS[cfg0.trainer][0]
         reward = [_series(r["rows"], own_signal) for r in runs]
-        acc = [_series(r["rows"], "eval/accuracy") for r in runs]
+        # the held-out headline (a correctness when the task has one, else the named reward)
+        acc = [_series(r["rows"], "eval/headline") or _series(r["rows"], "eval/accuracy")
+               for r in runs]  # fmt: skip
         tail = [statistics.mean(v for _, _, v in ser[-10:]) if ser else None for ser in reward]
         results["presets"][name] = {
             "path": str(p),
@@ -201,8 +203,9 @@ def run_compare(
             "composition": _composition(cfg0),
             "steps": [r["result"]["steps"] for r in runs],
             "completions_per_step": _per_step(cfg0),
-            "heldout_accuracy_before": [r["result"]["heldout_accuracy_before"] for r in runs],
-            "heldout_accuracy": [r["result"]["heldout_accuracy"] for r in runs],
+            "headline_name": _headline(runs[0]["result"])[0],
+            "heldout_accuracy_before": [_headline(r["result"])[2] for r in runs],
+            "heldout_accuracy": [_headline(r["result"])[1] for r in runs],
             "heldout_majority_baseline": [
                 r["result"].get("heldout_majority_baseline") for r in runs
             ],
@@ -227,27 +230,42 @@ def run_compare(
     return {"out_dir": str(out), "wall_s": results["wall_s"], "table": str(out / "comparison.md")}
 
 
+def _headline(result: dict) -> tuple[str, float | None, float | None]:
+    """(name, value, value before training) of a run's held-out headline (final_results.json's
+    `headline`; runs from before it existed: heldout_accuracy, a correctness)."""
+    h = result.get("headline")
+    if isinstance(h, dict):
+        return h.get("name"), h.get("value"), h.get("before")
+    name = "correctness" if result.get("heldout_metric", "accuracy") == "accuracy" else "reward"
+    return name, result.get("heldout_accuracy"), result.get("heldout_accuracy_before")
+
+
 def comparison_table(results: dict) -> str:
-    """The markdown table of a comparison (one row per preset; mean ± std over seeds)."""
+    """The markdown table of a comparison (one row per preset; mean ± std over seeds). The
+    held-out columns are each run's headline (`headline_name`: "correctness (...)" -> "acc.",
+    a weighted reward -> "reward")."""
     pairs = results.get("family") == "direct_alignment"
     mixed = results.get("family") == "mixed"
     signal = results.get("signal_name", "reward")
+    names = {r.get("headline_name") for r in results["presets"].values()} - {None}
+    name = " / ".join(sorted(names)) or "correctness"
+    acc = "acc." if all(n.startswith("correctness") for n in names) else "headline"
     if mixed:
         head = (
-            "| preset | family: composition | steps × completions or pairs | held-out acc. before "
-            "| held-out acc. after | majority baseline | training signal (last 10 steps) "
+            f"| preset | family: composition | steps × completions or pairs | held-out {acc} before "
+            f"| held-out {acc} after | majority baseline | training signal (last 10 steps) "
             "| wall s / run |"
         )
     elif pairs:
         head = (
             "| preset | loss | steps × pairs | held-out pref. acc. before | held-out pref. acc. "
-            f"after | held-out acc. before | held-out acc. after | majority baseline | {signal} "
+            f"after | held-out {acc} before | held-out {acc} after | majority baseline | {signal} "
             "(last 10 steps) | wall s / run |"
         )
     else:
         head = (
             "| preset | advantage / surrogate / aggregation / KL | steps × completions | "
-            "held-out acc. before | held-out acc. after | majority baseline | "
+            f"held-out {acc} before | held-out {acc} after | majority baseline | "
             f"{signal} (last 10 steps) | wall s / run |"
         )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
@@ -271,7 +289,8 @@ def comparison_table(results: dict) -> str:
     heldout = next(iter(results["presets"].values()))["heldout_n"]
     lines.append("")
     lines.append(
-        f"Mean ± std over {n} seed{'s' if n > 1 else ''}; held-out accuracy is greedy, on "
+        f"Mean ± std over {n} seed{'s' if n > 1 else ''}; the held-out headline ({name}) is "
+        "greedy, on "
         f"{heldout} problems; the majority baseline answers every one with the most common "
         "training answer. Overrides (each to the presets that have its key): "
         f"`{' '.join(results['overrides']) or 'none'}`."
@@ -303,7 +322,9 @@ def plot_comparison(results: dict, path: Path) -> None:
                 ax.plot(x, mean, label=name, color=color, marker=marker, ms=3)
                 ax.fill_between(x, lo, hi, alpha=0.15, color=color)
     signal = results.get("signal", "rollout/reward_mean")
-    titles = [[signal, signal], ["held-out accuracy", "held-out accuracy"]]
+    names = {r.get("headline_name") for r in results["presets"].values()} - {None}
+    held = f"held-out {' / '.join(sorted(names)) or 'accuracy'}"
+    titles = [[signal, signal], [held, held]]
     for row in range(2):
         for col in range(2):
             ax = axes[row][col]

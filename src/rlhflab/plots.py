@@ -5,11 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 # The curves worth a picture, by family. Missing keys are skipped; a key ending in "*" matches every
-# metric with that prefix (e.g. each reward component's mean).
+# metric with that prefix (e.g. each reward component's mean); a bare "prefix*" leaves out the
+# "_stderr" keys.
 MAIN_CURVES: dict[str, list[str]] = {
     "reward": ["rollout/reward_mean", "rollout/reward/*_mean"],
     "accuracy": ["rollout/accuracy", "eval/accuracy", "eval/majority_baseline"],
-    "kl": ["policy/kl"],
+    # a prompt dataset's held-out weighted reward and each component on its own
+    "heldout_rewards": ["eval/reward", "eval/reward/*"],
+    "heldout_sampling": ["eval/pass@*", "eval/maj@*"],  # pass@k / maj@k at every evaluation
+    "kl": ["policy/kl", "policy/kl_ref"],
     "entropy": ["policy/entropy"],
     "response_length": ["rollout/response_len_mean"],
     "loss": ["train/loss", "policy/loss"],
@@ -67,5 +71,7 @@ def _expand(keys: list[str], rows: list[dict]) -> list[str]:
             continue
         prefix, suffix = key.split("*", 1)
         names = {k for r in rows for k in r if k.startswith(prefix) and k.endswith(suffix)}
+        if not suffix:  # "prefix*": the values, not their standard errors
+            names = {k for k in names if not k.endswith("_stderr")}
         out.extend(sorted(names))
     return out

@@ -26,27 +26,48 @@ def _duration(seconds: float) -> str:
 
 
 def _heldout_line(r: dict) -> str | None:
-    """Held-out task accuracy (or mean reward on prompt datasets) ± standard error."""
-    acc = _num(r.get("heldout_accuracy"))
+    """The held-out headline ± standard error: task accuracy ("held-out accuracy"), a prompt
+    dataset's correctness reward ("held-out correctness (math_verify)") or, without one, its
+    named weighted reward ("held-out reward (weighted sum: ...)")."""
+    h = r.get("headline") if isinstance(r.get("headline"), dict) else None
+    if h is not None:
+        name, acc, se, before = h.get("name") or "", _num(h.get("value")), h.get("stderr"), None
+        before = _num(h.get("before"))
+        is_acc = name.startswith("correctness")
+        label = "accuracy" if name == "correctness (task verifier)" else name
+    else:  # results written before the headline existed
+        acc, se = _num(r.get("heldout_accuracy")), r.get("heldout_accuracy_stderr")
+        before = _num(r.get("heldout_accuracy_before"))
+        is_acc = r.get("heldout_metric", "accuracy") == "accuracy"
+        label = "accuracy" if is_acc else "mean reward"
     if acc is None:
         return None
-    is_acc = r.get("heldout_metric", "accuracy") == "accuracy"
 
     def show(v: float) -> str:
         return f"{100 * v:.1f}%" if is_acc else f"{v:.3f}"
 
-    se = _num(r.get("heldout_accuracy_stderr"))
-    text = f"held-out {'accuracy' if is_acc else 'mean reward'}: {show(acc)}"
+    se = _num(se)
+    text = f"held-out {label}: {show(acc)}"
     if se is not None:
         text += f" ± {100 * se:.1f}" if is_acc else f" ± {se:.3f}"
     extra = [f"n={r['heldout_n']}"] if r.get("heldout_n") else []
-    before = _num(r.get("heldout_accuracy_before"))
     if before is not None:
         extra.append(f"before training {show(before)}")
     base = _num(r.get("heldout_majority_baseline"))
     if base is not None:
         extra.append(f"majority-answer baseline {show(base)}")
     return text + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def _components_line(r: dict) -> str | None:
+    """Every held-out reward component on its own, and their weighted sum (prompt datasets)."""
+    parts = r.get("heldout_rewards")
+    if not isinstance(parts, dict) or not parts:
+        return None
+    shown = [f"{k} {_num(v):.3f}" for k, v in parts.items() if _num(v) is not None]
+    total = _num(r.get("heldout_reward"))
+    tail = f" (weighted sum {total:.3f})" if total is not None else ""
+    return f"held-out reward components: {', '.join(shown)}{tail}" if shown else None
 
 
 def _other_eval_lines(r: dict) -> list[str]:
@@ -111,6 +132,9 @@ def summary_lines(results: dict) -> list[str]:
     heldout = _heldout_line(r)
     if heldout:
         lines.append(heldout)
+    components = _components_line(r)
+    if components:
+        lines.append(components)
     lines += _other_eval_lines(r)
     health = _health_line(r.get("health"))
     if health:

@@ -50,7 +50,11 @@ def test_online_dpo_labelled_by_a_reward_function_raises_heldout_reward(tmp_path
     res = run_config(config_from_dict(_raw(tmp_path)))
     assert res["heldout_n"] == 15
     assert res["pairs"]["round_1"]["pairs"] > 0 and res["pairs"]["round_2"]["pairs"] > 0
-    assert res["heldout_accuracy"] > res["heldout_accuracy_before"] + 0.3
+    # no correctness reward: the headline is the named weighted reward, never "accuracy"
+    head = res["headline"]
+    assert head["name"] == "reward (weighted sum: brevity=1)" and res["heldout_accuracy"] is None
+    assert head["value"] > head["before"] + 0.3
+    assert head["value"] == res["heldout_reward"] == res["heldout_rewards"]["brevity"]
 
 
 def test_dataset_prompts_need_reward_components_and_sampled_chosen(tmp_path):

@@ -46,7 +46,11 @@ def test_grpo_on_prompt_jsonl_with_user_reward_raises_heldout_reward(tmp_path):
     res = run_config(_cfg(tmp_path))
     assert res["heldout_metric"] == "reward" and res["heldout_n"] == 15
     assert res["prompt_source"] == f"dataset {FIX}/brevity.jsonl"
-    assert res["heldout_accuracy"] > res["heldout_accuracy_before"] + 0.3
+    # no correctness reward: the headline is the named weighted reward, never "accuracy"
+    head = res["headline"]
+    assert head["name"] == "reward (weighted sum: brevity=1)" and res["heldout_accuracy"] is None
+    assert head["value"] > head["before"] + 0.3
+    assert head["value"] == res["heldout_reward"] == res["heldout_rewards"]["brevity"]
     run_dir = Path(res["run_dir"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "rollout/reward/brevity_mean" in r]

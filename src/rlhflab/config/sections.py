@@ -264,8 +264,23 @@ class EvalConfig(Strict):
     n: int = Field(500, ge=0)  # held-out problems (<= task.n_heldout); 0: no evaluation
     batch_size: int = Field(256, ge=1)
     max_new_tokens: int = Field(32, ge=1)
-    k: int = Field(0, ge=0)  # pass@k samples per problem; 0 to skip
+    # pass@k: an int k draws k samples per problem (pass@1, pass@k; 0 skips sampling); a list
+    # [1, 4, 16] reports pass@k and maj@k at each k from n_samples samples per problem
+    # (rlhflab.eval.passk; eval/pass@<k>, eval/maj@<k> with standard errors over problems).
+    k: int | list[int] = 0
+    n_samples: int = Field(0, ge=0)  # samples per problem for a list k; 0: max(k)
     temperature: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_k(self) -> EvalConfig:
+        ks = [self.k] if isinstance(self.k, int) else self.k
+        if isinstance(self.k, int) and self.k < 0:
+            raise ValueError(f"eval.k must be >= 0 (got {self.k})")
+        if isinstance(self.k, list) and (not ks or any(x < 1 for x in ks)):
+            raise ValueError(f"eval.k: a list needs ks >= 1 (got {self.k})")
+        if self.n_samples and ks and self.n_samples < max(ks):
+            raise ValueError(f"eval.n_samples {self.n_samples} is below the largest k {max(ks)}")
+        return self
 
 
 class ParallelConfig(Strict):

@@ -65,7 +65,7 @@ def run_eval_command(
     n: int,
     n_train_exclude: int,
     seed: int,
-    k: int,
+    k: int | list[int],
     temperature: float,
     max_new_tokens: int,
     answer_format: str,
@@ -78,6 +78,7 @@ def run_eval_command(
     show: int = 0,
     gguf_file: str | None = None,
     engine: str = "hf",
+    n_samples: int = 0,
     print_fn=print,
 ) -> dict:
     """Held-out results of `model_path` on `task`.
@@ -116,6 +117,7 @@ def run_eval_command(
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         k=k,
+        n_samples=n_samples,
         temperature=temperature,
         seed=seed,
         system=system,
@@ -158,7 +160,8 @@ def run_prompt_eval_command(
     system: str | None = None,
     rewards: list[str],
     n: int | None = None,
-    k: int = 0,
+    k: int | list[int] = 0,
+    n_samples: int = 0,
     temperature: float = 1.0,
     max_new_tokens: int = 32,
     batch_size: int = 256,
@@ -172,11 +175,15 @@ def run_prompt_eval_command(
         data: a Hub id (with `name`, `split`) or a local .json/.jsonl/.parquet file.
         rewards: reward names (REWARD_FUNCTIONS: math_verify, exact_match, think_format) or import
             paths ("pkg.mod:fn", "file.py:fn"), each optionally "=weight"; summed with weights.
-        k: samples per prompt for pass@1 / pass@k (a sample "passes" when its reward is 1.0).
+        k, n_samples: as `rlhflab.eval.accuracy.evaluate` (a sample passes when its correctness,
+            or without one its reward, is 1.0).
         engine: the rollout engine that samples ("hf" or "vllm", as `rollout.engine`).
     Returns:
-        {"model", "data", "split", "rewards", "accuracy" (= mean reward), "accuracy_stderr", "n",
-        "metric": "reward", ...}.
+        {"model", "data", "split", "rewards", "n", "reward" (mean weighted reward),
+        "reward_stderr", "reward/<name>" (each reward on its own), "headline_name", "headline",
+        "metric", ...}: the headline is a correctness when a verifier-like reward is among
+        `rewards` (math_verify, exact_match; then also "accuracy", and "metric": "accuracy"),
+        else the weighted reward ("metric": "reward"); never a weighted sum called accuracy.
     Raises:
         ConfigError / DataError: one line naming the option, file, row or field.
     """
@@ -206,6 +213,7 @@ def run_prompt_eval_command(
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         k=k,
+        n_samples=n_samples,
         temperature=temperature,
         seed=seed,
         system=system,
@@ -215,7 +223,7 @@ def run_prompt_eval_command(
         "data": data,
         "split": split,
         "rewards": [f"{c.name}={c.weight:g}" for c in components],
-        "metric": "reward",
+        "metric": "accuracy" if "accuracy" in res else "reward",
         **res,
     }
 

@@ -28,6 +28,7 @@ from rlhflab.errors import NonFiniteError
 from rlhflab.rewards.reward_model import reward_model_component
 
 __all__ = [
+    "CORRECTNESS_COMPONENTS",
     "REWARD_COMPONENTS",
     "SUPPLIED_ARGS",
     "check_finite_reward",
@@ -215,16 +216,25 @@ def call_reward_function(fn, comp, rows: list, texts: list[str], *, where: str) 
     return torch.tensor(values, dtype=torch.float32)
 
 
+#: Components whose value is a correctness (a verifier's judgement of the answer), in the order
+#: in which one is chosen as the held-out headline of a prompt dataset (`TextRewardScorer`).
+CORRECTNESS_COMPONENTS = ("correctness", "math_verify", "exact_match")
+
+
 class TextRewardScorer:
     """Held-out scoring of a prompt dataset: `score_batch(texts, rows)` is the weighted sum of the
     reward components computable from text alone (reward functions, `format`); components that
     need the sampled tokens (length, overlong, reward_model) are left out and listed in `skipped`.
-    Used in place of a task `Verifier` by `rlhflab.eval.accuracy.evaluate`.
+    Used in place of a task `Verifier` by `rlhflab.eval.accuracy.evaluate`, which also reads
+    `score_detail` (every text-computable component, weight-0 ones included, on its own) and
+    `correctness_key`: the first component named in CORRECTNESS_COMPONENTS (math_verify, ...),
+    the held-out headline ("correctness (math_verify)"); without one the headline is the
+    weighted sum, named as such ("reward (weighted sum: a=1, b=0.5)"), never "accuracy".
     """
 
     def __init__(self, components, verifier=None):
         self.verifier = verifier
-        self.components, self.skipped = [], []
+        self.components, self.skipped, self.reported = [], [], []
         for comp in components:
             if component_function(comp) is None:
                 params = inspect.signature(REWARD_COMPONENTS[comp.name]).parameters
@@ -232,9 +242,21 @@ class TextRewardScorer:
                 if not needs <= {"texts", "problems", "verifier"}:
                     self.skipped.append(comp.name)
                     continue
+            self.reported.append(comp)
             if comp.weight != 0:
                 self.components.append(comp)
         self.n_errors = 0
+        correct = [
+            _label(c)
+            for name in CORRECTNESS_COMPONENTS
+            for c in self.reported
+            if c.name == name and not getattr(c, "function", None)
+        ]
+        self.correctness_key = f"reward/{correct[0]}" if correct else None
+        weights = ", ".join(f"{_label(c)}={c.weight:g}" for c in self.components)
+        self.headline_name = (
+            f"correctness ({correct[0]})" if correct else f"reward (weighted sum: {weights})"
+        )
 
     def score_batch(self, texts: list[str], rows: list) -> list[float]:
         """Weighted text-only reward of each completion (B floats)."""
@@ -244,6 +266,33 @@ class TextRewardScorer:
             where="held-out eval",
         )
         return total.tolist()
+
+    def score_detail(self, texts: list[str], rows: list) -> dict[str, list[float]]:
+        """{"reward": weighted sum, "reward/<label>": each reported component unweighted} of
+        each completion (B floats each; a reward function's None is NaN)."""
+        total, parts = score_components(
+            self.reported,
+            {"texts": texts, "problems": rows, "verifier": self.verifier},
+            where="held-out eval",
+        )
+        return {"reward": total.tolist(), **{f"reward/{k}": v.tolist() for k, v in parts.items()}}
+
+    def answer_key(self, text: str) -> str | None:
+        """The final answer of `text` for majority voting: the content of its last
+        `<answer>…</answer>` pair, else the task verifier's extraction (when one is set), else
+        the stripped text; None when empty."""
+        from rlhflab.rewards.functions import _ANSWER
+
+        found = _ANSWER.findall(text)
+        if found:
+            return found[-1].strip() or None
+        if self.verifier is not None:
+            return self.verifier.extract(text)
+        return text.strip() or None
+
+
+def _label(comp) -> str:
+    return getattr(comp, "label", None) or comp.name
 
 
 def check_finite_reward(name: str, values: Tensor) -> None:

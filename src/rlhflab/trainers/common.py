@@ -500,7 +500,7 @@ def heldout_eval(
     at every evaluation (`eval/majority_baseline`). `engine` is the run's rollout engine (default:
     the `hf` engine on `model`)."""
     from rlhflab.data.formatting import task_instruction
-    from rlhflab.eval.accuracy import evaluate, mean_and_stderr
+    from rlhflab.eval.accuracy import evaluate, headline, summarize_scores
 
     if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
         warnings.warn(
@@ -521,6 +521,7 @@ def heldout_eval(
             batch_size=cfg.eval.batch_size,
             max_new_tokens=cfg.eval.max_new_tokens,
             k=cfg.eval.k,
+            n_samples=getattr(cfg.eval, "n_samples", 0),
             temperature=cfg.eval.temperature,
             seed=cfg.seed + r,
             system=cfg.task.system if system is ... else system,
@@ -529,16 +530,21 @@ def heldout_eval(
             return_scores=w > 1,
             engine=engine,
         )
-    if w > 1:
-        for name in ("accuracy", "pass@1", "pass@k"):
-            key = "scores" if name == "accuracy" else f"{name}_scores"
-            if key in res:
-                scores = [s for part in distributed.all_gather_object(res.pop(key)) for s in part]
-                res[name], res[f"{name}_stderr"] = mean_and_stderr(scores)
+    if w > 1:  # every per-problem list, gathered in rank order, summarised as one process would
+        parts = distributed.all_gather_object(res.pop("per_problem"))
+        per = {key: [s for part in parts for s in part[key]] for key in parts[0]}
+        res.update(summarize_scores(per))
+        if "pass@k" in res:
+            res["pass@k"], res["pass@k_stderr"] = (
+                res[f"pass@{res['k']}"],
+                res[f"pass@{res['k']}_stderr"],
+            )
+        res["headline"], res["headline_stderr"] = headline(res)[1:]
         res["n"] = len(problems)
     if baseline is not None:
         res["majority_baseline"] = baseline["majority_accuracy"]
-    tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
+    # numbers only (the headline's name is in final_results.json)
+    tracker.log(step, {f"eval/{k}": v for k, v in res.items() if not isinstance(v, str)})
     faults.hit("eval", step)
     return res
 

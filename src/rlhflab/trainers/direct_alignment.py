@@ -56,7 +56,7 @@ from rlhflab.data.preference import (
 from rlhflab.data.prompts import load_prompt_source
 from rlhflab.data.tasks import task_texts
 from rlhflab.errors import DataError
-from rlhflab.eval.accuracy import majority_baseline, majority_results
+from rlhflab.eval.accuracy import heldout_results, majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.preference import PREFERENCE_LOSSES, unpaired_loss_names
 from rlhflab.models.loading import context_length
@@ -507,10 +507,7 @@ class DirectAlignment(Trainer):
             "heldout_pref_accuracy_before": self.initial_pref.get("eval/pref_accuracy"),
             "heldout_pref_accuracy": self.final_pref.get("eval/pref_accuracy"),
             "heldout_pref_n": len(self.held_rows),
-            "heldout_accuracy_before": self.initial_eval.get("accuracy"),
-            "heldout_accuracy": final_eval.get("accuracy"),
-            "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
-            "heldout_n": final_eval.get("n", 0),
+            **heldout_results(self.initial_eval, final_eval),
             **majority_results(self.baseline),
             "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
             "reference_pass_s": round(self.reference_pass_s, 2),

@@ -42,7 +42,7 @@ from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, task_instruction
 from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.data.tasks import task_texts
-from rlhflab.eval.accuracy import majority_baseline, majority_results
+from rlhflab.eval.accuracy import heldout_results, majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.advantages import ADVANTAGES
 from rlhflab.losses.kl import KLController
@@ -125,10 +125,9 @@ class PolicyGradient(Trainer):
         # Held-out score: the task's verifier, or a dataset's text-computable rewards.
         scorer = verifier if cfg.data.source == "task" else TextRewardScorer(cfg.reward.components)
         self.scorer = scorer
-        # (No held-out eval when no reward can score text alone, e.g. a reward model only.)
-        self.heldout = (
-            splits.heldout[: cfg.eval.n] if scorer is verifier or scorer.components else []
-        )
+        # (No held-out eval when no reward can score text alone, e.g. a reward model only; a
+        # weight-0 text reward, e.g. a gold exact_match beside a reward model, is evaluated.)
+        self.heldout = splits.heldout[: cfg.eval.n] if scorer is verifier or scorer.reported else []
         # Beside every task accuracy: the most common training answer given to every held-out
         # problem.
         self.baseline = (
@@ -378,14 +377,13 @@ class PolicyGradient(Trainer):
 
     def results(self) -> dict:
         final_eval, initial_eval, cfg = self.final_eval, self.initial_eval, self.cfg
+        held = heldout_results(initial_eval, final_eval)
+        if not final_eval:  # no held-out evaluation: what it would have measured
+            held["heldout_metric"] = "accuracy" if cfg.data.source == "task" else "reward"
         return {
-            "heldout_accuracy_before": initial_eval.get("accuracy"),
-            "heldout_accuracy": final_eval.get("accuracy"),
-            "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
-            "heldout_n": final_eval.get("n", 0),
+            **held,
             **majority_results(self.baseline),
             "heldout_overlap_dropped": self.splits.n_heldout_overlap_dropped,
-            "heldout_metric": "accuracy" if cfg.data.source == "task" else "reward",
             "prompt_source": self.splits.source,
             "verifier_errors": self.verifier.n_errors,
         }

@@ -25,7 +25,7 @@ from rlhflab.config import SFTConfig
 from rlhflab.data.formatting import task_instruction
 from rlhflab.data.sft import load_sft_data, sft_examples_from_problems, split_features, tokenize_sft
 from rlhflab.data.tasks import make_splits, task_texts
-from rlhflab.eval.accuracy import majority_baseline, majority_results
+from rlhflab.eval.accuracy import heldout_results, majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.models.loading import context_length
@@ -203,10 +203,7 @@ class SFT(Trainer):
             "final_loss": self.last_loss,
             "examples": len(self.pairs),
             "dropped": self.drops,
-            "heldout_accuracy_before": self.initial_eval.get("accuracy"),
-            "heldout_accuracy": final_eval.get("accuracy"),
-            "heldout_accuracy_stderr": final_eval.get("accuracy_stderr"),
-            "heldout_n": final_eval.get("n", 0),
+            **heldout_results(self.initial_eval, final_eval),
             **majority_results(self.baseline),
             "heldout_overlap_dropped": splits.n_heldout_overlap_dropped if splits else None,
         }
