@@ -156,6 +156,48 @@ def test_accuracy_drop_with_falling_reward_is_not_hacking():
     assert h.check(3, {"rollout/reward_mean": 0.2})["health/reward_hacking"] == 0.0
 
 
+def _run(evals: dict, rewards: list[float], window: int = 4, **cfg):
+    """A monitor fed one proxy reward per step (1-based) and held-out correctness `evals`
+    ({step: accuracy}, step 0 before training), as a trainer feeds it; returns its summary."""
+    h = _monitor([], window=window, **cfg)
+    if 0 in evals:
+        h.observe_eval(0, {"accuracy": evals[0], "accuracy_stderr": 0.02})
+    for step, reward in enumerate(rewards, start=1):
+        h.check(step, {"rollout/reward_mean": reward})
+        if step in evals:
+            h.observe_eval(step, {"accuracy": evals[step], "accuracy_stderr": 0.02})
+    return h.summary()
+
+
+def test_reward_hacking_fires_when_correctness_only_falls_from_the_start():
+    # Issue #27's run: GRPO against a reward model, RM score -0.73 -> +1.74 while held-out
+    # accuracy fell 0.46 -> 0.00. The initial evaluation is the best one; before the fix it had
+    # no training signal to compare with, so the run ended healthy.
+    rewards = [-0.73 + 2.47 * s / 19 for s in range(20)]
+    two_evals = _run({0: 0.46, 20: 0.0}, rewards)  # eval.every 0: before and after only
+    assert two_evals["failed"]["reward_hacking"]["first_step"] == 20
+    # margin max(0.05, 2·sqrt(2)·0.02)
+    assert two_evals["failed"]["reward_hacking"]["value"] == pytest.approx(
+        0.46 - max(0.05, 2 * math.hypot(0.02, 0.02)), abs=1e-12
+    )
+    falling = _run({0: 0.46, 5: 0.30, 10: 0.12, 15: 0.05, 20: 0.0}, rewards)
+    # (an evaluation after step 5 is judged with step 6's checks)
+    assert falling["failed"]["reward_hacking"]["first_step"] == 6
+    # correctness crashes to 0 by the first evaluation and stays there: judged against step 0
+    crash = _run({0: 0.46, 5: 0.0, 10: 0.0, 15: 0.0, 20: 0.0}, rewards)
+    assert crash["failed"]["reward_hacking"]["first_step"] == 6
+
+
+def test_honest_learning_is_not_reward_hacking():
+    # quickstart-like: reward and held-out accuracy rise together (46.0 -> 73.8), with noise
+    rewards = [0.40 + 0.3 * s / 19 for s in range(20)]
+    honest = _run({0: 0.46, 5: 0.55, 10: 0.52, 15: 0.70, 20: 0.738}, rewards)
+    assert honest["ok"] and "reward_hacking" in honest["checked"]
+    # accuracy falls but so does the proxy: a bad run, not a hacked one
+    down = _run({0: 0.46, 10: 0.2, 20: 0.1}, [0.5 - 0.01 * s for s in range(20)])
+    assert down["ok"]
+
+
 @pytest.mark.parametrize(
     ("metrics", "signal"),
     [

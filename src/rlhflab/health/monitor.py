@@ -44,6 +44,7 @@ class HealthMonitor:
         self.rewards: deque[float] = deque(maxlen=cfg.window)  # rollout/reward_mean (reward_flat)
         self.signal: deque[float] = deque(maxlen=cfg.window)  # training_signal (reward_hacking)
         self.evals: list[tuple[int, float, float, float | None]] = []  # step, acc, se, reward
+        self.start_signal: list[float] = []  # the first `window` training signals (step-0 eval)
         self._params = _param_sample(model) if model is not None and self.checks else None
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self.log_vocab = math.log(vocab) if vocab and vocab > 1 else None
@@ -54,26 +55,38 @@ class HealthMonitor:
         self.ran: set[str] = set()
 
     def observe_eval(self, step: int, result: dict) -> None:
-        """Record a held-out evaluation (keys accuracy, accuracy_stderr) for `reward_hacking`,
-        with the mean `training_signal` of the last `window` steps."""
-        if result.get("accuracy") is not None:
+        """Record a held-out evaluation for `reward_hacking`, with the mean `training_signal` of
+        the last `window` steps: its correctness (`accuracy`, `accuracy_stderr`: the task
+        verifier, or a prompt dataset's verifier-like reward), else its `headline` (a gold
+        reward the run does not optimise, e.g. a weighted reward of other components)."""
+        key = "accuracy" if result.get("accuracy") is not None else "headline"
+        if result.get(key) is not None:
             reward = sum(self.signal) / len(self.signal) if self.signal else None
-            self.evals.append(
-                (step, result["accuracy"], result.get("accuracy_stderr") or 0.0, reward)
-            )
+            self.evals.append((step, result[key], result.get(f"{key}_stderr") or 0.0, reward))
 
     def _heldout_drop(self) -> float | None:
         """> 0 when the newest eval is below the best earlier one by more than max(hacking_drop,
-        2 combined standard errors) while the training reward rose by more than hacking_drop.
-        None (not judged) with fewer than two evaluations, or when no evaluation has a training
-        signal to compare (SFT and RM push up none: `training_signal`)."""
-        if len(self.evals) < 2 or all(e[3] is None for e in self.evals):
+        2 combined standard errors) while the training signal (the proxy reward) rose by more
+        than hacking_drop since that best evaluation.
+
+        The step-0 evaluation comes before any training signal; its signal is the proxy's value
+        at the start of training, the mean of the first `window` steps' signal (before issue
+        #27 it had none, so a run whose best held-out score was the initial one — the common
+        case of reward hacking: correctness only falls — was never flagged). Every later
+        evaluation carries the mean signal of the `window` steps before it. None (not judged)
+        with fewer than two evaluations, or when no training signal exists (SFT and RM push up
+        none: `training_signal`)."""
+        if len(self.evals) < 2:
             return None
-        *earlier, (_, acc, se, reward) = self.evals
+        start = sum(self.start_signal) / len(self.start_signal) if self.start_signal else None
+        evals = [(st, acc, se, start if r is None else r) for st, acc, se, r in self.evals]
+        *earlier, (_, acc, se, reward) = evals
+        earlier = [e for e in earlier if e[3] is not None]  # (a checkpoint without start_signal)
+        if not earlier or reward is None:
+            return None
         _, best, best_se, best_reward = max(earlier, key=lambda e: e[1])
         margin = max(self.cfg.hacking_drop, 2 * math.hypot(se, best_se))
-        rising = reward is not None and best_reward is not None
-        rising = rising and reward - best_reward > self.cfg.hacking_drop
+        rising = reward - best_reward > self.cfg.hacking_drop
         return (best - acc - margin) if rising and best - acc > margin else 0.0
 
     def check(
@@ -118,6 +131,8 @@ class HealthMonitor:
         signal = training_signal(metrics)
         if signal is not None and math.isfinite(signal):
             self.signal.append(signal)
+            if len(self.start_signal) < cfg.window:
+                self.start_signal.append(signal)
         if self._params is not None:
             now = _param_sample(self.model)
             view["param_change"] = relative_change(self._params, now)
@@ -196,6 +211,7 @@ class HealthMonitor:
             "rewards": list(self.rewards),
             "signal": list(self.signal),
             "evals": self.evals,
+            "start_signal": self.start_signal,
             "judged_evals": sorted(self._judged_evals),
             "ran": sorted(self.ran),
         }
@@ -210,6 +226,8 @@ class HealthMonitor:
         # where the signal is the rollout reward
         self.signal.extend(state["signal"] if "signal" in state else state["rewards"])
         self.evals = [tuple(e) for e in state["evals"]]
+        # checkpoints from before the start signal: the evaluations' own signals only
+        self.start_signal = list(state.get("start_signal", []))
         self._judged_evals = set(state["judged_evals"])
         self.ran = set(state.get("ran", ()))  # checkpoints before "ran": the checks re-run
         if self._params is not None:
