@@ -80,6 +80,11 @@ def _nonneg_int(text: str) -> int:
     return 0 if text.strip() == "0" else _positive_int(text)
 
 
+def _k_arg(text: str) -> int | list[int]:
+    """`--k`: one int (>= 0) or a comma-separated list of ints >= 1."""
+    return _int_list(text) if "," in text else _nonneg_int(text)
+
+
 def _int_list(text: str) -> list[int]:
     return [_positive_int(x.strip()) for x in text.split(",") if x.strip()]
 
@@ -140,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out accuracy (greedy) and pass@k of a model on a task, or its mean reward on a "
         "prompt dataset",
     )
-    p.add_argument("model", help="hub id or local directory of a causal LM")
+    p.add_argument(
+        "model",
+        help="hub id or local directory of a causal LM (a run directory with --passk "
+        "or --checkpoints)",
+    )
     p.add_argument("--task", default=None, help="reasoning_gym dataset name")
     p.add_argument(
         "--data",
@@ -174,7 +183,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="task seed used for training (default 0)")
     p.add_argument(
-        "--k", type=_nonneg_int, default=0, help="samples per problem for pass@k (0: off)"
+        "--k",
+        type=_k_arg,
+        default=0,
+        help="pass@k: N samples per problem for pass@1 and pass@N (0: off), or a list 1,4,16 "
+        "for pass@k and maj@k at each k from --n-samples samples",
+    )
+    p.add_argument(
+        "--n-samples",
+        type=_nonneg_int,
+        default=0,
+        help="samples per problem for a --k list (default: the largest k)",
+    )
+    p.add_argument(
+        "--passk",
+        action="store_true",
+        help="MODEL is a run directory: pass@k and maj@k (--k, default 1,2,4,8) of its initial "
+        "and final model on its held-out set; writes RUN_DIR/eval/passk.json and passk.png",
+    )
+    p.add_argument(
+        "--checkpoints",
+        action="store_true",
+        help="MODEL is a run directory: the held-out headline of every saved checkpoint (and "
+        "the initial and final model); writes RUN_DIR/eval/checkpoints.json and .png",
     )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -86,11 +86,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rlhflab.errors import ConfigError
     from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
 
-    if args.k > 0 and args.temperature <= 0:
+    sampling = bool(args.k) or args.passk
+    if sampling and args.temperature <= 0:
         raise ConfigError(
             f"eval --temperature {args.temperature}: pass@k sampling needs a temperature > 0 "
             "(greedy accuracy is always reported; use --k 0 for greedy only)"
         )
+    if args.passk or args.checkpoints:
+        return _eval_run_dir(args)
 
     if (args.task is None) == (args.data is None):
         raise ConfigError("eval: give exactly one of --task NAME and --data PATH")
@@ -109,6 +112,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             rewards=args.reward_fn,
             n=args.n,
             k=args.k,
+            n_samples=args.n_samples,
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
@@ -125,6 +129,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         n_train_exclude=args.exclude_train,
         seed=args.seed,
         k=args.k,
+        n_samples=args.n_samples,
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         answer_format=args.answer_format,
@@ -140,6 +145,34 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print_fn=lambda line: print(line, file=sys.stderr),
     )
     print(_dumps(results))
+    return 0
+
+
+def _eval_run_dir(args: argparse.Namespace) -> int:
+    """`rlhflab eval RUN_DIR --passk | --checkpoints` (rlhflab.eval.run_dir)."""
+    from rlhflab.errors import ConfigError
+    from rlhflab.eval.run_dir import checkpoint_curve, is_run_dir, passk_before_after
+
+    if not is_run_dir(args.model):
+        raise ConfigError(
+            f"eval {args.model}: --passk and --checkpoints take a run directory (config.yaml "
+            "and metrics.jsonl), e.g. runs/grpo-20261126-081500"
+        )
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    out = {}
+    if args.checkpoints:
+        out["checkpoints"] = checkpoint_curve(args.model, engine=args.engine, print_fn=say)
+    if args.passk:
+        ks = args.k if isinstance(args.k, list) else [1, 2, 4, 8] if not args.k else [1, args.k]
+        out["passk"] = passk_before_after(
+            args.model, ks=ks, n_samples=args.n_samples, temperature=args.temperature,
+            engine=args.engine, print_fn=say,
+        )  # fmt: skip
+    print(_dumps(out))
     return 0
 
 

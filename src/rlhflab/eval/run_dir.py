@@ -1,0 +1,267 @@
+"""`rlhflab eval RUN_DIR --passk | --checkpoints`: evaluate the models of a finished (or stopped)
+policy-gradient run on its own held-out set, rebuilt from the run's config.yaml.
+
+    --passk        the initial model (`model.name_or_path`) and the final model (`RUN_DIR/model`):
+                   pass@k and maj@k for every k (Chen et al. 2021; Wang et al. 2022), written to
+                   RUN_DIR/eval/passk.json and passk.png (pass@k against k, before vs after: the
+                   "does RL only sharpen the distribution?" question of Yue et al. 2025, arXiv
+                   2504.13837 — pass@1 rising while pass@k at large k falls is sharpening)
+    --checkpoints  the initial model, every committed checkpoint and the final model: the
+                   headline (greedy) against the step, RUN_DIR/eval/checkpoints.json and .png
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rlhflab.errors import ConfigError
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether `path` is a run directory (a folder holding config.yaml and metrics.jsonl)."""
+    p = Path(path)
+    return p.is_dir() and (p / "config.yaml").is_file() and (p / "metrics.jsonl").is_file()
+
+
+def run_heldout(run_dir: str | Path) -> dict:
+    """The held-out set and scorer of a policy-gradient run, as its trainer built them.
+
+    Returns:
+        {"cfg", "rows" (held-out problems or prompt rows, the first eval.n), "scorer" (the task
+        Verifier or the prompt dataset's TextRewardScorer), "system", "instruction"}.
+    Raises:
+        ConfigError: the run is not a policy-gradient run, or has no held-out set.
+    """
+    from rlhflab.config import load_config
+    from rlhflab.data.formatting import task_instruction
+    from rlhflab.data.prompts import load_prompt_source
+    from rlhflab.rewards.shaping import TextRewardScorer
+    from rlhflab.rewards.verifier import Verifier
+
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    if cfg.trainer != "policy_gradient":
+        raise ConfigError(
+            f"eval {run_dir}: --passk and --checkpoints evaluate policy_gradient runs (this run "
+            f"is '{cfg.trainer}'); evaluate its model with --task or --data"
+        )
+    t = cfg.task
+    splits = load_prompt_source(cfg.data, t, seed=cfg.seed)
+    verifier = Verifier(answer_format=t.answer_format, reward=t.reward, extractor=t.extractor)
+    task = cfg.data.source == "task"
+    scorer = verifier if task else TextRewardScorer(cfg.reward.components)
+    rows = splits.heldout[: cfg.eval.n]
+    if not rows or (not task and not scorer.reported):
+        raise ConfigError(f"eval {run_dir}: the run has no held-out set to evaluate (eval.n 0)")
+    return {
+        "cfg": cfg,
+        "rows": rows,
+        "scorer": scorer,
+        "system": t.system if task else cfg.data.system,
+        "instruction": task_instruction(t) if task else None,
+    }
+
+
+def initial_model(cfg, run_dir: Path) -> str:
+    """The run's starting model (`model.name_or_path`). Raises ConfigError for a model built
+    from scratch (`model.build`: its initial weights were never saved)."""
+    if cfg.model.name_or_path is None:
+        raise ConfigError(
+            f"eval {run_dir}: the run built its model from scratch (model.build), so its initial "
+            "weights were not saved; evaluate checkpoints with --checkpoints"
+        )
+    return cfg.model.name_or_path
+
+
+def _evaluate(path: str, held: dict, *, ks, n_samples, temperature, max_new_tokens, batch_size,
+              seed, engine) -> dict:  # fmt: skip
+    from rlhflab.eval.cli import _load_and_evaluate
+
+    res = _load_and_evaluate(
+        path,
+        held["rows"],
+        held["scorer"],
+        engine=engine,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        k=list(ks) if ks else 0,
+        n_samples=n_samples,
+        temperature=temperature,
+        seed=seed,
+        system=held["system"],
+        instruction=held["instruction"],
+    )
+    return {"model": path, **res}
+
+
+def passk_before_after(
+    run_dir: str | Path,
+    *,
+    ks: list[int],
+    n_samples: int = 0,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    batch_size: int | None = None,
+    engine: str = "hf",
+    print_fn=print,
+) -> dict:
+    """pass@k and maj@k of the run's initial and final models on its held-out set, for each k
+    in `ks` from `n_samples` (default max(ks)) samples per problem; temperature, max_new_tokens
+    and batch_size default to the run's `eval` section. Writes RUN_DIR/eval/passk.json and
+    passk.png; returns {"before", "after", "ks", "n_samples", "json", "png"}.
+    Raises ConfigError (no final model, model built from scratch, not a PG run)."""
+    run_dir = Path(run_dir)
+    held = run_heldout(run_dir)
+    cfg = held["cfg"]
+    final = run_dir / "model"
+    if not final.is_dir():
+        raise ConfigError(f"eval {run_dir}: no final model ({final}); the run did not finish")
+    kw = dict(
+        ks=sorted(set(ks)),
+        n_samples=n_samples or max(ks),
+        temperature=temperature or cfg.eval.temperature,
+        max_new_tokens=max_new_tokens or cfg.eval.max_new_tokens,
+        batch_size=batch_size or cfg.eval.batch_size,
+        seed=cfg.seed,
+        engine=engine,
+    )
+    out = {"ks": kw["ks"], "n_samples": kw["n_samples"], "n": len(held["rows"])}
+    for label, path in (("before", initial_model(cfg, run_dir)), ("after", str(final))):
+        out[label] = _evaluate(path, held, **kw)
+        print_fn(f"{label}: " + _passk_line(out[label], kw["ks"]))
+    folder = run_dir / "eval"
+    folder.mkdir(exist_ok=True)
+    out["json"], out["png"] = str(folder / "passk.json"), str(folder / "passk.png")
+    Path(out["json"]).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    plot_passk(out, Path(out["png"]))
+    return out
+
+
+def _passk_line(res: dict, ks: list[int]) -> str:
+    parts = [f"{res['headline_name']} {res['headline']:.3f}"]
+    parts += [f"pass@{k} {res[f'pass@{k}']:.3f}" for k in ks if f"pass@{k}" in res]
+    parts += [f"maj@{k} {res[f'maj@{k}']:.3f}" for k in ks if f"maj@{k}" in res]
+    return ", ".join(parts)
+
+
+def plot_passk(out: dict, path: Path) -> None:
+    """pass@k (solid) and maj@k (dashed) against k (log2 axis), before and after training, with
+    ±1 standard error bars (over problems)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=100)
+    for label, color in (("before", "tab:gray"), ("after", "tab:blue")):
+        res = out[label]
+        for metric, style in (("pass", "-"), ("maj", "--")):
+            ks = [k for k in out["ks"] if _finite(res.get(f"{metric}@{k}"))]
+            if not ks:
+                continue
+            ys = [res[f"{metric}@{k}"] for k in ks]
+            es = [res.get(f"{metric}@{k}_stderr") or 0.0 for k in ks]
+            es = [e if _finite(e) else 0.0 for e in es]
+            ax.errorbar(ks, ys, yerr=es, ls=style, marker="o", ms=3, color=color, capsize=2,
+                        label=f"{metric}@k {label} training")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k")
+    ax.set_ylabel("held-out")
+    ax.set_title(f"pass@k / maj@k (n = {out['n_samples']} samples, {out['n']} problems)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def checkpoint_curve(
+    run_dir: str | Path,
+    *,
+    max_new_tokens: int | None = None,
+    batch_size: int | None = None,
+    engine: str = "hf",
+    print_fn=print,
+) -> dict:
+    """The held-out headline (greedy) of the initial model (when saved), every committed
+    checkpoint of the run and its final model, against the step. Writes
+    RUN_DIR/eval/checkpoints.json ({"headline_name", "points": [{"step", "model", "headline",
+    "headline_stderr", "reward/<name>"...}]}) and checkpoints.png.
+    Raises ConfigError: not a PG run, nothing to evaluate, or a sharded (fsdp2) checkpoint,
+    which is not a `from_pretrained` directory."""
+    from rlhflab.checkpoint.format import _step_of, committed_checkpoints
+
+    run_dir = Path(run_dir)
+    held = run_heldout(run_dir)
+    cfg = held["cfg"]
+    models: list[tuple[int, str]] = []
+    if cfg.model.name_or_path is not None:
+        models.append((0, cfg.model.name_or_path))
+    for ckpt in committed_checkpoints(run_dir):
+        if list(ckpt.glob("*.shards.json")):
+            raise ConfigError(
+                f"eval {run_dir}: checkpoint {ckpt.name} is sharded (fsdp2); consolidate it "
+                "with rlhflab.checkpoint.read_tensors first"
+            )
+        models.append((_step_of(ckpt), str(ckpt)))
+    final = run_dir / "model"
+    results = run_dir / "final_results.json"
+    if final.is_dir() and results.is_file():
+        steps = json.loads(results.read_text()).get("steps")
+        if isinstance(steps, int) and all(s != steps for s, _ in models):
+            models.append((steps, str(final)))
+    if not models:
+        raise ConfigError(f"eval {run_dir}: no saved model or committed checkpoint to evaluate")
+    kw = dict(
+        ks=[],
+        n_samples=0,
+        temperature=cfg.eval.temperature,
+        max_new_tokens=max_new_tokens or cfg.eval.max_new_tokens,
+        batch_size=batch_size or cfg.eval.batch_size,
+        seed=cfg.seed,
+        engine=engine,
+    )
+    points = []
+    for step, path in models:
+        res = _evaluate(path, held, **kw)
+        point = {"step": step, **res}
+        points.append(point)
+        print_fn(f"step {step}: {res['headline_name']} {res['headline']:.3f} ({path})")
+    folder = run_dir / "eval"
+    folder.mkdir(exist_ok=True)
+    out = {"headline_name": points[0]["headline_name"], "n": len(held["rows"]), "points": points}
+    out["json"], out["png"] = str(folder / "checkpoints.json"), str(folder / "checkpoints.png")
+    Path(out["json"]).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    plot_checkpoints(out, Path(out["png"]))
+    return out
+
+
+def plot_checkpoints(out: dict, path: Path) -> None:
+    """The headline (±1 standard error) and each reward component against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = out["points"]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    steps = [p["step"] for p in pts]
+    ys = [p["headline"] for p in pts]
+    es = [p.get("headline_stderr") if _finite(p.get("headline_stderr")) else 0.0 for p in pts]
+    ax.errorbar(steps, ys, yerr=es, marker="o", ms=3, capsize=2, label=out["headline_name"])
+    names = sorted({k for p in pts for k in p if k.startswith("reward/")} - {"reward/"})
+    for key in (k for k in names if not k.endswith("_stderr")):
+        ax.plot(steps, [p.get(key) for p in pts], ls="--", marker=".", label=key)
+    ax.set_xlabel("step")
+    ax.set_title(f"held-out, saved checkpoints ({out['n']} problems)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
