@@ -156,7 +156,8 @@ class LossConfig(Strict):
 
 
 class KLConfig(Strict):
-    """KL(π_θ ‖ π_ref) regularisation. A reference model is loaded only when coef > 0.
+    """KL(π_θ ‖ π_ref) regularisation. A reference model is loaded only when coef > 0 (or, to
+    measure the distance only, `track_initial`); `policy/kl_ref` logs the k3 KL to it every step.
 
     placement: "loss" adds coef·KL_t to the per-token loss (GRPO); "reward_sequence" subtracts
     coef·Σ_t KL_t from the completion's reward before the advantage (RLOO, REINFORCE);
@@ -172,6 +173,10 @@ class KLConfig(Strict):
     controller: Literal["fixed", "adaptive"] = "fixed"
     target: float | None = Field(None, gt=0)
     horizon: int = Field(10000, ge=1)
+    # With coef 0 no reference is loaded; track_initial keeps the initial policy (LoRA: the same
+    # model with its adapters disabled; otherwise a frozen copy) to log policy/kl_ref, the k3
+    # KL to it, every step at the cost of one more forward pass (and, without LoRA, the copy).
+    track_initial: bool = False
 
     @field_validator("estimator", mode="before")
     @classmethod

@@ -45,7 +45,7 @@ from rlhflab.data.tasks import task_texts
 from rlhflab.eval.accuracy import heldout_results, majority_baseline, majority_results
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.advantages import ADVANTAGES
-from rlhflab.losses.kl import KLController
+from rlhflab.losses.kl import KLController, kl_penalty
 from rlhflab.losses.policy import POLICY_LOSSES
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import apply_lora, merged_state
@@ -140,6 +140,10 @@ class PolicyGradient(Trainer):
         model = apply_lora(model, cfg.model.lora)  # model.lora unset: unchanged
         # π_ref: a frozen copy of the initial policy, or (LoRA) the policy with adapters disabled.
         self.reference = Reference(model, cfg.parallel) if cfg.kl.coef > 0 else None
+        # With β = 0, only when asked (kl.track_initial): the initial policy, to measure the
+        # distance travelled (policy/kl_ref) without entering the loss or the reward.
+        track = cfg.kl.coef == 0 and cfg.kl.track_initial
+        self.initial_policy = Reference(model, cfg.parallel) if track else None
         # β of the KL term: cfg.kl.coef, moved after every step by the adaptive controller
         self.kl = KLController(
             cfg.kl.coef, controller=cfg.kl.controller, target=cfg.kl.target, horizon=cfg.kl.horizon
@@ -274,6 +278,7 @@ class PolicyGradient(Trainer):
         t_rollout = time.perf_counter() - t0
         pg_phases.no_grad_passes(data, learners, self.reference, cfg, self.autocast_dtype,
                                  self.need_logp_old)  # fmt: skip
+        kl_ref = self.kl_to_reference(data)  # before the update: the rollout's own policy
         pg_phases.advantages(data, cfg, self.kl.coef, self.advantage_kwargs)
         stats = pg_phases.update(
             data, learners, self.guard, cfg, step=step, kl_coef=self.kl.coef,
@@ -286,6 +291,8 @@ class PolicyGradient(Trainer):
             lr=learners.scheduler.get_last_lr()[0], dt=time.perf_counter() - t0,
             t_rollout=t_rollout, verifier_errors=self.verifier.n_errors,
         )  # fmt: skip
+        if kl_ref is not None:
+            metrics["policy/kl_ref"] = kl_ref
         self.kl.update(kl_seq, n_steps=self.batch_size)  # the adaptive controller moves β
         self.last_batch = batch  # for `write_samples`
         health_inputs = {  # the global batch: every rank sees the same
@@ -296,6 +303,24 @@ class PolicyGradient(Trainer):
             "correct": batch.components.get("correctness"),
         }
         return metrics, health_inputs
+
+    def kl_to_reference(self, data) -> float | None:
+        """k3 estimate of KL(π_θ ‖ π_ref) per token on the rollout's own tokens, π_θ being the
+        policy that sampled them (its log-probs: the pre-update trainer's when computed, else
+        the sampler's) and π_ref the reference (β > 0) or, with `kl.track_initial`, the initial
+        policy; over every rank's tokens. None (nothing computed) without either.
+        Source: k3 = (r − 1) − log r with r = π_ref/π_θ, Schulman 2020, "Approximating KL
+        divergence" (`rlhflab.losses.kl`)."""
+        rollout, logp_ref = data.local.rollout, data.logp_ref
+        if logp_ref is None and self.initial_policy is not None:
+            with self.initial_policy.scoring() as initial:
+                logp_ref = pg_phases.no_grad_logps(initial, rollout, self.cfg, self.autocast_dtype)
+        if logp_ref is None:
+            return None
+        logp = data.logp_old if data.logp_old is not None else rollout.logp
+        k3 = kl_penalty(logp.double(), logp_ref.double(), "k3") * rollout.mask
+        sums = distributed.sum_dict({"kl": float(k3.sum()), "tokens": float(rollout.mask.sum())})
+        return sums["kl"] / sums["tokens"] if sums["tokens"] else 0.0
 
     def rollout_and_score(self, step: int) -> tuple[ScoredBatch, dict]:
         """Phases 1-2: prompts_per_step prompts, each repeated group_size times (group-contiguous),
