@@ -28,7 +28,8 @@ def plot_run(
     Args:
         rows: metrics rows, each with "step" and metric keys (numbers).
         out_dir: directory for the PNGs (created).
-        curves: {file stem: [metric keys]}; defaults to MAIN_CURVES.
+        curves: {file stem: [metric keys]}; defaults to MAIN_CURVES plus one group per held-out
+            set of `eval.sets` (`eval_set_curves`: plots/eval_<set>.png).
     """
     import matplotlib
 
@@ -38,7 +39,9 @@ def plot_run(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for stem, keys in (curves or MAIN_CURVES).items():
+    if curves is None:  # one plot per further held-out set (eval.sets): eval/<set>/...
+        curves = {**MAIN_CURVES, **eval_set_curves(rows)}
+    for stem, keys in curves.items():
         series = {}
         for key in _expand(keys, rows):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
@@ -60,6 +63,28 @@ def plot_run(
         plt.close(fig)
         written.append(path)
     return written
+
+
+def eval_set_curves(rows: list[dict]) -> dict[str, list[str]]:
+    """{"eval_<set>": its keys} for each held-out set of `eval.sets` found in `rows` (a key
+    "eval/<set>/headline"): the headline, the correctness, and each reward component."""
+    sets = sorted(
+        {
+            k.split("/")[1]
+            for r in rows
+            for k in r
+            if k.startswith("eval/") and k.endswith("/headline") and k.count("/") == 2
+        }
+    )
+    return {
+        f"eval_{name}": [
+            f"eval/{name}/headline",
+            f"eval/{name}/accuracy",
+            f"eval/{name}/reward",
+            f"eval/{name}/reward/*",
+        ]
+        for name in sets
+    }
 
 
 def _expand(keys: list[str], rows: list[dict]) -> list[str]:

@@ -135,6 +135,11 @@ def summary_lines(results: dict) -> list[str]:
     components = _components_line(r)
     if components:
         lines.append(components)
+    sets = r.get("eval_sets")
+    for name, sub in sets.items() if isinstance(sets, dict) else ():
+        line = _heldout_line(sub) if isinstance(sub, dict) else None
+        if line:  # a further held-out set of eval.sets
+            lines.append(f"[{name}: {sub.get('task')}] {line}")
     lines += _other_eval_lines(r)
     health = _health_line(r.get("health"))
     if health:

@@ -218,6 +218,32 @@ class PGTrainConfig(TrainBase):
     max_seconds: float | None = Field(None, gt=0, description=MAX_SECONDS_DOC)
 
 
+class EvalSetConfig(Strict):
+    """One more held-out set (`eval.sets[i]`), evaluated beside the run's own at every
+    evaluation and logged as `eval/<name>/...`: the run's `task` with the keys of `task`
+    replaced (a harder `config`, another task `name`, another `answer_format`...), its first
+    `n` held-out problems (default `eval.n`) whose questions are not among the run's training
+    prompts."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
+    task: dict[str, Any] = Field(default_factory=dict)
+    n: int | None = Field(None, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_metric(cls, value: str) -> str:
+        reserved = {"reward", "accuracy", "headline", "n", "majority_baseline"}
+        if value in reserved or value.startswith(("pass@", "maj@")):
+            raise ValueError(f"eval.sets name {value!r} is a metric name; choose another")
+        return value
+
+
+class PGEvalConfig(EvalConfig):
+    """`eval` of a policy-gradient run: `EvalConfig` plus `sets`, further held-out sets."""
+
+    sets: list[EvalSetConfig] = Field(default_factory=list)
+
+
 class PGConfig(TrainerConfig):
     """Config of `trainer: policy_gradient` (see trainers/policy_gradient.py)."""
 
@@ -230,7 +256,22 @@ class PGConfig(TrainerConfig):
     data: PromptDataConfig = Field(default_factory=PromptDataConfig)
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    eval: PGEvalConfig = Field(default_factory=PGEvalConfig)
+
+    def eval_set_task(self, i: int):
+        """The TaskConfig of `eval.sets[i]`: the run's task with the set's keys replaced.
+        Raises ValueError naming eval.sets[i].task for an unknown key or a bad value."""
+        from pydantic import ValidationError
+
+        from rlhflab.config.sections import TaskConfig
+
+        s = self.eval.sets[i]
+        try:
+            return TaskConfig(**{**self.task.model_dump(), **s.task})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ValueError(f"eval.sets[{i}] ({s.name}).task.{where}: {err['msg']}") from None
 
     @model_validator(mode="after")
     def _consistency(self) -> PGConfig:
@@ -271,6 +312,11 @@ class PGConfig(TrainerConfig):
                         f"reward.components[overlong].args.cache must be an integer in "
                         f"1..{limit} (args.max_len or rollout.max_new_tokens), got {cache!r}"
                     )
+        names = [s.name for s in self.eval.sets]
+        if len(set(names)) < len(names):
+            raise ValueError(f"eval.sets: names must differ (got {names})")
+        for i in range(len(self.eval.sets)):
+            self.eval_set_task(i)
         if self.data.source == "dataset" and any(
             c.name == "correctness" and c.function is None for c in self.reward.components
         ):

@@ -488,7 +488,7 @@ class ShuffledStream:
 
 def heldout_eval(
     cfg, model, tokenizer, problems, verifier, tracker, step: int, autocast_dtype, system=...,
-    instruction=..., baseline: dict | None = None, engine=None,
+    instruction=..., baseline: dict | None = None, engine=None, prefix: str = "eval",
 ):  # fmt: skip
     """Held-out greedy accuracy (and pass@k when `cfg.eval.k` > 0) of `model` on `problems`
     (task Problems or prompt rows), as `cfg.eval` configures it (see
@@ -498,11 +498,12 @@ def heldout_eval(
     (`rlhflab.data.formatting.task_instruction`). `baseline`, the result of
     `rlhflab.eval.accuracy.majority_baseline` on these problems, is logged beside the accuracy
     at every evaluation (`eval/majority_baseline`). `engine` is the run's rollout engine (default:
-    the `hf` engine on `model`)."""
+    the `hf` engine on `model`). `prefix` names the logged keys (`eval/<set>` for the further
+    held-out sets of `eval.sets`)."""
     from rlhflab.data.formatting import task_instruction
     from rlhflab.eval.accuracy import evaluate, headline, summarize_scores
 
-    if len(problems) < cfg.eval.n:  # said once per process (warnings' default filter)
+    if prefix == "eval" and len(problems) < cfg.eval.n:  # said once per process
         warnings.warn(
             f"eval.n is {cfg.eval.n} but only {len(problems)} held-out problems exist "
             f"(task.n_heldout {cfg.task.n_heldout}, minus questions seen in training): "
@@ -544,7 +545,7 @@ def heldout_eval(
     if baseline is not None:
         res["majority_baseline"] = baseline["majority_accuracy"]
     # numbers only (the headline's name is in final_results.json)
-    tracker.log(step, {f"eval/{k}": v for k, v in res.items() if not isinstance(v, str)})
+    tracker.log(step, {f"{prefix}/{k}": v for k, v in res.items() if not isinstance(v, str)})
     faults.hit("eval", step)
     return res
 

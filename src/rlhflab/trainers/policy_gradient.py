@@ -133,6 +133,8 @@ class PolicyGradient(Trainer):
         self.baseline = (
             majority_baseline(splits.train, self.heldout, verifier) if scorer is verifier else None
         )
+        self.eval_sets = eval_sets(cfg, splits)  # eval.sets: further held-out sets
+        self.set_evals: dict[str, dict] = {}  # the latest evaluation of each
         distributed.check_split(
             cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
             why="whole groups go to one rank",
@@ -200,6 +202,7 @@ class PolicyGradient(Trainer):
         )  # fmt: skip
         self.initial_eval: dict = {}
         self.final_eval: dict = {}
+        self.initial_set_evals: dict[str, dict] = {}
 
     def describe(self) -> str:
         return (
@@ -221,26 +224,39 @@ class PolicyGradient(Trainer):
 
     # -- Evaluations, state ----------------------------------------------------------------------
     def has_heldout(self) -> bool:
-        return bool(self.heldout)
+        return bool(self.heldout) or bool(self.eval_sets)
 
     def evaluate(self, step: int) -> dict:
-        res = heldout_eval(
-            self.cfg, self.model, self.tokenizer, self.heldout, self.scorer, self.tracker, step,
-            self.autocast_dtype, system=self.system, instruction=self.instruction,
-            baseline=self.baseline, engine=self.engine,
-        )  # fmt: skip
+        """The run's held-out evaluation (returned; fed to the health checks), then each set of
+        `eval.sets` (logged as eval/<name>/..., kept in `set_evals`)."""
+        res = {}
+        if self.heldout:
+            res = heldout_eval(
+                self.cfg, self.model, self.tokenizer, self.heldout, self.scorer, self.tracker,
+                step, self.autocast_dtype, system=self.system, instruction=self.instruction,
+                baseline=self.baseline, engine=self.engine,
+            )  # fmt: skip
+        for s in self.eval_sets:
+            self.set_evals[s["name"]] = heldout_eval(
+                self.cfg, self.model, self.tokenizer, s["rows"], s["verifier"], self.tracker,
+                step, self.autocast_dtype, system=s["system"], instruction=s["instruction"],
+                engine=self.engine, prefix=f"eval/{s['name']}",
+            )  # fmt: skip
         self.engine.sleep()
-        self.health.observe_eval(step, res)
+        if res:
+            self.health.observe_eval(step, res)
         return res
 
     def begin(self) -> None:
         load_running_norm_state({})
-        self.initial_eval = self.evaluate(0) if self.heldout else {}
+        self.initial_eval = self.evaluate(0) if self.has_heldout() else {}
+        self.initial_set_evals = dict(self.set_evals)
 
     def state(self) -> dict:
         return {
             **self.kl.state(),  # "kl_coef"
             "initial_eval": self.initial_eval,
+            "initial_set_evals": self.initial_set_evals,
             "verifier_errors": self.verifier.n_errors,
             "reward_norm": running_norm_state(),
         }
@@ -248,6 +264,7 @@ class PolicyGradient(Trainer):
     def load_state(self, state: dict) -> None:
         self.kl.load(state)
         self.initial_eval = state["initial_eval"]
+        self.initial_set_evals = state.get("initial_set_evals", {})  # (before eval.sets: none)
         self.verifier.n_errors = state["verifier_errors"]
         load_running_norm_state(state.get("reward_norm", {}))
 
@@ -387,7 +404,7 @@ class PolicyGradient(Trainer):
 
     # -- The end -------------------------------------------------------------------------------
     def finish(self, step: int) -> None:
-        self.final_eval = self.evaluate(step) if self.heldout else {}
+        self.final_eval = self.evaluate(step) if self.has_heldout() else {}
 
     def save(self, model_dir: Path) -> None:
         """The policy in HF format and, for PPO, the critic beside it (`value_model/`)."""
@@ -405,10 +422,56 @@ class PolicyGradient(Trainer):
         held = heldout_results(initial_eval, final_eval)
         if not final_eval:  # no held-out evaluation: what it would have measured
             held["heldout_metric"] = "accuracy" if cfg.data.source == "task" else "reward"
+        before, after = self.initial_set_evals, self.set_evals
+        sets = {
+            s["name"]: {
+                "task": s["task"],
+                **heldout_results(before.get(s["name"], {}), after.get(s["name"], {})),
+            }
+            for s in self.eval_sets
+        }
         return {
             **held,
+            **({"eval_sets": sets} if sets else {}),
             **majority_results(self.baseline),
             "heldout_overlap_dropped": self.splits.n_heldout_overlap_dropped,
             "prompt_source": self.splits.source,
             "verifier_errors": self.verifier.n_errors,
         }
+
+
+def eval_sets(cfg: PGConfig, splits) -> list[dict]:
+    """The further held-out sets of `eval.sets`: for each, {"name", "task" (its task name),
+    "rows" (its first n held-out problems whose questions are not among the run's training
+    prompts), "verifier", "system", "instruction"}.
+
+    Raises:
+        ConfigError / DataError: the set's task cannot be built (unknown task or config), as
+            `make_splits` says, prefixed by the set's name.
+    """
+    from rlhflab.data.prompts import task_prompt_splits
+    from rlhflab.data.tasks import dedup_key
+    from rlhflab.errors import ConfigError, DataError
+
+    seen = {dedup_key(str(r.question)) for r in splits.train}
+    out = []
+    for i, s in enumerate(cfg.eval.sets):
+        task = cfg.eval_set_task(i)
+        try:
+            held = task_prompt_splits(task).heldout
+        except (ConfigError, DataError) as exc:
+            raise type(exc)(f"eval.sets[{i}] ({s.name}): {exc}") from None
+        rows = [r for r in held if dedup_key(str(r.question)) not in seen][: s.n or cfg.eval.n]
+        out.append(
+            {
+                "name": s.name,
+                "task": task.name,
+                "rows": rows,
+                "verifier": Verifier(
+                    answer_format=task.answer_format, reward=task.reward, extractor=task.extractor
+                ),
+                "system": task.system,
+                "instruction": task_instruction(task),
+            }
+        )
+    return out
