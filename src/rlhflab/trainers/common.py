@@ -533,7 +533,8 @@ def heldout_eval(
         )
     if w > 1:  # every per-problem list, gathered in rank order, summarised as one process would
         parts = distributed.all_gather_object(res.pop("per_problem"))
-        per = {key: [s for part in parts for s in part[key]] for key in parts[0]}
+        keys = dict.fromkeys(k for part in parts for k in part)  # a rank may have no problems
+        per = {key: [s for part in parts for s in part.get(key, [])] for key in keys}
         res.update(summarize_scores(per))
         if "pass@k" in res:
             res["pass@k"], res["pass@k_stderr"] = (
