@@ -1,5 +1,6 @@
 """policy/kl_ref: the k3 KL to the reference on the rollout's own tokens, every step; with
-β = 0 only when asked (kl.track_initial), against the initial policy (issue #27 item 4)."""
+β = 0 against the initial policy: by default for LoRA (adapters disabled), for a full fine-tune
+only when asked (kl.track_initial) (issue #27 item 4)."""
 
 import json
 from pathlib import Path
@@ -32,6 +33,15 @@ def _rows(tmp_path, sft_dir, **sections):
 def test_beta_zero_measures_nothing_unless_asked(tmp_path, sft_dir):
     rows = _rows(tmp_path, sft_dir)
     assert not any("policy/kl_ref" in r or "policy/kl" in r for r in rows)
+
+
+def test_beta_zero_lora_measures_by_default(tmp_path, sft_dir):
+    # adapters disabled are the initial policy: no copy, so it is on unless turned off
+    model = {"name_or_path": str(sft_dir), "lora": {"r": 4, "alpha": 8.0}}
+    rows = _rows(tmp_path, sft_dir, model=model)
+    assert all("policy/kl_ref" in r and "policy/kl" not in r for r in rows)
+    off = _rows(tmp_path / "off", sft_dir, model=model, kl={"coef": 0.0, "track_initial": False})
+    assert not any("policy/kl_ref" in r for r in off)
 
 
 @pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8.0}], ids=["copy", "lora"])

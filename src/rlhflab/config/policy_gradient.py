@@ -176,7 +176,8 @@ class KLConfig(Strict):
     # With coef 0 no reference is loaded; track_initial keeps the initial policy (LoRA: the same
     # model with its adapters disabled; otherwise a frozen copy) to log policy/kl_ref, the k3
     # KL to it, every step at the cost of one more forward pass (and, without LoRA, the copy).
-    track_initial: bool = False
+    # None (default): on for LoRA policies (no extra weights), off for full fine-tunes.
+    track_initial: bool | None = None
 
     @field_validator("estimator", mode="before")
     @classmethod

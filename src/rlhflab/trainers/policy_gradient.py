@@ -48,7 +48,7 @@ from rlhflab.losses.advantages import ADVANTAGES
 from rlhflab.losses.kl import KLController, kl_penalty
 from rlhflab.losses.policy import POLICY_LOSSES
 from rlhflab.models.loading import context_length
-from rlhflab.models.lora import apply_lora, merged_state
+from rlhflab.models.lora import apply_lora, is_lora, merged_state
 from rlhflab.models.value import ValueModel
 from rlhflab.rewards.reward_model import (
     check_reward_model_paths,
@@ -142,9 +142,11 @@ class PolicyGradient(Trainer):
         model = apply_lora(model, cfg.model.lora)  # model.lora unset: unchanged
         # π_ref: a frozen copy of the initial policy, or (LoRA) the policy with adapters disabled.
         self.reference = Reference(model, cfg.parallel) if cfg.kl.coef > 0 else None
-        # With β = 0, only when asked (kl.track_initial): the initial policy, to measure the
-        # distance travelled (policy/kl_ref) without entering the loss or the reward.
-        track = cfg.kl.coef == 0 and cfg.kl.track_initial
+        # With β = 0, the initial policy, to measure the distance travelled (policy/kl_ref)
+        # without entering the loss or the reward: by default for LoRA (its adapters disabled: no
+        # second copy), for a full fine-tune only when asked (kl.track_initial: a frozen copy).
+        wanted = cfg.kl.track_initial if cfg.kl.track_initial is not None else is_lora(model)
+        track = cfg.kl.coef == 0 and wanted
         self.initial_policy = Reference(model, cfg.parallel) if track else None
         # β of the KL term: cfg.kl.coef, moved after every step by the adaptive controller
         self.kl = KLController(
@@ -324,7 +326,7 @@ class PolicyGradient(Trainer):
     def kl_to_reference(self, data) -> float | None:
         """k3 estimate of KL(π_θ ‖ π_ref) per token on the rollout's own tokens, π_θ being the
         policy that sampled them (its log-probs: the pre-update trainer's when computed, else
-        the sampler's) and π_ref the reference (β > 0) or, with `kl.track_initial`, the initial
+        the sampler's) and π_ref the reference (β > 0) or, with β = 0 (LoRA by default, else `kl.track_initial`), the initial
         policy; over every rank's tokens. None (nothing computed) without either.
         Source: k3 = (r − 1) − log r with r = π_ref/π_θ, Schulman 2020, "Approximating KL
         divergence" (`rlhflab.losses.kl`)."""
