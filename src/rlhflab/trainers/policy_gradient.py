@@ -326,8 +326,9 @@ class PolicyGradient(Trainer):
     def kl_to_reference(self, data) -> float | None:
         """k3 estimate of KL(π_θ ‖ π_ref) per token on the rollout's own tokens, π_θ being the
         policy that sampled them (its log-probs: the pre-update trainer's when computed, else
-        the sampler's) and π_ref the reference (β > 0) or, with β = 0 (LoRA by default, else `kl.track_initial`), the initial
-        policy; over every rank's tokens. None (nothing computed) without either.
+        the sampler's) and π_ref the reference (β > 0) or, with β = 0 (LoRA by default, else
+        `kl.track_initial`), the initial policy; over every rank's tokens. None (nothing
+        computed) without either.
         Source: k3 = (r − 1) − log r with r = π_ref/π_θ, Schulman 2020, "Approximating KL
         divergence" (`rlhflab.losses.kl`)."""
         rollout, logp_ref = data.local.rollout, data.logp_ref
