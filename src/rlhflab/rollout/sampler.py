@@ -11,12 +11,14 @@ log-probs `logp` are taken under that tempered distribution *before* top-k / top
 which is the convention of TRL and verl; with top_k = 0 and top_p = 1 they are the exact
 log-probs of the tokens drawn.
 
-Draws use the Gumbel-max trick, argmax_v(logits_v / τ + g_v) with g = −log(−log u), u ~ U[0, 1),
-which samples exactly softmax(logits / τ) (restricted to the top-k / top-p set). The uniforms of
-decoding step t form one (n_rows, V) block drawn for the whole *global* batch, and row i uses row
-`rows[i]` of it. So a completion's tokens depend only on its prompt, its global row and the
-seed — not on its batch neighbours, on which rows already stopped, or on how the global batch is
-split over data-parallel ranks (each rank samples its own rows and gets what one process would).
+Draws use the Gumbel-max trick, argmax_v(logits_v / τ + g_v) with g = −log(−log u), u ~ U(0, 1),
+which samples exactly softmax(logits / τ) (restricted to the top-k / top-p set). The uniforms come
+from a counter-based generator (`counter_uniform`): u is a hash of (the call's seed, global row,
+decoding step, vocabulary index), so each process computes the noise of its own rows only
+(memory per token: own rows × V) and a completion's tokens depend only on its prompt, its global
+row and the seed — not on its batch neighbours, on which rows already stopped, or on how the
+global batch is split over data-parallel ranks (each rank samples its own rows and gets what one
+process would).
 
 Prefix sharing: a prompt that occurs several times in the batch (a group of `group_size` samples
 of one prompt) is prefilled once; its KV cache and first-token logits are then copied to each of
@@ -135,6 +137,103 @@ def _filter_logits(logits: Tensor, top_k: int, top_p: float, min_p: float = 0.0)
     return logits
 
 
+# Counter-based noise. All arithmetic is on non-negative int64 values below 2**63: 32-bit words,
+# multiplied only by constants below 2**31 (so no product overflows) and masked back to 32 bits.
+# Integer operations are exact, so every CPU kernel set (scalar, AVX2, AVX-512) and CUDA give the
+# same bits: there is no rounding to differ, unlike float reductions.
+_MASK32 = 0xFFFFFFFF
+# The 32-bit finaliser "lowbias32" with the constants of its improved variant (both < 2**31;
+# C. Wellons, hash-prospector, https://github.com/skeeto/hash-prospector, issue #19): a bijection
+# of 32-bit words with full avalanche (bias ~0.107).
+_M1, _M2 = 0x21F0AAAD, 0x735A2D97
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: decorrelates the key words from small counters
+
+
+def _mix32(x):
+    """The lowbias32 bijection of 32-bit words, on int64 tensors (or Python ints) in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32  # x < 2**32, _M1 < 2**31: the product is < 2**63
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 15)
+
+
+class CounterNoise:
+    """Counter-based noise of one sampling call: a pure function of (seed, global row, decoding
+    step, vocabulary index), as Philox is of its key and counter, so any subset of rows can be
+    computed alone and equals those rows of the whole block.
+
+    Construction: counter c = row + n_rows · step (distinct for every (row, step) of the call);
+    row key K = mix(c ^ S) with S a mix of the seed's high word xor its low word; vocabulary word
+    H_v = mix(mix(v ^ s_lo) ^ (s_hi + φ)); element (row, v) = mix(K ^ H_v); `mix` is lowbias32, a
+    bijection. So within a row the V words are distinct (H is a bijection of v), two (row, step)
+    counters never share a row key, and words of different rows coincide only at the birthday
+    rate of any 32-bit generator (~V²/2**32 per pair of rows, at unrelated vocabulary indices).
+
+    Args:
+        seed: the call's seed, 0 <= seed < 2**62 (`draw_seed`).
+        n_rows: global batch size (the same on every rank).
+        vocab: V, the width of the logits.
+        steps: the most decoding steps the call takes (max_new_tokens).
+        device: where the noise is computed.
+
+    Raises:
+        ValueError: a seed outside [0, 2**62), or n_rows × steps > 2**32 (counters would repeat).
+    """
+
+    def __init__(self, seed: int, n_rows: int, vocab: int, steps: int, device) -> None:
+        if not 0 <= seed < 2**62:
+            raise ValueError(f"CounterNoise: seed must be in [0, 2**62), got {seed}")
+        if n_rows * steps > 2**32:
+            raise ValueError(
+                f"CounterNoise: {n_rows} rows x {steps} steps exceed the 2**32 counters of a call"
+            )
+        s_lo, s_hi = seed & _MASK32, seed >> 32
+        self.n_rows, self.vocab = n_rows, vocab
+        self.seed_word = _mix32(s_hi ^ _GOLDEN) ^ s_lo  # a Python int in [0, 2**32)
+        v = torch.arange(vocab, dtype=torch.long, device=device)
+        self.word = _mix32(_mix32(v ^ s_lo) ^ ((s_hi + _GOLDEN) & _MASK32))  # (V,) int64
+
+    def bits(self, rows: Tensor, step: int | Tensor) -> Tensor:
+        """(b, V) int64 in [0, 2**32): the words of global rows `rows` ((b,) long, each <
+        n_rows) at decoding step `step` (an int, or a 0-d long tensor on the same device)."""
+        counter = rows.long() + self.n_rows * step
+        key = _mix32((counter ^ self.seed_word) & _MASK32)  # (b,)
+        return _mix32(key[:, None] ^ self.word[None, :])
+
+    def gumbel(self, rows: Tensor, step: int | Tensor) -> Tensor:
+        """(b, V) float64 standard Gumbel noise g = −log(−log u), u = `counter_uniform(bits)`.
+        The sampler calls this once per decoding step with the rows it is decoding, so its size
+        is the process's own running rows × V."""
+        return -torch.log(-torch.log(counter_uniform(self.bits(rows, step))))
+
+
+def counter_uniform(bits: Tensor) -> Tensor:
+    """Uniforms in the open interval (0, 1) from 32-bit words: (bits + 0.5) / 2**32, float64.
+
+    Every value is an odd multiple of 2**-33, exact in float64 (32 bits of resolution, more
+    than float32's 24), and neither 0 nor 1, so −log(−log u) is finite (|g| < 23)."""
+    return (bits.double() + 0.5) * 2.0**-32
+
+
+def draw_tokens(
+    logits: Tensor,
+    noise: CounterNoise | None,
+    rows: Tensor,
+    step: int | Tensor,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> Tensor:
+    """One token per row from tempered logits (b, V) float: argmax when `noise` is None
+    (greedy), else the Gumbel-max draw argmax(filtered logits + g) with g the noise of global
+    rows `rows` ((b,) long) at decoding step `step` — an exact sample of softmax(logits)
+    restricted to the top-k / top-p / min-p set. Returns (b,) long."""
+    if noise is None:
+        return logits.argmax(-1)
+    return (_filter_logits(logits, top_k, top_p, min_p) + noise.gumbel(rows, step)).argmax(-1)
+
+
 def draw_seed(generator: torch.Generator | None, device: torch.device) -> int:
     """The one draw `sample` takes from its generator per call (the seed of that call's noise).
     A data-parallel rank with nothing to sample in a call takes it too, to stay in step."""
@@ -203,9 +302,8 @@ def sample(
         raise ValueError(
             f"sample: rows must give each of the {len(prompts)} prompts a row < {n_rows}"
         )
-    noise_rng = None
-    if not greedy:
-        noise_rng = torch.Generator(device=device).manual_seed(draw_seed(generator, device))
+    seed = None if greedy else draw_seed(generator, device)
+    noise: CounterNoise | None = None  # built at the first step, when V is known
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, width)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     batch = prompt_ids.size(0)
@@ -255,12 +353,9 @@ def sample(
             logits, step_positions = logits[expand], positions
         if temp != 1.0:
             logits = logits / temp
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            u = torch.rand((n_rows, logits.size(-1)), generator=noise_rng, device=device)
-            gumbel = -torch.log(-torch.log(u[rows_t[active]]))  # (b, V)
-            token = (_filter_logits(logits, top_k, top_p, min_p) + gumbel).argmax(-1)
+        if not greedy and noise is None:
+            noise = CounterNoise(seed, n_rows, logits.size(-1), max_new_tokens, device)
+        token = draw_tokens(logits, noise, rows_t[active], t, top_k, top_p, min_p)
         logp = selective_log_softmax(logits, token)
 
         out_ids[active, t] = token
