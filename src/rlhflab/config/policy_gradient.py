@@ -75,6 +75,12 @@ class RolloutConfig(Strict):
     engine: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    # engine "hf" only (rlhflab.rollout.sampler.sample): "eager" drops stopped rows at every
+    # token; "static": static KV cache, stop checks on the device, the host syncs every
+    # `sync_every` tokens, the decode step a CUDA graph on CUDA (`cuda_graph`). Same tokens.
+    decode: Literal["eager", "static"] = "eager"
+    sync_every: int = Field(8, ge=1)
+    cuda_graph: bool = True
 
 
 class RewardConfig(Strict):

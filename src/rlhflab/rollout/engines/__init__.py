@@ -141,6 +141,9 @@ def make_engine(
             pad_token_id=tokenizer.pad_token_id,
             stop_token_ids=stops,
             autocast_dtype=autocast_dtype,
+            decode=getattr(rollout_cfg, "decode", "eager"),
+            sync_every=getattr(rollout_cfg, "sync_every", 8),
+            cuda_graph=getattr(rollout_cfg, "cuda_graph", True),
         )
     if name == "vllm":
         from rlhflab.models.lora import is_lora

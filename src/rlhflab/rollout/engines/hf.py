@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.rollout.engines import SamplingParams
-from rlhflab.rollout.sampler import Rollout, sample
+from rlhflab.rollout.sampler import DECODE_PATHS, Rollout, sample
 
 
 class HFEngine:
@@ -26,6 +26,13 @@ class HFEngine:
         pad_token_id: written after a completion stops.
         stop_token_ids: the stop set, EOS first (`rlhflab.rollout.engines.stop_ids_for`).
         autocast_dtype: forwards under torch.autocast with this dtype, as the trainer's.
+        decode, sync_every, cuda_graph: the sampler's decode loop ("eager" or "static"), the
+            static loop's tokens between host checks, and whether it captures its step as a
+            CUDA graph on CUDA (`rlhflab.rollout.sampler.sample`; config `rollout.decode`,
+            `rollout.sync_every`, `rollout.cuda_graph`).
+
+    Raises:
+        ValueError: no stop token, an unknown `decode`, or sync_every < 1.
     """
 
     name = "hf"
@@ -37,9 +44,18 @@ class HFEngine:
         pad_token_id: int,
         stop_token_ids: tuple[int, ...],
         autocast_dtype: torch.dtype | None = None,
+        decode: str = "eager",
+        sync_every: int = 8,
+        cuda_graph: bool = True,
     ) -> None:
         if not stop_token_ids:
             raise ValueError("HFEngine: stop_token_ids must hold at least EOS")
+        if decode not in DECODE_PATHS or sync_every < 1:
+            raise ValueError(
+                f"HFEngine: decode must be one of {list(DECODE_PATHS)} and sync_every >= 1 "
+                f"(got decode={decode!r}, sync_every={sync_every})"
+            )
+        self.decode, self.sync_every, self.cuda_graph = decode, sync_every, cuda_graph
         self.model = model
         self.pad_token_id = pad_token_id
         self.stop_token_ids = tuple(stop_token_ids)
@@ -74,6 +90,9 @@ class HFEngine:
             rows=rows,
             n_rows=n_rows,
             width=width,
+            decode=self.decode,
+            sync_every=self.sync_every,
+            cuda_graph=self.cuda_graph,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:

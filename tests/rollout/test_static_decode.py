@@ -1,0 +1,91 @@
+"""The "static" decode loop (`sample(decode="static")`: static KV cache, stop checks on the
+device, host checks every `sync_every` tokens, compaction of finished rows) gives the eager loop's
+completions: the same tokens, masks and truncation flags, and log-probs equal to float64 rounding
+(the attention sums run over a wider, masked key range). Compared in float64 (`tiny_model64`),
+where an argmax flip between the two loops would need logits equal to ~1e-13. The CUDA-graph
+capture of the step runs only on CUDA and is not exercised here."""
+
+import pytest
+import torch
+
+from rlhflab.rollout.engines.hf import HFEngine
+from rlhflab.rollout.sampler import _StaticDecoder, sample
+
+PROMPTS = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33, 34]]
+GROUPS = [p for p in PROMPTS for _ in range(3)]  # repeated prompts: prefix sharing on
+
+
+def _pair(model, tok, prompts, sync_every, **kw):
+    kw.setdefault("max_new_tokens", 16)
+    kw.setdefault("eos_token_id", tok.eos_token_id)
+    kw["pad_token_id"] = tok.pad_token_id
+    eager = sample(model, prompts, generator=torch.Generator().manual_seed(3), **kw)
+    static = sample(model, prompts, generator=torch.Generator().manual_seed(3), decode="static",
+                    sync_every=sync_every, **kw)  # fmt: skip
+    return eager, static
+
+
+def _same(eager, static):
+    assert torch.equal(static.completion_ids, eager.completion_ids)
+    assert torch.equal(static.mask, eager.mask)
+    assert torch.equal(static.truncated, eager.truncated)
+    assert static.logp.dtype == eager.logp.dtype == torch.float64
+    scale = max(eager.logp.abs().max().item(), 1.0)
+    torch.testing.assert_close(static.logp, eager.logp, rtol=0, atol=1e4 * 2.0**-52 * scale)
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 8])
+def test_static_loop_gives_the_eager_loop_s_completions(
+    tiny_model64, tiny_tokenizer, sync_every, monkeypatch
+):
+    tiny_model64.eval()
+    compactions = []
+    compact = _StaticDecoder.compact
+    monkeypatch.setattr(
+        _StaticDecoder, "compact",
+        lambda self, keep, full: (compactions.append(keep.numel()), compact(self, keep, full)),
+    )  # fmt: skip
+    # the first stop id is an early, common token so that rows stop at different steps
+    stops = [tiny_tokenizer.eos_token_id, *range(5, 40)]
+    for kw in ({"temperature": 0.9}, {"greedy": True}, {"top_k": 20, "top_p": 0.9, "min_p": 0.01}):
+        eager, static = _pair(tiny_model64, tiny_tokenizer, GROUPS, sync_every,
+                              stop_token_ids=stops, **kw)  # fmt: skip
+        _same(eager, static)
+    lengths = eager.mask.sum(1)
+    assert len(set(lengths.tolist())) > 2  # stops at different steps
+    assert compactions  # finished rows were dropped at a host check
+    # a data-parallel share (rows 2..3 of 4, at the global width) and no prefix sharing
+    width = max(len(p) for p in PROMPTS)
+    kw = dict(rows=[2, 3], n_rows=4, width=width, stop_token_ids=stops)
+    _same(*_pair(tiny_model64, tiny_tokenizer, PROMPTS[2:], sync_every, **kw))
+    _same(*_pair(tiny_model64, tiny_tokenizer, GROUPS, sync_every, share_prefix=False))
+
+
+def test_static_loop_without_stops_and_one_token(tiny_model64, tiny_tokenizer):
+    tiny_model64.eval()
+    _same(*_pair(tiny_model64, tiny_tokenizer, PROMPTS, 4, eos_token_id=-1))  # never stops
+    _same(*_pair(tiny_model64, tiny_tokenizer, PROMPTS, 4, max_new_tokens=1))
+
+
+def test_engine_passes_the_decode_path_and_refuses_bad_values(tiny_model64, tiny_tokenizer):
+    from rlhflab.rollout.engines import SamplingParams
+
+    tiny_model64.eval()
+    kw = dict(
+        pad_token_id=tiny_tokenizer.pad_token_id, stop_token_ids=(tiny_tokenizer.eos_token_id,)
+    )
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.8)
+    out = {
+        d: HFEngine(tiny_model64, decode=d, sync_every=2, **kw).generate(
+            PROMPTS, params, generator=torch.Generator().manual_seed(1)
+        )
+        for d in ("eager", "static")
+    }
+    _same(out["eager"], out["static"])
+    with pytest.raises(ValueError, match="decode must be one of"):
+        HFEngine(tiny_model64, decode="graph", **kw)
+    with pytest.raises(ValueError, match="sync_every"):
+        HFEngine(tiny_model64, sync_every=0, **kw)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        sample(tiny_model64, PROMPTS, max_new_tokens=2, eos_token_id=0, pad_token_id=0,
+               decode="fast")  # fmt: skip
