@@ -81,6 +81,9 @@ class RolloutConfig(Strict):
     decode: Literal["eager", "static"] = "eager"
     sync_every: int = Field(8, ge=1)
     cuda_graph: bool = True
+    # engine "hf": generate with a bf16/fp16 copy of the policy (the run's autocast dtype),
+    # refreshed before each rollout, instead of casting float32 weights at every token
+    half_weights: bool = False
 
 
 class RewardConfig(Strict):
