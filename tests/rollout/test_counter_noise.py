@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhflab.rollout import sampler
 from rlhflab.rollout.sampler import CounterNoise, counter_uniform, draw_tokens, sample
 
 PROMPTS = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33, 34]]
@@ -56,13 +57,21 @@ def test_words_are_uniform_and_independent_across_rows_steps_and_vocab():
     u = counter_uniform(bits)
     assert u.dtype == torch.float64 and u.min() > 0 and u.max() < 1
     assert abs(float(u.mean()) - 0.5) < 6 * math.sqrt(1 / 12 / u.numel())
+    u32 = counter_uniform(bits, torch.float32)  # the top 23 bits, exact in float32
+    assert u32.dtype == torch.float32 and u32.min() > 0 and u32.max() < 1
+    assert torch.equal(u32.double(), ((bits >> 9).double() + 0.5) / 2**23)
 
 
-def test_a_subset_of_rows_is_those_rows_of_the_whole_block():
+def test_a_subset_of_rows_is_those_rows_of_the_whole_block(monkeypatch):
     noise = CounterNoise(seed=7, n_rows=8, vocab=50, steps=4, device="cpu")
     whole = noise.bits(torch.arange(8), 3)
     assert torch.equal(noise.bits(torch.tensor([5, 2]), 3), whole[[5, 2]])
     assert torch.equal(noise.bits(torch.tensor([5]), torch.tensor(3)), whole[[5]])
+    # the CPU path computes Gumbel noise in blocks of rows: the same values as in one block
+    g = noise.gumbel(torch.arange(8), 3)
+    monkeypatch.setattr(sampler, "_CPU_BLOCK", 100)  # 2 rows per block
+    assert torch.equal(noise.gumbel(torch.arange(8), 3), g)
+    assert torch.equal(noise.gumbel(torch.tensor([5, 2]), 3), g[[5, 2]])
     # another seed or step gives other words
     assert not torch.equal(CounterNoise(8, 8, 50, 4, "cpu").bits(torch.arange(8), 3), whole)
     assert not torch.equal(noise.bits(torch.arange(8), 2), whole)
@@ -75,8 +84,9 @@ def test_bad_seed_or_too_many_counters_refused():
         CounterNoise(seed=0, n_rows=2**16, vocab=2, steps=2**16 + 1, device="cpu")
 
 
-def test_gumbel_max_with_counter_noise_samples_the_tempered_softmax():
-    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5], dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gumbel_max_with_counter_noise_samples_the_tempered_softmax(dtype):
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5], dtype=dtype)
     tau = 0.7
     rows, steps = 200, 150  # 30,000 draws: every (row, step) of one call
     noise = CounterNoise(seed=99, n_rows=rows, vocab=5, steps=steps, device="cpu")
@@ -85,7 +95,7 @@ def test_gumbel_max_with_counter_noise_samples_the_tempered_softmax():
         tok = draw_tokens((logits / tau).expand(rows, 5), noise, torch.arange(rows), t)
         counts += torch.bincount(tok, minlength=5)
     n = rows * steps
-    p = torch.softmax(logits / tau, -1)
+    p = torch.softmax(logits.double() / tau, -1)
     se = torch.sqrt(p * (1 - p) / n)
     assert ((counts / n - p).abs() < 5 * se).all(), (counts / n, p)
 
@@ -96,8 +106,8 @@ def test_noise_per_token_is_the_rank_s_own_running_rows(tiny_model64, tiny_token
     sizes = []
     gumbel = CounterNoise.gumbel
 
-    def counted(self, rows, step):
-        g = gumbel(self, rows, step)
+    def counted(self, rows, step, *args):
+        g = gumbel(self, rows, step, *args)
         sizes.append((rows.numel(), g.numel()))
         return g
 
@@ -122,10 +132,12 @@ import hashlib, json, torch
 from rlhflab.rollout.sampler import CounterNoise
 n = CounterNoise(seed=2**40 + 3, n_rows=16, vocab=4099, steps=8, device="cpu")
 b = torch.cat([n.bits(torch.arange(16), t) for t in range(8)])
-g = torch.cat([n.gumbel(torch.arange(16), t) for t in range(8)])
+g = {str(d): torch.cat([n.gumbel(torch.arange(16), t, d) for t in range(8)])
+     for d in (torch.float32, torch.float64)}
 print(json.dumps({"cap": torch.backends.cpu.get_cpu_capability(),
                   "bits": hashlib.sha256(b.numpy().tobytes()).hexdigest(),
-                  "gumbel": g.tolist()[0][:64] + [float(g.sum())]}))
+                  "gumbel": {d: v[0, :64].tolist() + [float(v.double().sum())]
+                             for d, v in g.items()}}))
 """
 
 
@@ -143,13 +155,15 @@ def test_words_are_the_same_bits_under_every_cpu_kernel_set():
     assert out["default"]["cap"].lower() == "default"  # the switch took effect
     bits = {o["bits"] for o in out.values()}
     assert len(bits) == 1, out
-    # Gumbel = −log(−log u) in float64: the vectorised and scalar log may differ in the last
-    # bit, never more (relative 4 eps); only an exact tie of two noisy logits could notice.
-    ref = torch.tensor(out["default"]["gumbel"], dtype=torch.float64)
-    for o in out.values():
-        torch.testing.assert_close(
-            torch.tensor(o["gumbel"], dtype=torch.float64), ref, rtol=4 * 2.0**-52, atol=0
-        )
+    # Gumbel = −log(−log u): the vectorised and scalar log may differ in the last bits, never
+    # more (relative 4 eps of the dtype; the sum over 65k values: 1e3 eps); only a tie of two
+    # noisy logits within that much could notice.
+    for dtype, eps in (("torch.float32", 2.0**-23), ("torch.float64", 2.0**-52)):
+        ref = torch.tensor(out["default"]["gumbel"][dtype], dtype=torch.float64)
+        for o in out.values():
+            got = torch.tensor(o["gumbel"][dtype], dtype=torch.float64)
+            torch.testing.assert_close(got[:-1], ref[:-1], rtol=4 * eps, atol=0)
+            torch.testing.assert_close(got[-1], ref[-1], rtol=1e3 * eps, atol=0)
 
 
 def _qwen3_tiny():
@@ -173,9 +187,9 @@ from test_counter_noise import RANK_PROMPTS, _qwen3_tiny
 distributed.setup("ddp")
 sizes = []
 gumbel = CounterNoise.gumbel
-def counted(self, rows, step):
+def counted(self, rows, step, *args):
     sizes.append(rows.numel())
-    return gumbel(self, rows, step)
+    return gumbel(self, rows, step, *args)
 CounterNoise.gumbel = counted
 lo, hi = distributed.shard_bounds(len(RANK_PROMPTS))
 ro = sample(_qwen3_tiny(), RANK_PROMPTS[lo:hi], max_new_tokens=10, eos_token_id=3,

@@ -154,12 +154,20 @@ _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: decorrelates the key words from sm
 
 
 def _mix32(x):
-    """The lowbias32 bijection of 32-bit words, on int64 tensors (or Python ints) in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * _M1) & _MASK32  # x < 2**32, _M1 < 2**31: the product is < 2**63
-    x = x ^ (x >> 15)
-    x = (x * _M2) & _MASK32
-    return x ^ (x >> 15)
+    """The lowbias32 bijection of 32-bit words, on int64 tensors (or Python ints) in [0, 2**32).
+    A tensor argument is overwritten (in-place operations: one (b, V) buffer, not ten)."""
+    if not isinstance(x, Tensor):
+        x = x ^ (x >> 16)
+        x = (x * _M1) & _MASK32  # x < 2**32, _M1 < 2**31: the product is < 2**63
+        x = x ^ (x >> 15)
+        x = (x * _M2) & _MASK32
+        return x ^ (x >> 15)
+    x ^= x >> 16
+    x.mul_(_M1).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(_M2).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
 
 
 class CounterNoise:
@@ -205,19 +213,43 @@ class CounterNoise:
         key = _mix32((counter ^ self.seed_word) & _MASK32)  # (b,)
         return _mix32(key[:, None] ^ self.word[None, :])
 
-    def gumbel(self, rows: Tensor, step: int | Tensor) -> Tensor:
-        """(b, V) float64 standard Gumbel noise g = −log(−log u), u = `counter_uniform(bits)`.
+    def gumbel(
+        self, rows: Tensor, step: int | Tensor, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        """(b, V) standard Gumbel noise g = −log(−log u), u = `counter_uniform(bits, dtype)`,
+        in `dtype` (the sampler passes its logits' dtype: float32, or float64 in float64 runs).
         The sampler calls this once per decoding step with the rows it is decoding, so its size
         is the process's own running rows × V."""
-        return -torch.log(-torch.log(counter_uniform(self.bits(rows, step))))
+        if rows.device.type != "cpu":
+            return _gumbel_of(counter_uniform(self.bits(rows, step), dtype))
+        # On CPU in blocks of rows that stay in cache (~512 KiB of int64 words): the dozen
+        # passes over the words then cost cache bandwidth, not memory bandwidth. Same values.
+        out = torch.empty((rows.numel(), self.vocab), dtype=dtype)
+        per = max(1, _CPU_BLOCK // max(self.vocab, 1))
+        for i in range(0, rows.numel(), per):
+            out[i : i + per] = _gumbel_of(
+                counter_uniform(self.bits(rows[i : i + per], step), dtype)
+            )
+        return out
 
 
-def counter_uniform(bits: Tensor) -> Tensor:
-    """Uniforms in the open interval (0, 1) from 32-bit words: (bits + 0.5) / 2**32, float64.
+_CPU_BLOCK = 1 << 16  # words per block of `CounterNoise.gumbel` on CPU
 
-    Every value is an odd multiple of 2**-33, exact in float64 (32 bits of resolution, more
-    than float32's 24), and neither 0 nor 1, so −log(−log u) is finite (|g| < 23)."""
-    return (bits.double() + 0.5) * 2.0**-32
+
+def _gumbel_of(u: Tensor) -> Tensor:
+    """−log(−log u), in place on u."""
+    return u.log_().neg_().log_().neg_()
+
+
+def counter_uniform(bits: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Uniforms in the open interval (0, 1) from 32-bit words, exact in `dtype`.
+
+    float64: (bits + 0.5) / 2**32, 32 bits of resolution. Any other dtype (float32): the top 23
+    bits, (bits >> 9) + 0.5) / 2**23 — an odd multiple of 2**-24, exact in float32 (torch.rand
+    gives 24 bits but may return 0). Never 0 nor 1, so −log(−log u) is finite (|g| < 23)."""
+    if dtype == torch.float64:
+        return (bits.double() + 0.5) * 2.0**-32
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
 def draw_tokens(
@@ -235,7 +267,8 @@ def draw_tokens(
     restricted to the top-k / top-p / min-p set. Returns (b,) long."""
     if noise is None:
         return logits.argmax(-1)
-    return (_filter_logits(logits, top_k, top_p, min_p) + noise.gumbel(rows, step)).argmax(-1)
+    g = noise.gumbel(rows, step, logits.dtype)
+    return (_filter_logits(logits, top_k, top_p, min_p) + g).argmax(-1)
 
 
 def draw_seed(generator: torch.Generator | None, device: torch.device) -> int:
@@ -351,7 +384,12 @@ def sample(
     if expand is not None:  # prefill only the distinct prompts
         step_input = prompt_ids[distinct_t]
         step_positions, step_attn = positions[distinct_t], attn[distinct_t]
-    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    # The static loop's step may be captured as a CUDA graph: autocast's weight-cast cache must
+    # be off there (a cast cached during capture would be a graph-owned buffer; torch's advice).
+    autocast = torch.autocast(
+        device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None,
+        cache_enabled=False if decode == "static" else None,
+    )  # fmt: skip
     if decode == "static":
         return _decode_static(
             model, prompt_ids, prompt_mask, positions, expand, distinct if expand is not None
