@@ -477,6 +477,10 @@ def gpu_run_shape(shape: str, batches: list[int], *, device: str, dtype: torch.d
                 res[side] = {"oom": True}
                 if cuda:
                     torch.cuda.empty_cache()
+            except Exception as e:  # one side failing (e.g. generate's auto-compile) ends no run
+                msg = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"[{shape} B={n_prompts * grp}] {side}: FAILED {msg}")
+                res[side] = {"error": msg}
         base = res.get("generate", {}).get("tokens_per_s")
         for v in res.values():
             if base and "tokens_per_s" in v:
@@ -511,9 +515,10 @@ def gpu_table(data: dict) -> str:
     for shape, r in data["shapes"].items():
         for batch, res in r["batches"].items():
             for side, v in res.items():
-                if v.get("oom"):
+                if v.get("oom") or v.get("error"):
+                    what = "out of memory" if v.get("oom") else f"failed: {v['error'][:80]}"
                     lines.append(f"| {shape} | {_params(r['parameters'])} | {batch} | "
-                                 f"`{side}` | out of memory | | | |")  # fmt: skip
+                                 f"`{side}` | {what} | | | |")  # fmt: skip
                     continue
                 ratio = v.get("ratio_vs_generate")
                 util = v.get("gpu_util_pct")

@@ -100,14 +100,21 @@ def main(argv=None) -> None:
 
     util = UtilSampler(a.device)
     res = {s: {"tokens_per_s": [], "gpu_util_pct": [], "wall_s": []} for s in a.sides}
+    failed = {}
     for s in a.sides:
-        call(s, min(4, a.max_new))
-        log(f"warm-up {s} done")
+        try:
+            call(s, min(4, a.max_new))
+            log(f"warm-up {s} done")
+        except Exception as e:  # one side failing ends no run: it is reported
+            failed[s] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"warm-up {s} FAILED {failed[s]}")
+    for s in failed:
+        del res[s]
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     for r in range(a.reps):
-        for s in a.sides:
+        for s in res:
             util.start()
             t0 = time.perf_counter()
             n = call(s, a.max_new)
@@ -131,7 +138,7 @@ def main(argv=None) -> None:
         "card": card, "torch": torch.__version__, "settings": vars(a),
         "parameters": sum(p.numel() for p in live.parameters()), "sides": res,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "best_engine_side": best,
+        "best_engine_side": best, "failed": failed,
     }  # fmt: skip
     if best and base:
         b = res[best]
@@ -154,6 +161,7 @@ def main(argv=None) -> None:
         u = v["mean_gpu_util_pct"]
         lines.append(f"| `{s}` | {v['median_tokens_per_s']:,.0f} | {ratio} | "
                      f"{'—' if u is None else f'{u:.0f}'} |")  # fmt: skip
+    lines += [f"| `{s}` | failed: {msg[:100]} | | |" for s, msg in failed.items()]
     d = Path(a.out_dir)
     d.mkdir(parents=True, exist_ok=True)
     (d / "gpu_probe_engine.json").write_text(json.dumps(out, indent=2) + "\n")
