@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhflab.rollout import sampler
+from rlhflab.rollout import noise as noise_module
 from rlhflab.rollout.sampler import CounterNoise, counter_uniform, draw_tokens, sample
 
 PROMPTS = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [30, 31, 32, 33, 34]]
@@ -69,7 +69,7 @@ def test_a_subset_of_rows_is_those_rows_of_the_whole_block(monkeypatch):
     assert torch.equal(noise.bits(torch.tensor([5]), torch.tensor(3)), whole[[5]])
     # the CPU path computes Gumbel noise in blocks of rows: the same values as in one block
     g = noise.gumbel(torch.arange(8), 3)
-    monkeypatch.setattr(sampler, "_CPU_BLOCK", 100)  # 2 rows per block
+    monkeypatch.setattr(noise_module, "_CPU_BLOCK", 100)  # 2 rows per block
     assert torch.equal(noise.gumbel(torch.arange(8), 3), g)
     assert torch.equal(noise.gumbel(torch.tensor([5, 2]), 3), g[[5, 2]])
     # another seed or step gives other words
@@ -129,7 +129,7 @@ def test_noise_per_token_is_the_rank_s_own_running_rows(tiny_model64, tiny_token
 
 CAPABILITY_SCRIPT = """
 import hashlib, json, torch
-from rlhflab.rollout.sampler import CounterNoise
+from rlhflab.rollout.noise import CounterNoise
 n = CounterNoise(seed=2**40 + 3, n_rows=16, vocab=4099, steps=8, device="cpu")
 b = torch.cat([n.bits(torch.arange(16), t) for t in range(8)])
 g = {str(d): torch.cat([n.gumbel(torch.arange(16), t, d) for t in range(8)])
