@@ -124,3 +124,20 @@ def test_grpo_with_the_static_loop_trains_as_with_the_eager_loop(tmp_path, caplo
         assert any(k.startswith("rollout/") for k in keys)
         for k in keys:
             assert s[k] == pytest.approx(e[k], rel=1e-9, abs=1e-12), k
+
+
+def test_a_model_without_a_static_cache_is_refused_in_one_line(tiny_tokenizer):
+    """rlhflab's own `gpt` architecture computes its mask from the cached length and cannot take
+    transformers' StaticCache: refused before any forward, naming the fix."""
+    from types import SimpleNamespace
+
+    from rlhflab.errors import ConfigError
+    from rlhflab.models.build import build_model
+    from rlhflab.rollout.engines import make_engine
+
+    gpt = build_model(tiny_tokenizer, size="tiny", arch="gpt", max_position_embeddings=64).eval()
+    with pytest.raises(ValueError, match="decode='static' needs a model that takes"):
+        sample(gpt, PROMPTS, max_new_tokens=2, eos_token_id=0, pad_token_id=0, decode="static")
+    cfg = SimpleNamespace(engine="hf", stop_token_ids=(), decode="static")
+    with pytest.raises(ConfigError, match=r"use rollout\.decode=eager"):
+        make_engine(cfg, gpt, tiny_tokenizer)

@@ -237,6 +237,11 @@ def sample(
         raise ValueError(f"sample: decode must be one of {list(DECODE_PATHS)}, got {decode!r}")
     if sync_every < 1:
         raise ValueError(f"sample: sync_every must be >= 1, got {sync_every}")
+    if decode == "static" and not supports_static_decode(model):
+        raise ValueError(
+            f"sample: decode='static' needs a model that takes transformers' StaticCache; "
+            f"{type(getattr(model, 'module', model)).__name__} does not (use decode='eager')"
+        )
     device = next(model.parameters()).device
     rows_t = torch.tensor(rows if rows is not None else range(len(prompts)), device=device)
     n_rows = n_rows if n_rows is not None else len(prompts)
@@ -337,6 +342,13 @@ def sample(
         logp=out_logp[:, :width].contiguous(),
         truncated=~finished,
     )
+
+
+def supports_static_decode(model: torch.nn.Module) -> bool:
+    """True when `model` (DDP's `.module` unwrapped) takes transformers' `StaticCache`, as the
+    "static" decode loop needs: transformers marks such models `_can_compile_fullgraph`
+    (Qwen3, Llama, GPT-2, ...); rlhflab's own `gpt` architecture is not."""
+    return bool(getattr(getattr(model, "module", model), "_can_compile_fullgraph", False))
 
 
 class _StaticDecoder:

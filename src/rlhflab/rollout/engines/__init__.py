@@ -135,7 +135,15 @@ def make_engine(
     name = getattr(rollout_cfg, "engine", "hf")
     if name == "hf":
         from rlhflab.rollout.engines.hf import HFEngine
+        from rlhflab.rollout.sampler import supports_static_decode
 
+        if getattr(rollout_cfg, "decode", "eager") == "static" and not supports_static_decode(
+            _unwrapped(model)
+        ):
+            raise ConfigError(
+                f"rollout.decode: static needs a model that takes a static KV cache; "
+                f"{type(_unwrapped(model)).__name__} does not (use rollout.decode=eager)"
+            )
         if getattr(rollout_cfg, "half_weights", False):
             from rlhflab.models.lora import is_lora
 
