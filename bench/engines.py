@@ -20,6 +20,19 @@ samples × `max_new` new tokens at temperature 1 and fixed length (no side can s
 - `vllm`      — the `vllm` engine as `make_engine` builds it for the trainer (fp32, prefix
                 caching on, in-process engine core, `enforce_eager`), its start-up not timed.
 
+GPU mode (`--gpu`, bench/RESULTS.md "Rollout engines on a GPU"): random-init Qwen3 shapes
+(0.6B / 1.7B / 4B configs, no Hub) × batches of 64 / 256 / 1024 sequences, `--max-new` new tokens
+at a fixed length, sides side by side in one run: `generate` (plain HF generate, default cache),
+`generate_static` (HF generate with `cache_implementation="static"`), `hf_eager` (our engine's
+eager decode loop: the engine before issue #26) and `hf_static` (its static decode: static KV
+cache, device-side stop checks, CUDA-graph step). Weights in `--dtype` (bf16 on CUDA). Reports
+generated tokens/s, the mean GPU utilisation sampled during each timed call
+(`torch.cuda.utilization()`, else nvidia-smi) and peak memory; writes JSON and a markdown table
+naming the card. `--device cpu --shapes tiny --batches 4 --max-new 4` is the CPU smoke mode:
+
+    python -m bench.engines --gpu                                 # on a CUDA machine
+    python -m bench.engines --gpu --device cpu --shapes tiny --batches 4 --max-new 4
+
 Sides alternate per rep after one warm-up call each. Threads: one. torch.set_num_threads(1) and
 OMP_NUM_THREADS=1 before torch loads; vLLM's engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the engine sets it), where vLLM binds no OpenMP threads of
@@ -45,6 +58,7 @@ import argparse
 import contextlib
 import functools
 import json
+import logging
 import math
 import statistics
 import sys
@@ -296,8 +310,285 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
+# Qwen3 configurations (Hugging Face Qwen/Qwen3-*: config.json), random-init; "tiny" for the CPU
+# smoke mode; "probe" the 1.41 B shape of issue #26 (vocabulary set by --probe-vocab).
+QWEN3_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512),
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936),
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936),
+    "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936),
+    "probe": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=8192),
+}  # fmt: skip
+GPU_SIDES = ("generate", "generate_static", "hf_eager", "hf_static")
+
+
+def qwen3_model(shape: str, device: str, dtype: torch.dtype, vocab: int | None = None):
+    """A random-init Qwen3ForCausalLM of `QWEN3_SHAPES[shape]` built directly on `device` in
+    `dtype` (no float32 copy on the host), eval mode, tied embeddings, EOS = vocab − 1."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(QWEN3_SHAPES[shape])
+    if vocab:
+        kw["vocab_size"] = vocab
+    cfg = Qwen3Config(**kw, max_position_embeddings=4096, tie_word_embeddings=True,
+                      eos_token_id=kw["vocab_size"] - 1, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.eos_token_id = None  # fixed length: generate never stops
+    return model.eval()
+
+
+class UtilSampler:
+    """Samples GPU utilisation (%) every `period_s` in a thread between `start()` and `stop()`:
+    `torch.cuda.utilization()` (NVML), else `nvidia-smi`; `mean()` is None where neither works
+    (CPU, no NVML)."""
+
+    def __init__(self, device: str, period_s: float = 0.1) -> None:
+        import threading
+
+        self.device, self.period_s, self.samples = device, period_s, []
+        self.source = None
+        self._stop = threading.Event()
+        self._thread = None
+        if device.startswith("cuda"):
+            try:
+                torch.cuda.utilization()
+                self.source = "torch.cuda.utilization"
+            except Exception:  # no NVML binding: try nvidia-smi
+                import shutil
+
+                self.source = "nvidia-smi" if shutil.which("nvidia-smi") else None
+
+    def _read(self) -> float | None:
+        if self.source == "torch.cuda.utilization":
+            return float(torch.cuda.utilization())
+        import subprocess
+
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+             "-i", str(torch.cuda.current_device())],
+            capture_output=True, text=True, timeout=5,
+        )  # fmt: skip
+        return float(out.stdout.split()[0]) if out.returncode == 0 else None
+
+    def start(self) -> None:
+        import threading
+
+        self.samples, self._stop = [], threading.Event()
+        if self.source is None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(self.period_s):
+                v = self._read()
+                if v is not None:
+                    self.samples.append(v)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return statistics.mean(self.samples) if self.samples else None
+
+
+def gpu_run_shape(shape: str, batches: list[int], *, device: str, dtype: torch.dtype, group: int,
+                  prompt_len: int, max_new: int, reps: int, sides: tuple[str, ...], sync_every: int,
+                  log, vocab: int | None = None) -> dict:  # fmt: skip
+    """Every side on every batch of one shape; a side that runs out of memory is recorded as
+    such and the others go on. Returns {batch: {side: {...}}} plus the parameter count."""
+    from rlhflab.rollout.engines import SamplingParams
+    from rlhflab.rollout.engines.hf import HFEngine
+
+    model = qwen3_model(shape, device, dtype, vocab)
+    V = model.config.vocab_size
+    engines = {
+        "hf_eager": HFEngine(model, pad_token_id=0, stop_token_ids=(-1,), decode="eager"),
+        "hf_static": HFEngine(model, pad_token_id=0, stop_token_ids=(-1,), decode="static",
+                              sync_every=sync_every, cuda_graph=True),
+    }  # fmt: skip
+    cuda = device.startswith("cuda")
+    util = UtilSampler(device)
+    out = {"parameters": sum(p.numel() for p in model.parameters()), "vocab": V, "batches": {}}
+    for rows in batches:
+        grp = min(group, rows)  # samples per prompt; rows = n_prompts × grp
+        n_prompts = max(1, rows // grp)
+        g = torch.Generator().manual_seed(rows)
+        prompts = torch.randint(1, V - 2, (n_prompts, prompt_len), generator=g)
+        ids = prompts.to(device)
+        mask = torch.ones_like(ids)
+        lists = prompts.tolist()
+        gens = {s: torch.Generator(device=device).manual_seed(i) for i, s in enumerate(GPU_SIDES)}
+
+        def call(side: str, new: int, ids=ids, mask=mask, lists=lists, gens=gens,
+                 n_prompts=n_prompts, grp=grp) -> int:  # fmt: skip
+            if side.startswith("generate"):
+                extra = {"cache_implementation": "static"} if side == "generate_static" else {}
+                with torch.no_grad():
+                    o = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                       num_return_sequences=grp, temperature=1.0, top_p=1.0,
+                                       top_k=0, max_new_tokens=new, min_new_tokens=new,
+                                       pad_token_id=0, **extra)  # fmt: skip
+                return o.size(0) * (o.size(1) - prompt_len)
+            params = SamplingParams(n=grp, max_new_tokens=new, temperature=1.0)
+            ro = engines[side].generate(lists, params, generator=gens[side])
+            return int(ro.mask.sum())
+
+        res = {}
+        for side in sides:
+            try:
+                call(side, min(4, max_new))  # warm-up
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                vals, utils = [], []
+                for _ in range(reps):
+                    util.start()
+                    t0 = time.perf_counter()
+                    n = call(side, max_new)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    wall = time.perf_counter() - t0
+                    u = util.stop()
+                    vals.append(n / wall)
+                    utils.append(u)
+                    log(f"[{shape} B={n_prompts * grp}] {side}: {n / wall:,.0f} tok/s "
+                        f"({wall:.2f} s, GPU util {u if u is None else round(u)}%)")  # fmt: skip
+                res[side] = {
+                    "tokens_per_s": statistics.median(vals), "values": [round(v, 1) for v in vals],
+                    "tokens": n, "gpu_util_pct": None if None in utils else statistics.mean(utils),
+                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                }  # fmt: skip
+            except torch.cuda.OutOfMemoryError as e:
+                log(f"[{shape} B={n_prompts * grp}] {side}: out of memory ({str(e)[:120]})")
+                res[side] = {"oom": True}
+                if cuda:
+                    torch.cuda.empty_cache()
+            except Exception as e:  # one side failing (e.g. generate's auto-compile) ends no run
+                msg = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"[{shape} B={n_prompts * grp}] {side}: FAILED {msg}")
+                res[side] = {"error": msg}
+        base = res.get("generate", {}).get("tokens_per_s")
+        for v in res.values():
+            if base and "tokens_per_s" in v:
+                v["ratio_vs_generate"] = v["tokens_per_s"] / base
+        out["batches"][n_prompts * grp] = res
+    engines.clear()
+    model = None  # free the weights before the next shape
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def gpu_table(data: dict) -> str:
+    """The markdown table of a GPU-mode results file: one row per shape × batch × side."""
+    card = data["machine"].get("card", "?")
+    st = data["settings"]
+    lines = [
+        f"Card: **{card}** (torch {data['machine']['torch']}, transformers "
+        f"{data['machine']['transformers']}); weights {st['dtype']}, prompts of "
+        f"{st['prompt_len']} tokens × {st['group']} samples, {st['max_new']} new tokens at a "
+        f"fixed length, temperature 1; tokens/s = generated tokens / wall s (median of "
+        f"{st['reps']}); GPU util = mean of `{data['machine'].get('util_source')}` samples "
+        "during the timed calls.",
+        "",
+        "| shape | params | sequences | side | tokens/s | vs `generate` | GPU util % | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for shape, r in data["shapes"].items():
+        for batch, res in r["batches"].items():
+            for side, v in res.items():
+                if v.get("oom") or v.get("error"):
+                    what = "out of memory" if v.get("oom") else f"failed: {v['error'][:80]}"
+                    lines.append(f"| {shape} | {_params(r['parameters'])} | {batch} | "
+                                 f"`{side}` | {what} | | | |")  # fmt: skip
+                    continue
+                ratio = v.get("ratio_vs_generate")
+                util = v.get("gpu_util_pct")
+                peak = v.get("peak_gib")
+                lines.append(
+                    f"| {shape} | {_params(r['parameters'])} | {batch} | `{side}` | "
+                    f"{v['tokens_per_s']:,.0f} | {'—' if ratio is None else f'{ratio:.2f}'} | "
+                    f"{'—' if util is None else f'{util:.0f}'} | "
+                    f"{'—' if peak is None else f'{peak:.1f}'} |"
+                )
+    return "\n".join(lines)
+
+
+def gpu_main(a) -> None:
+    """`--gpu`: see the module docstring."""
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench.engines --gpu: --device cuda but torch sees no CUDA device")
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    if device == "cpu":
+        torch.set_num_threads(a.threads)
+    logging.getLogger("rlhflab.rollout.sampler").setLevel(logging.INFO)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"{time.perf_counter() - t_start:7.1f}s {msg}", flush=True)
+
+    info = {k: v for k, v in common.machine().items() if k != "trl"}
+    info["card"] = (
+        torch.cuda.get_device_name()
+        if device.startswith("cuda")
+        else f"CPU ({info.get('cpu')}, {torch.get_num_threads()} threads)"
+    )
+    info["util_source"] = UtilSampler(device).source
+    settings = {"dtype": str(dtype).removeprefix("torch."), "group": a.group,
+                "prompt_len": a.prompt_len, "max_new": a.max_new, "reps": a.reps,
+                "sync_every": a.sync_every, "device": device, "sides": a.gpu_sides}  # fmt: skip
+    data = {"machine": info, "settings": settings, "shapes": {}}
+    out, table_out = Path(a.out), Path(a.table_out)
+    for shape in a.shapes:
+        data["shapes"][shape] = gpu_run_shape(
+            shape, a.batches, device=device, dtype=dtype, group=a.group,
+            prompt_len=a.prompt_len, max_new=a.max_new, reps=a.reps,
+            sides=tuple(a.gpu_sides), sync_every=a.sync_every, log=log, vocab=a.probe_vocab
+            if shape == "probe" else None,
+        )  # fmt: skip
+        data["total_s"] = round(time.perf_counter() - t_start, 1)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        table_out.parent.mkdir(parents=True, exist_ok=True)
+        table_out.write_text(gpu_table(data) + "\n")
+    log(f"wrote {out} and {table_out}")
+    print(table_out.read_text())
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = ap.add_argument_group("GPU mode (--gpu)")
+    g.add_argument("--gpu", action="store_true", help="the GPU mode (module docstring)")
+    g.add_argument("--device", help="cuda (default where available) or cpu")
+    g.add_argument("--shapes", nargs="+", default=["0.6b", "1.7b", "4b"], choices=QWEN3_SHAPES)
+    g.add_argument("--batches", nargs="+", type=int, default=[64, 256, 1024])
+    g.add_argument("--gpu-sides", nargs="+", default=list(GPU_SIDES), choices=GPU_SIDES)
+    g.add_argument("--prompt-len", type=int, default=40)
+    g.add_argument("--sync-every", type=int, default=8, help="hf_static's host-check period")
+    g.add_argument("--dtype", help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--probe-vocab", type=int, default=8192, help="vocabulary of shape 'probe'")
+    g.add_argument("--threads", type=int, default=1, help="torch threads in CPU mode")
+    g.add_argument("--table-out", help="markdown table (default bench/.cache/engines_gpu.md)")
     ap.add_argument("--models", nargs="+", default=[common.TINY, common.SMOL])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--smol-prompts", type=int, default=8, help="prompts for smol135m")
@@ -326,6 +617,15 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out")
     a = ap.parse_args(argv)
+    if a.gpu:
+        if argv is None and "--max-new" not in sys.argv[1:]:
+            a.max_new = 128
+        if argv is None and "--reps" not in sys.argv[1:]:
+            a.reps = 2
+        a.out = a.out or str(common.BENCH_DIR / ".cache" / "engines_gpu.json")
+        a.table_out = a.table_out or str(common.BENCH_DIR / ".cache" / "engines_gpu.md")
+        gpu_main(a)
+        return
     if a.out is None:
         name = ".cache/engines_smoke.json" if a.smoke else "engines_results.json"
         a.out = str(common.BENCH_DIR / name)

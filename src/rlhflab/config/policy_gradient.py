@@ -75,6 +75,15 @@ class RolloutConfig(Strict):
     engine: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    # engine "hf" only (rlhflab.rollout.sampler.sample): "eager" drops stopped rows at every
+    # token; "static": static KV cache, stop checks on the device, the host syncs every
+    # `sync_every` tokens, the decode step a CUDA graph on CUDA (`cuda_graph`). Same tokens.
+    decode: Literal["eager", "static"] = "eager"
+    sync_every: int = Field(8, ge=1)
+    cuda_graph: bool = True
+    # engine "hf": generate with a bf16/fp16 copy of the policy (the run's autocast dtype),
+    # refreshed before each rollout, instead of casting float32 weights at every token
+    half_weights: bool = False
 
 
 class RewardConfig(Strict):

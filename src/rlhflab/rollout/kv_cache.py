@@ -82,3 +82,23 @@ def preallocated_cache(config, capacity: int) -> DynamicCache:
         for layer in cache.layers
     ]
     return cache
+
+
+def static_cache(config, capacity: int):
+    """transformers' `StaticCache` of `capacity` positions: (B, H, capacity, D) buffers per layer,
+    allocated at the first update and written in place at a device-side position counter, so a
+    decode step has fixed shapes and no host-side index (what a CUDA graph needs)."""
+    from transformers.cache_utils import StaticCache
+
+    return StaticCache(config=config, max_cache_len=capacity)
+
+
+def select_static_rows(cache, index: torch.Tensor) -> None:
+    """Keep only the batch rows `index` ((b,) long) of every layer of a `static_cache` (new
+    buffers: a CUDA graph captured on the old ones must be captured again)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+            if hasattr(layer, "batch_size"):
+                layer.batch_size = index.numel()

@@ -11,12 +11,14 @@ log-probs `logp` are taken under that tempered distribution *before* top-k / top
 which is the convention of TRL and verl; with top_k = 0 and top_p = 1 they are the exact
 log-probs of the tokens drawn.
 
-Draws use the Gumbel-max trick, argmax_v(logits_v / τ + g_v) with g = −log(−log u), u ~ U[0, 1),
-which samples exactly softmax(logits / τ) (restricted to the top-k / top-p set). The uniforms of
-decoding step t form one (n_rows, V) block drawn for the whole *global* batch, and row i uses row
-`rows[i]` of it. So a completion's tokens depend only on its prompt, its global row and the
-seed — not on its batch neighbours, on which rows already stopped, or on how the global batch is
-split over data-parallel ranks (each rank samples its own rows and gets what one process would).
+Draws use the Gumbel-max trick, argmax_v(logits_v / τ + g_v) with g = −log(−log u), u ~ U(0, 1),
+which samples exactly softmax(logits / τ) (restricted to the top-k / top-p set). The uniforms come
+from a counter-based generator (`counter_uniform`): u is a hash of (the call's seed, global row,
+decoding step, vocabulary index), so each process computes the noise of its own rows only
+(memory per token: own rows × V) and a completion's tokens depend only on its prompt, its global
+row and the seed — not on its batch neighbours, on which rows already stopped, or on how the
+global batch is split over data-parallel ranks (each rank samples its own rows and gets what one
+process would).
 
 Prefix sharing: a prompt that occurs several times in the batch (a group of `group_size` samples
 of one prompt) is prefilled once; its KV cache and first-token logits are then copied to each of
@@ -29,6 +31,7 @@ kept in the completion and counted in the mask, as EOS always was.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -45,7 +48,11 @@ from rlhflab.ops import (
     selective_log_softmax,
     upcast,
 )
-from rlhflab.rollout.kv_cache import preallocated_cache
+from rlhflab.rollout.kv_cache import preallocated_cache, select_static_rows, static_cache
+from rlhflab.rollout.noise import CounterNoise, counter_uniform  # noqa: F401 (re-exported)
+
+logger = logging.getLogger(__name__)
+DECODE_PATHS = ("eager", "static")
 
 
 @dataclass
@@ -135,6 +142,25 @@ def _filter_logits(logits: Tensor, top_k: int, top_p: float, min_p: float = 0.0)
     return logits
 
 
+def draw_tokens(
+    logits: Tensor,
+    noise: CounterNoise | None,
+    rows: Tensor,
+    step: int | Tensor,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> Tensor:
+    """One token per row from tempered logits (b, V) float: argmax when `noise` is None
+    (greedy), else the Gumbel-max draw argmax(filtered logits + g) with g the noise of global
+    rows `rows` ((b,) long) at decoding step `step` — an exact sample of softmax(logits)
+    restricted to the top-k / top-p / min-p set. Returns (b,) long."""
+    if noise is None:
+        return logits.argmax(-1)
+    g = noise.gumbel(rows, step, logits.dtype)
+    return (_filter_logits(logits, top_k, top_p, min_p) + g).argmax(-1)
+
+
 def draw_seed(generator: torch.Generator | None, device: torch.device) -> int:
     """The one draw `sample` takes from its generator per call (the seed of that call's noise).
     A data-parallel rank with nothing to sample in a call takes it too, to stay in step."""
@@ -161,6 +187,9 @@ def sample(
     width: int | None = None,
     stop_token_ids: Sequence[int] = (),
     share_prefix: bool = True,
+    decode: str = "eager",
+    sync_every: int = 8,
+    cuda_graph: bool = True,
 ) -> Rollout:
     """Sample one completion per prompt, all prompts in one batch.
 
@@ -187,15 +216,32 @@ def sample(
             stop token it emits, which is kept in the completion.
         share_prefix: prefill each distinct prompt once and copy its KV cache to its rows
             (False: prefill every row, as before prefix sharing; kept for benchmarks).
+        decode: "eager" (the loop below: stopped rows dropped at every token, one host
+            synchronisation per token) or "static" (`_decode_static`: a static KV cache, stop
+            conditions on the device, rows compacted every `sync_every` tokens, the decode step
+            captured as a CUDA graph on CUDA when `cuda_graph`). Both give the same tokens (up
+            to float rounding of the attention sums) and log-probs.
+        sync_every: "static" only: tokens between the host's checks for finished rows (>= 1).
+        cuda_graph: "static" only: capture the decode step as a CUDA graph on CUDA devices.
 
     Returns:
         Rollout with completion tensors of width T' <= max_new_tokens (the longest completion).
 
     Raises:
-        ValueError: an empty prompt, or `rows` that do not give each prompt a row < n_rows.
+        ValueError: an empty prompt, `rows` that do not give each prompt a row < n_rows, an
+            unknown `decode` or `sync_every` < 1.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("sample: every prompt needs at least one token")
+    if decode not in DECODE_PATHS:
+        raise ValueError(f"sample: decode must be one of {list(DECODE_PATHS)}, got {decode!r}")
+    if sync_every < 1:
+        raise ValueError(f"sample: sync_every must be >= 1, got {sync_every}")
+    if decode == "static" and not supports_static_decode(model):
+        raise ValueError(
+            f"sample: decode='static' needs a model that takes transformers' StaticCache; "
+            f"{type(getattr(model, 'module', model)).__name__} does not (use decode='eager')"
+        )
     device = next(model.parameters()).device
     rows_t = torch.tensor(rows if rows is not None else range(len(prompts)), device=device)
     n_rows = n_rows if n_rows is not None else len(prompts)
@@ -203,9 +249,8 @@ def sample(
         raise ValueError(
             f"sample: rows must give each of the {len(prompts)} prompts a row < {n_rows}"
         )
-    noise_rng = None
-    if not greedy:
-        noise_rng = torch.Generator(device=device).manual_seed(draw_seed(generator, device))
+    seed = None if greedy else draw_seed(generator, device)
+    noise: CounterNoise | None = None  # built at the first step, when V is known
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, width)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     batch = prompt_ids.size(0)
@@ -234,10 +279,21 @@ def sample(
     if expand is not None:  # prefill only the distinct prompts
         step_input = prompt_ids[distinct_t]
         step_positions, step_attn = positions[distinct_t], attn[distinct_t]
+    # The static loop's step may be captured as a CUDA graph: autocast's weight-cast cache must
+    # be off there (a cast cached during capture would be a graph-owned buffer; torch's advice).
+    autocast = torch.autocast(
+        device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None,
+        cache_enabled=False if decode == "static" else None,
+    )  # fmt: skip
+    if decode == "static":
+        return _decode_static(
+            model, prompt_ids, prompt_mask, positions, expand, distinct if expand is not None
+            else None, rows_t, n_rows, seed, max_new_tokens, temp, (top_k, top_p, min_p), stops,
+            pad_token_id, sync_every, cuda_graph and device.type == "cuda", autocast, logp_dtype,
+        )  # fmt: skip
     # Keys/values written in place into buffers sized for the whole rollout (no per-step torch.cat).
     capacity = prompt_ids.size(1) + max_new_tokens
     cache = preallocated_cache(model.config, capacity)
-    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     for t in range(max_new_tokens):
         with autocast:
             out = model(
@@ -255,12 +311,9 @@ def sample(
             logits, step_positions = logits[expand], positions
         if temp != 1.0:
             logits = logits / temp
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            u = torch.rand((n_rows, logits.size(-1)), generator=noise_rng, device=device)
-            gumbel = -torch.log(-torch.log(u[rows_t[active]]))  # (b, V)
-            token = (_filter_logits(logits, top_k, top_p, min_p) + gumbel).argmax(-1)
+        if not greedy and noise is None:
+            noise = CounterNoise(seed, n_rows, logits.size(-1), max_new_tokens, device)
+        token = draw_tokens(logits, noise, rows_t[active], t, top_k, top_p, min_p)
         logp = selective_log_softmax(logits, token)
 
         out_ids[active, t] = token
@@ -289,6 +342,178 @@ def sample(
         logp=out_logp[:, :width].contiguous(),
         truncated=~finished,
     )
+
+
+def supports_static_decode(model: torch.nn.Module) -> bool:
+    """True when `model` (DDP's `.module` unwrapped) takes transformers' `StaticCache`, as the
+    "static" decode loop needs: transformers marks such models `_can_compile_fullgraph`
+    (Qwen3, Llama, GPT-2, ...); rlhflab's own `gpt` architecture is not."""
+    return bool(getattr(getattr(model, "module", model), "_can_compile_fullgraph", False))
+
+
+class _StaticDecoder:
+    """The state of a "static" decode: every per-row tensor has the current batch's fixed shape,
+    and one decoding step (`step`) changes it only in place, with device-side counters (token
+    position, cache position, output column), so it can be captured once as a CUDA graph and
+    replayed. Rows that have stopped keep being decoded (their outputs masked) until the host
+    compacts the batch (`compact`)."""
+
+    def __init__(self, model, cache, rows, noise, filt, stops, pad, temp, autocast, logp_dtype,
+                 width: int, steps: int) -> None:  # fmt: skip
+        self.model, self.cache, self.rows, self.noise = model, cache, rows, noise
+        self.filt, self.stops, self.pad, self.temp, self.autocast = filt, stops, pad, temp, autocast
+        b, device = rows.numel(), rows.device
+        self.active = torch.arange(b, device=device)  # rows of the full batch in this batch
+        self.tok = torch.full((b, 1), pad, dtype=torch.long, device=device)
+        self.pos = torch.zeros((b, 1), dtype=torch.long, device=device)
+        self.attn = torch.zeros((b, width + steps), dtype=torch.long, device=device)
+        self.t = torch.zeros((), dtype=torch.long, device=device)  # decoding step of the next draw
+        self.col = torch.full((b, 1), width - 1, dtype=torch.long, device=device)  # input column
+        self.finished = torch.zeros(b, dtype=torch.bool, device=device)
+        self.out_ids = torch.full((b, steps), pad, dtype=torch.long, device=device)
+        self.out_logp = torch.zeros((b, steps), dtype=logp_dtype, device=device)
+        self.out_mask = torch.zeros((b, steps), dtype=torch.float32, device=device)
+
+    def draw(self, logits: Tensor) -> None:
+        """Draw step t's tokens from (b, V) logits and write them; t += 1 (all on the device)."""
+        logits = upcast(logits)
+        if self.temp != 1.0:
+            logits = logits / self.temp
+        token = draw_tokens(logits, self.noise, self.rows, self.t, *self.filt)
+        logp = selective_log_softmax(logits, token)
+        live = ~self.finished
+        token = torch.where(live, token, self.pad)
+        at = self.t.expand(token.size(0), 1)
+        self.out_ids.scatter_(1, at, token[:, None])
+        self.out_logp.scatter_(1, at, torch.where(live, logp, 0).to(self.out_logp.dtype)[:, None])
+        self.out_mask.scatter_(1, at, live.float()[:, None])
+        self.finished |= live & torch.isin(token, self.stops)
+        self.tok.copy_(token[:, None])
+        self.t += 1
+
+    def step(self) -> None:
+        """One decoding step: feed the last tokens at their positions, draw the next ones."""
+        self.col += 1
+        self.attn.scatter_(1, self.col, 1)
+        with self.autocast:
+            out = self.model(
+                input_ids=self.tok, attention_mask=self.attn, position_ids=self.pos,
+                past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+            )  # fmt: skip
+        self.pos += 1
+        self.draw(out.logits[:, -1])
+
+    def compact(self, keep: Tensor, full: dict[str, Tensor]) -> None:
+        """Write the rows not in `keep` to the full-batch outputs `full`, then keep only `keep`."""
+        gone = torch.ones_like(self.finished)
+        gone[keep] = False
+        for name, buf in full.items():
+            buf[self.active[gone]] = getattr(self, name)[gone]
+        for name in ("rows", "active", "tok", "pos", "attn", "col", "finished", "out_ids",
+                     "out_logp", "out_mask"):  # fmt: skip
+            setattr(self, name, getattr(self, name)[keep])
+        select_static_rows(self.cache, keep)
+
+
+def _decode_static(model, prompt_ids, prompt_mask, positions, expand, distinct, rows, n_rows,
+                   seed, steps, temp, filt, stops, pad, sync_every, use_graph, autocast,
+                   logp_dtype) -> Rollout:  # fmt: skip
+    """`sample(decode="static")`: prompts prefilled in one pass into a static KV cache of width
+    P + steps; then every decoding step runs on fixed shapes with no host synchronisation, stop
+    tokens are checked on the device, and the host looks at the finished flags only every
+    `sync_every` steps: it stops when every row has finished and drops the finished rows from
+    the batch when at least a quarter of it has. On CUDA with `use_graph`, the decode step is
+    captured as a CUDA graph (again after each compaction) and replayed. The tokens drawn are
+    those of the eager loop: the same noise (global row, step), the same logits up to the float
+    rounding of attention sums over a wider, masked key range."""
+    device = prompt_ids.device
+    batch, width = prompt_ids.shape
+    cache = static_cache(model.config, width + steps)
+    ids, pos, attn = prompt_ids, positions, prompt_mask
+    if expand is not None:  # prefill only the distinct prompts
+        d = torch.tensor(distinct, device=device)
+        ids, pos, attn = ids[d], pos[d], attn[d]
+    with autocast:
+        out = model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+            use_cache=True, logits_to_keep=1,
+        )  # fmt: skip
+    logits = out.logits[:, -1]
+    if expand is not None:  # copy each distinct prompt's cache to its rows
+        select_static_rows(cache, expand)
+        logits = logits[expand]
+    noise = None if seed is None else CounterNoise(seed, n_rows, logits.size(-1), steps, device)
+    dec = _StaticDecoder(model, cache, rows, noise, filt, stops, pad, temp, autocast, logp_dtype,
+                         width, steps)  # fmt: skip
+    dec.attn[:, :width] = prompt_mask
+    dec.pos.copy_(positions[:, -1:])  # the step's input sits one past the prompt's last position
+    dec.pos += 1
+    dec.draw(logits)
+    full = {
+        "out_ids": dec.out_ids.clone(), "out_logp": dec.out_logp.clone(),
+        "out_mask": dec.out_mask.clone(), "finished": dec.finished.clone(),
+    }  # fmt: skip
+    logger.info(
+        "sampler: static decode, %s step, %d rows, host sync every %d tokens",
+        "CUDA-graph" if use_graph else "eager", batch, sync_every,
+    )  # fmt: skip
+    graph, warm = None, False
+    for t in range(1, steps):  # draws tokens 1 .. steps-1 (token 0 came from the prefill)
+        if t % sync_every == 0:  # the host looks at the finished flags only here
+            n_done = int(dec.finished.sum())
+            if n_done == dec.finished.numel():
+                break
+            if 4 * n_done >= dec.finished.numel():  # drop finished rows: a smaller batch
+                dec.compact((~dec.finished).nonzero().squeeze(-1), full)
+                graph, warm = None, False
+        if use_graph and graph is None and warm:
+            graph = _capture(dec)
+            use_graph = graph is not None
+        if graph is not None:
+            graph.replay()
+        elif use_graph:  # the first step on new shapes runs eagerly on a side stream (warm-up)
+            _side_stream_step(dec)
+            warm = True
+        else:
+            dec.step()
+    # every row still in the batch goes back to its place in the full batch
+    for name, buf in full.items():
+        buf[dec.active] = getattr(dec, name)
+    lengths = full["out_mask"].sum(1)
+    used = max(int(lengths.max().item()) if batch else 0, 1)
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=full["out_ids"][:, :used].contiguous(),
+        mask=full["out_mask"][:, :used].contiguous(),
+        logp=full["out_logp"][:, :used].contiguous(),
+        truncated=~full["finished"],
+    )
+
+
+def _side_stream_step(dec: _StaticDecoder) -> None:
+    """One real decoding step on a side CUDA stream: the warm-up torch asks for before a capture
+    (lazy cuBLAS / allocator initialisation happens outside the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        dec.step()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _capture(dec: _StaticDecoder):
+    """`dec.step` recorded as a CUDA graph: capture runs no kernel and changes no state; each
+    `replay()` is one decoding step on the same buffers. Returns None, with a logged warning
+    naming the error, when the capture fails; the static step then runs eagerly (logged, never
+    silent)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            dec.step()
+    except Exception as e:
+        logger.warning("sampler: CUDA graph capture failed (%s); static decode runs eagerly", e)
+        return None
+    return graph
 
 
 def completion_logps(

@@ -135,12 +135,35 @@ def make_engine(
     name = getattr(rollout_cfg, "engine", "hf")
     if name == "hf":
         from rlhflab.rollout.engines.hf import HFEngine
+        from rlhflab.rollout.sampler import supports_static_decode
+
+        if getattr(rollout_cfg, "decode", "eager") == "static" and not supports_static_decode(
+            _unwrapped(model)
+        ):
+            raise ConfigError(
+                f"rollout.decode: static needs a model that takes a static KV cache; "
+                f"{type(_unwrapped(model)).__name__} does not (use rollout.decode=eager)"
+            )
+        if getattr(rollout_cfg, "half_weights", False):
+            from rlhflab.models.lora import is_lora
+
+            if autocast_dtype not in (torch.bfloat16, torch.float16):
+                raise ConfigError(
+                    "rollout.half_weights: needs a bf16 or fp16 compute dtype (autocast); "
+                    f"this run computes in {autocast_dtype or 'the model dtype'}"
+                )
+            if is_lora(_unwrapped(model)):
+                raise ConfigError("rollout.half_weights: not for LoRA policies (model.lora)")
 
         return HFEngine(
             model,
             pad_token_id=tokenizer.pad_token_id,
             stop_token_ids=stops,
             autocast_dtype=autocast_dtype,
+            decode=getattr(rollout_cfg, "decode", "eager"),
+            sync_every=getattr(rollout_cfg, "sync_every", 8),
+            cuda_graph=getattr(rollout_cfg, "cuda_graph", True),
+            half_weights=getattr(rollout_cfg, "half_weights", False),
         )
     if name == "vllm":
         from rlhflab.models.lora import is_lora

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.rollout.engines import SamplingParams
-from rlhflab.rollout.sampler import Rollout, sample
+from rlhflab.rollout.sampler import DECODE_PATHS, Rollout, sample
 
 
 class HFEngine:
@@ -26,6 +26,17 @@ class HFEngine:
         pad_token_id: written after a completion stops.
         stop_token_ids: the stop set, EOS first (`rlhflab.rollout.engines.stop_ids_for`).
         autocast_dtype: forwards under torch.autocast with this dtype, as the trainer's.
+        decode, sync_every, cuda_graph: the sampler's decode loop ("eager" or "static"), the
+            static loop's tokens between host checks, and whether it captures its step as a
+            CUDA graph on CUDA (`rlhflab.rollout.sampler.sample`; config `rollout.decode`,
+            `rollout.sync_every`, `rollout.cuda_graph`).
+        half_weights: generate with a copy of the policy in `autocast_dtype` (bf16 / fp16),
+            refreshed from the live module before every `generate` (`half_copy`,
+            `refresh_half_copy`), instead of casting the float32 weights at every token.
+
+    Raises:
+        ValueError: no stop token, an unknown `decode`, sync_every < 1, or half_weights
+            without a 16-bit autocast_dtype.
     """
 
     name = "hf"
@@ -37,9 +48,25 @@ class HFEngine:
         pad_token_id: int,
         stop_token_ids: tuple[int, ...],
         autocast_dtype: torch.dtype | None = None,
+        decode: str = "eager",
+        sync_every: int = 8,
+        cuda_graph: bool = True,
+        half_weights: bool = False,
     ) -> None:
         if not stop_token_ids:
             raise ValueError("HFEngine: stop_token_ids must hold at least EOS")
+        if decode not in DECODE_PATHS or sync_every < 1:
+            raise ValueError(
+                f"HFEngine: decode must be one of {list(DECODE_PATHS)} and sync_every >= 1 "
+                f"(got decode={decode!r}, sync_every={sync_every})"
+            )
+        self.decode, self.sync_every, self.cuda_graph = decode, sync_every, cuda_graph
+        if half_weights and autocast_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                "HFEngine: half_weights needs a bfloat16 or float16 autocast_dtype (the run's "
+                f"compute dtype), got {autocast_dtype}"
+            )
+        self.half = half_copy(model, autocast_dtype) if half_weights else None
         self.model = model
         self.pad_token_id = pad_token_id
         self.stop_token_ids = tuple(stop_token_ids)
@@ -57,8 +84,10 @@ class HFEngine:
     ) -> Rollout:
         """`params.n` completions of each prompt (group-contiguous rows); see `RolloutEngine`."""
         stops = (*self.stop_token_ids, *params.stop_token_ids)
+        if self.half is not None:
+            refresh_half_copy(self.half, self.model)
         return sample(
-            self.model,
+            self.half if self.half is not None else self.model,
             [p for p in prompts for _ in range(params.n)],
             max_new_tokens=params.max_new_tokens,
             eos_token_id=stops[0],
@@ -74,6 +103,9 @@ class HFEngine:
             rows=rows,
             n_rows=n_rows,
             width=width,
+            decode=self.decode,
+            sync_every=self.sync_every,
+            cuda_graph=self.cuda_graph,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -84,3 +116,55 @@ class HFEngine:
 
     def wake(self) -> None:
         """Nothing to restore."""
+
+
+def _hf_class(module: torch.nn.Module) -> type:
+    """The model's own class: FSDP2 makes a subclass `FSDP<Name>` of it at wrap time."""
+    cls = type(module)
+    while cls.__name__.startswith("FSDP") and len(cls.__mro__) > 2:
+        cls = next(c for c in cls.__mro__[1:] if not c.__name__.startswith("FSDP"))
+    return cls
+
+
+def half_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """An empty copy of `model`'s architecture (a Hugging Face causal LM; DDP's `.module` is
+    unwrapped, an FSDP2 model's own class is used) with its parameters in `dtype` on the
+    model's device, for generation only (eval mode, no gradients).
+
+    Built on the meta device and then allocated in `dtype` (`to_empty`), so no full copy in
+    the model's own dtype is ever made: the memory is that of the copy alone (2 bytes a
+    parameter in bf16). Buffers (rotary tables) are shared with the model as they are. The
+    weights are undefined until `refresh_half_copy`.
+
+    Raises:
+        ValueError: a LoRA (peft) model, whose adapters the plain architecture does not have.
+    """
+    from rlhflab.models.lora import is_lora
+
+    src = getattr(model, "module", model)
+    if is_lora(src):
+        raise ValueError("half_weights: a LoRA policy has no plain architecture to copy")
+    device = next(src.parameters()).device
+    with torch.device("meta"):
+        copy = _hf_class(src)(src.config)
+    copy = copy.to(dtype).to_empty(device=device)
+    if hasattr(copy, "tie_weights"):
+        copy.tie_weights()  # to_empty allocates tied parameters separately
+    for name, buf in src.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        copy.get_submodule(owner)._buffers[leaf] = buf
+    return copy.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def refresh_half_copy(copy: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Copy `model`'s current parameters into `copy` (`half_copy`), cast one tensor at a time.
+    A parameter that is an FSDP2 shard (DTensor) is gathered alone (`full_tensor`, a collective:
+    every rank refreshes, in the same order), so no rank holds more than one full float32
+    parameter beyond its shards. Raises KeyError for a parameter the model does not have."""
+    src = dict(getattr(model, "module", model).named_parameters())
+    for name, p in copy.named_parameters():
+        s = src[name].detach()
+        if hasattr(s, "full_tensor"):
+            s = s.full_tensor()
+        p.copy_(s)
