@@ -164,6 +164,27 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from rlhflab.sweep import run_sweep
+
+    if args.report and args.only is not None:
+        raise ConfigError("sweep: --report gathers every run; it does not take --only")
+    results = run_sweep(
+        args.config,
+        grid_items=args.grid,
+        seeds=args.seeds,
+        overrides=args.overrides,
+        root=args.root,
+        slug=args.slug,
+        metric=args.metric,
+        only=args.only,
+        report_only=args.report,
+        print_fn=lambda line: print(line, file=sys.stderr),
+    )
+    print(_dumps(results))
+    return 0
+
+
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     from rlhflab.pipeline import run_pipeline
 
