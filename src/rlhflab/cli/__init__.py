@@ -8,6 +8,7 @@ Commands:
                                         task and seeds: plot + table
     sweep CONFIG --grid k=v1,v2 ...     a grid of overrides × seeds: campaign folder with a
                                         mean ± s.e. table and plots; resumable
+    replicate NAME [CONFIG] --out DIR   a small-scale replication (docs/replications.md)
     pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
@@ -39,6 +40,7 @@ from rlhflab.cli.commands import (
     _cmd_plan,
     _cmd_prm_vs_orm,
     _cmd_quickstart,
+    _cmd_replicate,
     _cmd_sweep,
     _cmd_train,
     _print_summary,
@@ -264,6 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser(
+        "replicate",
+        help="a small-scale replication of a published result (docs/replications.md)",
+    )
+    p.add_argument("name", help="rm-overopt | prm-orm-gsm8k | dpo-overopt")
+    p.add_argument("config", nargs="?", default=None,
+                   help="its config (default configs/replications/<name>.yaml)")  # fmt: skip
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("--out", required=True, help="output directory (JSON, plot, runs/)")
+    p.set_defaults(func=_cmd_replicate)
+
+    p = sub.add_parser(
         "pipeline",
         help="the classic pipeline on one preference dataset: RM, then RL against it and DPO on "
         "its pairs from one SFT model; comparison table + plot",
@@ -373,7 +386,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     argv = _resume_before_override(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command in ("train", "sweep") and not any(e.startswith("-") for e in extra):
+        if args.command in ("train", "sweep", "replicate") and not any(
+            e.startswith("-") for e in extra
+        ):
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

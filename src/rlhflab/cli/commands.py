@@ -185,6 +185,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replicate(args: argparse.Namespace) -> int:
+    from rlhflab.replications import run_replication
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # an override, no config given
+        config, overrides = None, [config, *overrides]
+    print(_dumps(run_replication(args.name, config, args.out, overrides)))
+    return 0
+
+
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     from rlhflab.pipeline import run_pipeline
 
