@@ -418,7 +418,7 @@ def sweep_table(results: dict) -> str:
     """The markdown table: one row per grid point, mean ± s.e. over seeds."""
     m = results["metric"]
     head = (
-        f"| grid point | {m} (final) | {m}_before | KL to reference, last {_TAIL} steps "
+        f"| grid point | {m} (final) | {m}_before | {_KL} (per token), last {_TAIL} steps "
         f"| rollout reward, last {_TAIL} steps | wall-clock s / run | seeds |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
@@ -445,8 +445,9 @@ def render_readme(results: dict, out: Path) -> str:
     n_runs = sum(pt["seeds_done"] for pt in results["points"])
     total = len(results["points"]) * results["seeds"]
     kl_note = (
-        "KL is `policy/kl` of metrics.jsonl (the k3 estimate, logged when the config logs it; "
-        "– when a run did not log it)."
+        "KL is `policy/kl` of metrics.jsonl: the k3 estimate of KL(π‖π_ref) per completion token, "
+        "mean of each run's last 10 logged values (logged when the run has a KL term; – when "
+        "it did not log it)."
     )
     return "\n".join([
         f"# Sweep {out.name}",
