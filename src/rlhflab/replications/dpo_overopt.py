@@ -133,11 +133,14 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
             m = kl_and_gold(model, reference, tokenizer, problems, verifier,
                             instruction=instruction, max_new_tokens=exp.max_new_tokens,
                             seed=exp.seed + 777)  # fmt: skip
-            per_seed.append({**m, "seed": r["seed"], "heldout_greedy_accuracy": r["metric"]})
+            per_seed.append({**m, "seed": r["seed"], "heldout_greedy_accuracy": r["metric"],
+                             "heldout_greedy_accuracy_before": r["metric_before"],
+                             "heldout_n": r["heldout_n"]})  # fmt: skip
         agg = {}
         for key in ("kl", "gold_sampled", "heldout_greedy_accuracy"):
             mean, se = mean_and_stderr([s[key] for s in per_seed])
             agg[key], agg[f"{key}_stderr_over_seeds"] = mean, None if math.isnan(se) else se
+        agg["heldout_greedy_accuracy_before"] = per_seed[0]["heldout_greedy_accuracy_before"]
         points.append({"beta": float(pt["point"]["loss.args.beta"]),
                        "steps": int(pt["point"]["train.steps"]), **agg, "seeds": per_seed})  # fmt: skip
     # The reference itself: KL 0 by construction, its sampled gold.
@@ -159,9 +162,22 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
     return {**summary, "plot": str(out / "dpo_overopt.png")}
 
 
+def _err(point: dict, key: str) -> float:
+    """s.e. over seeds, else (one seed) the run's s.e. over problems."""
+    se = point.get(f"{key}_stderr_over_seeds")
+    if se is not None:
+        return se
+    run = point["seeds"][0]
+    if key == "gold_sampled":
+        return run["gold_sampled_stderr"]
+    p, n = run[key], run.get("heldout_n") or 0
+    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0
+
+
 def plot(summary: dict, path: Path) -> None:
     """Gold (sampled correctness, left; greedy held-out accuracy, right) against √KL, a line per β
-    through its training lengths, starting at the reference (KL 0)."""
+    through its training lengths, starting at the reference (KL 0). Error bars: s.e. over seeds;
+    with one seed, the run's own s.e. over problems."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,15 +189,10 @@ def plot(summary: dict, path: Path) -> None:
         pts = sorted((p for p in summary["points"] if p["beta"] == beta), key=lambda p: p["steps"])
         x = [0.0] + [math.sqrt(max(p["kl"], 0.0)) for p in pts]
         for ax, key, start in ((axes[0], "gold_sampled", ref["gold_sampled"]),
-                               (axes[1], "heldout_greedy_accuracy", None)):  # fmt: skip
-            xs, ys = (
-                (x, [start] + [p[key] for p in pts])
-                if start is not None
-                else (x[1:], [p[key] for p in pts])
-            )
-            errs = [0.0] * (len(ys) - len(pts)) + [
-                p.get(f"{key}_stderr_over_seeds") or 0.0 for p in pts
-            ]
+                               (axes[1], "heldout_greedy_accuracy",
+                                pts[0].get("heldout_greedy_accuracy_before"))):  # fmt: skip
+            xs, ys = x, [start] + [p[key] for p in pts]
+            errs = [0.0] + [_err(p, key) for p in pts]
             line = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=f"β = {beta:g}")
             for p, xx in zip(pts, x[1:], strict=True):
                 ax.annotate(str(p["steps"]), (xx, p[key]), fontsize=6, color=line[0].get_color(),
