@@ -52,6 +52,22 @@ def check_experiment(cls: type[BaseModel], raw: Any, source: str) -> BaseModel:
         raise ConfigError(f"{source}: experiment.{key}: {first['msg']}") from None
 
 
+def begin(cls: type[BaseModel], spec: dict, out: Path, source: str) -> tuple[Any, float, str]:
+    """The start of every replication: its `experiment:` section validated as `cls`, the start
+    time (`time.perf_counter()`), and the runs root `out/runs` (`out` created); torch threads set
+    to `experiment.threads` when given."""
+    import time
+
+    import torch
+
+    exp = check_experiment(cls, spec.get("experiment"), source)
+    t0 = time.perf_counter()
+    if exp.threads:
+        torch.set_num_threads(exp.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    return exp, t0, str(out / "runs")
+
+
 def _merge(base: dict, update: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in update.items():

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, check_experiment, stage
+from rlhflab.replications import Experiment, begin, stage
 
 
 class Spec(Experiment):
@@ -77,8 +77,6 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
     """Run the replication (module doc); returns and writes dpo_overopt.json."""
     import json
 
-    import torch
-
     from rlhflab.data.formatting import task_instruction
     from rlhflab.data.tasks import make_splits
     from rlhflab.eval.accuracy import mean_and_stderr
@@ -88,12 +86,7 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
     from rlhflab.sweep import run_sweep
     from rlhflab.trainers import run_config
 
-    exp = check_experiment(Spec, spec.get("experiment"), source)
-    t0 = time.perf_counter()
-    if exp.threads:
-        torch.set_num_threads(exp.threads)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = str(out / "runs")
+    exp, t0, runs = begin(Spec, spec, out, source)
     stage(spec, "dpo", source, model={"name_or_path": "<policy>"})
     timings = {}
     policy = exp.policy

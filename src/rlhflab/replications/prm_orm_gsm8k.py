@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, check_experiment, stage
+from rlhflab.replications import Experiment, begin, stage
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ian", "Jo"]
 ITEMS = ["apples", "marbles", "stickers", "coins", "books", "shells", "cards", "pens"]
@@ -165,7 +165,6 @@ def majority_curve(answers: list[list[str | None]], correct: list[list[float]], 
 
 def run(spec: dict, out: Path, *, source: str) -> dict:
     """Run the replication (module doc); returns and writes prm_orm_gsm8k.json."""
-    import torch
 
     from rlhflab.data.gsm8k import load_gsm8k
     from rlhflab.eval.best_of_n import best_of_n_eval, plot_curves
@@ -176,12 +175,7 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
     from rlhflab.serialize import to_json, write_json_atomic
     from rlhflab.trainers import run_config
 
-    exp = check_experiment(Spec, spec.get("experiment"), source)
-    t0 = time.perf_counter()
-    if exp.threads:
-        torch.set_num_threads(exp.threads)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = str(out / "runs")
+    exp, t0, runs = begin(Spec, spec, out, source)
     timings: dict = {}
 
     # 1. GSM8K-format data through load_gsm8k.

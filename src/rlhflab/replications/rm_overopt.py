@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, check_experiment, stage
+from rlhflab.replications import Experiment, begin, stage
 
 
 class Spec(Experiment):
@@ -51,7 +51,6 @@ def bon_kl(n: int) -> float:
 
 def run(spec: dict, out: Path, *, source: str) -> dict:
     """Run the replication (module doc); returns and writes rm_overopt.json."""
-    import torch
 
     from rlhflab.data.tasks import make_splits
     from rlhflab.eval.best_of_n import best_of_n_eval, selection_curve
@@ -62,11 +61,7 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
     from rlhflab.tracking import read_metrics
     from rlhflab.trainers import run_config
 
-    exp = check_experiment(Spec, spec.get("experiment"), source)
-    t0 = time.perf_counter()
-    if exp.threads:
-        torch.set_num_threads(exp.threads)
-    runs = str(out / "runs")
+    exp, t0, runs = begin(Spec, spec, out, source)
     # Validate every stage before the first run.
     placeholder = {"model": {"name_or_path": "<start policy>"}, "run": {"root": runs}}
     stage(spec, "rm", source, **placeholder)
