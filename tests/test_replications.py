@@ -84,3 +84,28 @@ def test_every_replication_config_validates(path):
         if isinstance(spec[section].get("data"), dict) and "path" in spec[section]["data"]:
             over["data"] = {"path": "x"}
         stage(spec, section, str(path), **over)
+
+
+def test_mc_step_labels_drop_solutions_without_steps_and_label_by_any_right_rollout(
+    tiny_model, tiny_tokenizer
+):
+    # A sample without a newline has no step: dropped (it broke the step_labelled file: "field
+    # 'steps' is empty"). A sample with steps gets one ±1 per step from m rollouts after the prefix;
+    # with a verifier that calls everything right, every step is +1.
+    from rlhflab.data.reward_data import ScoredSamples
+    from rlhflab.replications.prm_orm_gsm8k import mc_step_labels
+
+    class AllRight:
+        def score_batch(self, texts, rows):
+            return [1.0] * len(texts)
+
+    def ids(text):
+        return tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    texts = ["<answer>5</answer>", "2+3 = 5\n5+1 = 6\n<answer>6</answer>"]
+    ss = ScoredSamples(problems=["p"], prompt_ids=[ids("Q:")], completion_ids=[[ids(t) for t in texts]],
+                       texts=[texts], scores=[[0.0, 1.0]])  # fmt: skip
+    got = mc_step_labels(tiny_model, tiny_tokenizer, ["p"], ss, AllRight(), m=2,
+                         max_new_tokens=4, seed=0)  # fmt: skip
+    assert got[0][0] is None
+    assert got[0][1] == [["2+3 = 5", "5+1 = 6"], [1, 1], "<answer>6</answer>", 1]

@@ -112,8 +112,8 @@ def mc_step_labels(policy, tokenizer, problems, ss, verifier, *, m: int, max_new
             steps = text.split("\n")
             final, steps = steps[-1], steps[:-1]
             ok = int(ss.scores[i][j] >= 1.0)
-            if len(cut) != len(steps) or any(not s.strip() for s in steps):
-                per.append(None)  # the newlines did not decode 1:1 (or empty steps): dropped
+            if not steps or len(cut) != len(steps) or any(not s.strip() for s in steps):
+                per.append(None)  # no step, or the newlines did not decode 1:1: dropped
                 continue
             per.append([steps, [0] * len(steps), final, ok])
             for k, pos in enumerate(cut):
