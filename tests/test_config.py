@@ -17,7 +17,12 @@ from rlhflab.errors import ConfigError
 from rlhflab.quickstart import build_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "pipeline" not in p.parts)
+# pipeline files and replication configs (tests/test_replications.py) are not single trainer configs
+PRESETS = sorted(
+    p
+    for p in (ROOT / "configs").rglob("*.yaml")
+    if "pipeline" not in p.parts and "replications" not in p.parts
+)
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -35,6 +40,23 @@ def test_quickstart_presets_validate(tmp_path):
         sft, grpo = build_configs(fast=fast, root=tmp_path)
         assert isinstance(sft, SFTConfig) and isinstance(grpo, PGConfig)
         assert sft.task == grpo.task  # one task feeds both stages: same splits, same held-out set
+
+
+def test_quickstart_stage_configs_are_the_embedded_preset(tmp_path):
+    # configs/sft/quickstart.yaml and configs/pg/quickstart_grpo.yaml (for sweeps) must not drift
+    # from the quickstart: same resolved config but for the run name, root and start model.
+    sft, grpo = build_configs(fast=False, root=tmp_path)
+    for path, preset in (
+        ("configs/sft/quickstart.yaml", sft),
+        ("configs/pg/quickstart_grpo.yaml", grpo),
+    ):
+        got = load_config(ROOT / path).model_dump(mode="json")
+        want = preset.model_dump(mode="json")
+        for d in (got, want):
+            d.pop("run")
+            d["model"].pop("name_or_path")
+            d["tracking"].pop("console", None)
+        assert got == want, path
 
 
 def test_overrides_apply_and_parse_yaml_scalars():

@@ -1,5 +1,6 @@
 """PRM data: worked solutions and their step labels, separator-token alignment, PRM800K loader."""
 
+import json
 import random
 from pathlib import Path
 
@@ -146,3 +147,44 @@ def test_samples_to_pairs_orm_prm_and_truncation(tiny_tokenizer):
     same_start = TokenizedPair([3] * 98, [7, 8, 9], [7, 8, 1])
     kept, c = truncate_items([same_start, *pairs], max_len=100)
     assert c["identical_after_truncation"] == 1 and len(kept) == 2
+
+
+def _step_rows(tmp_path, rows):
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_step_labelled_rows_give_ratings_on_separators_and_outcomes(tiny_tokenizer, tmp_path):
+    from rlhflab.data.prm import load_step_labelled
+
+    rows = [
+        {"prompt": "1+2+3?", "steps": ["1+2 = 3", "3+3 = 7"], "ratings": [1, -1],
+         "final": "<answer>7</answer>", "outcome": 0},
+        {"prompt": "2+2?", "steps": ["2+2 = 4"], "ratings": [1], "final": "<answer>4</answer>"},
+        {"prompt": "x", "steps": ["a"], "ratings": [2]},
+    ]  # fmt: skip
+    exs, outcomes, drops = load_step_labelled(
+        _step_rows(tmp_path, rows), tiny_tokenizer, on_invalid="drop"
+    )
+    assert outcomes == [0.0, 1.0] and drops["unknown_rating"] == 1  # outcome defaults to all +1
+    _p, comp, labels = tokenize_prm(tiny_tokenizer, exs[0])
+    assert [lab for lab in labels if lab != IGNORE_INDEX] == [1, 0]
+    assert tiny_tokenizer.decode(comp, skip_special_tokens=True).endswith("<answer>7</answer>")
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        ({"prompt": "q", "steps": ["a", "b"], "ratings": [1]}, "row 0: field 'ratings' must be"),
+        ({"prompt": "q", "steps": ["a\nb"], "ratings": [1]}, "field 'steps[0]' contains the step"),
+        ({"steps": ["a"], "ratings": [1]}, "row 0: field 'prompt' is missing"),
+        ({"prompt": "q", "steps": ["a"], "ratings": [1], "outcome": 2}, "field 'outcome' is 2"),
+    ],
+)
+def test_step_labelled_errors_name_row_and_field(tiny_tokenizer, tmp_path, row, expected):
+    from rlhflab.data.prm import load_step_labelled
+
+    with pytest.raises(DataError) as err:
+        load_step_labelled(_step_rows(tmp_path, [row]), tiny_tokenizer)
+    assert expected in str(err.value) and "\n" not in str(err.value)

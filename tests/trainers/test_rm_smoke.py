@@ -352,3 +352,28 @@ def test_rm_trained_with_pad_eos_tokenizer_scores_the_same_in_transformers(
         with torch.no_grad():
             theirs = hf_rm(**batch).logits[0, 0]
         torch.testing.assert_close(theirs, ours[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["orm", "prm"])
+def test_step_labelled_file_trains_orm_and_prm(tmp_path, backbone, kind):
+    # `data.source: step_labelled` (e.g. Monte-Carlo step labels): the ORM learns each row's
+    # outcome, the PRM its ratings on the separators.
+    rows = [
+        {"prompt": f"{a}+{b}+1?", "steps": [f"{a}+{b} = {a + b}", f"{a + b}+1 = {a + b + w}"],
+         "ratings": [1, 1 if w == 1 else -1], "final": f"<answer>{a + b + w}</answer>",
+         "outcome": int(w == 1)}
+        for a in range(4) for b in range(3) for w in (1, 2)
+    ]  # fmt: skip
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run_config(
+        _rm_cfg(
+            tmp_path,
+            kind,
+            {"source": "step_labelled", "path": str(path), "heldout_frac": 0.25},
+            model={"name_or_path": backbone},
+        )
+    )
+    _check_run(res)
+    assert res["eval_examples"] == 6 and res["train_examples"] == 18

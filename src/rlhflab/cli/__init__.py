@@ -6,6 +6,9 @@ Commands:
     quickstart [--fast]                 the main job: tiny model → SFT → GRPO → held-out eval
     compare PRESET... [k=v ...]         several presets (policy-gradient, direct alignment), same
                                         task and seeds: plot + table
+    sweep CONFIG --grid k=v1,v2 ...     a grid of overrides × seeds: campaign folder with a
+                                        mean ± s.e. table and plots; resumable
+    replicate NAME [CONFIG] --out DIR   a small-scale replication (docs/replications.md)
     pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
@@ -37,6 +40,8 @@ from rlhflab.cli.commands import (
     _cmd_plan,
     _cmd_prm_vs_orm,
     _cmd_quickstart,
+    _cmd_replicate,
+    _cmd_sweep,
     _cmd_train,
     _print_summary,
 )
@@ -268,6 +273,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser(
+        "sweep",
+        help="one config over a grid of overrides × seeds: campaign folder with a mean ± s.e. "
+        "table and plots (resumable)",
+        description="Train CONFIG at every point of the grid (the product of the --grid values) "
+        "with seeds 0..N-1, one run after another, and write <root>/YYYY-MM-DD-<slug>/ with "
+        "README.md (configs, a mean ± s.e. table of the headline held-out metric, KL, wall-clock, "
+        "plots), results.json and runs/. Run the same command again to continue: finished runs "
+        "are skipped, an interrupted one resumes from its checkpoint (docs/sweeps.md).",
+    )
+    p.add_argument("config", help="a training config, e.g. configs/pg/quickstart_grpo.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="fixed overrides")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a swept key and its values (repeat for a product grid)")  # fmt: skip
+    p.add_argument("--seeds", type=_positive_int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--root", default="experiments", help="where the campaign goes (experiments/)")
+    p.add_argument("--slug", default=None, help="campaign name (default: config stem + grid keys)")
+    p.add_argument("--metric", default="heldout_accuracy",
+                   help="headline: a key of final_results.json (default heldout_accuracy)")  # fmt: skip
+    p.add_argument("--only", default=None, metavar="I/N",
+                   help="run only the cells j with j mod N = I (one job of many); no report")  # fmt: skip
+    p.add_argument("--report", action="store_true", help="train nothing; gather finished runs")
+    p.set_defaults(func=_cmd_sweep)
+
+    p = sub.add_parser(
+        "replicate",
+        help="a small-scale replication of a published result (docs/replications.md)",
+    )
+    p.add_argument("name", help="rm-overopt | prm-orm-gsm8k | dpo-overopt")
+    p.add_argument("config", nargs="?", default=None,
+                   help="its config (default configs/replications/<name>.yaml)")  # fmt: skip
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("--out", required=True, help="output directory (JSON, plot, runs/)")
+    p.set_defaults(func=_cmd_replicate)
+
+    p = sub.add_parser(
         "pipeline",
         help="the classic pipeline on one preference dataset: RM, then RL against it and DPO on "
         "its pairs from one SFT model; comparison table + plot",
@@ -377,7 +417,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     argv = _resume_before_override(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command == "train" and not any(e.startswith("-") for e in extra):
+        if args.command in ("train", "sweep", "replicate") and not any(
+            e.startswith("-") for e in extra
+        ):
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -197,6 +197,37 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from rlhflab.sweep import run_sweep
+
+    if args.report and args.only is not None:
+        raise ConfigError("sweep: --report gathers every run; it does not take --only")
+    results = run_sweep(
+        args.config,
+        grid_items=args.grid,
+        seeds=args.seeds,
+        overrides=args.overrides,
+        root=args.root,
+        slug=args.slug,
+        metric=args.metric,
+        only=args.only,
+        report_only=args.report,
+        print_fn=lambda line: print(line, file=sys.stderr),
+    )
+    print(_dumps(results))
+    return 0
+
+
+def _cmd_replicate(args: argparse.Namespace) -> int:
+    from rlhflab.replications import run_replication
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # an override, no config given
+        config, overrides = None, [config, *overrides]
+    print(_dumps(run_replication(args.name, config, args.out, overrides)))
+    return 0
+
+
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     from rlhflab.pipeline import run_pipeline
 

@@ -24,9 +24,13 @@ class RMDataConfig(Strict):
     preference        a preference dataset (`path`, `format`: auto, implicit, ultrafeedback,
                       hh_rlhf, pairs)
     prm800k           PRM800K rows (`path`: file or hub id)
+    step_labelled     solutions with a rating per step and an outcome (`path`; orm / prm;
+                      `rlhflab.data.prm.load_step_labelled`)
     """
 
-    source: Literal["task_samples", "worked_solutions", "preference", "prm800k"] = "task_samples"
+    source: Literal[
+        "task_samples", "worked_solutions", "preference", "prm800k", "step_labelled"
+    ] = "task_samples"
     policy: str | None = None  # task_samples: the sampling policy (default: model.name_or_path)
     n_prompts: int = Field(256, ge=1)
     samples_per_prompt: int = Field(8, ge=1)
@@ -94,7 +98,9 @@ class RMConfig(TrainerConfig):
             raise ValueError(f"data.source 'prm800k' trains kind 'prm', not {kind!r}")
         if src == "worked_solutions" and kind == "preference":
             raise ValueError("data.source 'worked_solutions' trains kind 'orm' or 'prm'")
-        if src in ("preference", "prm800k") and not self.data.path:
+        if src == "step_labelled" and kind == "preference":
+            raise ValueError("data.source 'step_labelled' trains kind 'orm' or 'prm'")
+        if src in ("preference", "prm800k", "step_labelled") and not self.data.path:
             raise ValueError(f"data.path is required when data.source is {src!r}")
         if src == "task_samples" and not (self.data.policy or self.model.name_or_path):
             raise ValueError("data.policy (or model.name_or_path) is needed to sample task data")

@@ -421,3 +421,85 @@ def load_prm800k(
     if not out:
         raise DataError(f"data.path: {source} has no valid PRM800K rows ({drops})")
     return out, drops
+
+
+# ---------------------------------------------------------------------------------------------
+# Step-labelled samples (your own labels: Monte-Carlo, a checker, humans)
+# ---------------------------------------------------------------------------------------------
+
+STEP_LABELLED_DROP_REASONS = ("missing_field", "wrong_type", "unknown_rating", "no_steps")
+
+
+def _step_labelled_row(row: Any, sep: str) -> tuple[str, list[str], list[int], str, float]:
+    if not isinstance(row, dict):
+        raise RowError("wrong_type", "expected an object")
+    for key in ("prompt", "steps", "ratings"):
+        if row.get(key) is None:
+            raise RowError("missing_field", f"field '{key}' is missing")
+    prompt, steps, ratings = row["prompt"], row["steps"], row["ratings"]
+    final = row.get("final") or ""
+    if not isinstance(prompt, str) or not isinstance(final, str):
+        raise RowError("wrong_type", "fields 'prompt' and 'final' must be strings")
+    if not isinstance(steps, list) or not all(isinstance(t, str) for t in steps):
+        raise RowError("wrong_type", "field 'steps' must be a list of strings")
+    if not steps:
+        raise RowError("no_steps", "field 'steps' is empty")
+    if not isinstance(ratings, list) or len(ratings) != len(steps):
+        raise RowError("wrong_type", f"field 'ratings' must be a list of {len(steps)} ratings")
+    if any(isinstance(r, bool) or r not in RATINGS for r in ratings):
+        raise RowError("unknown_rating", f"field 'ratings' is {ratings!r}; expected -1, 0 or 1")
+    for j, t in enumerate(steps):
+        if sep in t:
+            raise RowError("wrong_type", f"field 'steps[{j}]' contains the step separator")
+    outcome = row.get("outcome")  # missing (None in a column that other rows fill): all +1
+    if outcome is None:
+        outcome = float(all(r == 1 for r in ratings))
+    if isinstance(outcome, bool) or outcome not in (0, 1):
+        raise RowError("wrong_type", f"field 'outcome' is {outcome!r}; expected 0 or 1")
+    return prompt, list(steps), [int(r) for r in ratings], final, float(outcome)
+
+
+def load_step_labelled(
+    source: str,
+    tokenizer: Any,
+    *,
+    split: str = "train",
+    on_invalid: str = "error",
+    sep: str = DEFAULT_SEP,
+    system: str | None = None,
+    limit: int | None = None,
+) -> tuple[list[PRMExample], list[float], dict[str, int]]:
+    """Solutions with a rating per step, from a JSON/JSONL/Parquet file or a Hub dataset (rows
+    `{"prompt": question, "steps": [str], "ratings": [-1|0|1], "final": str (text after the last
+    step, e.g. "<answer>14</answer>"), "outcome": 0|1 (optional: the final answer's correctness;
+    default 1 iff every rating is +1)}`). The prompt is chat-rendered (`render_prompt`), as the
+    policy saw it; the completion is `step_1 SEP … step_K SEP final` (the layout above). The ORM
+    learns `outcome`, the PRM the ratings: e.g. Monte-Carlo step labels (Math-Shepherd, Wang et al.
+    2024, arXiv 2312.08935) written by `rlhflab replicate prm-orm-gsm8k`.
+
+    Returns:
+        (examples, outcomes, drop counts by `STEP_LABELLED_DROP_REASONS`).
+    Raises:
+        DataError: with on_invalid "error", naming the row (from 0) and field; no valid rows.
+    """
+    if on_invalid not in ("error", "drop"):
+        raise ConfigError(f"data.on_invalid: must be 'error' or 'drop', got {on_invalid!r}")
+    drops = dict.fromkeys(STEP_LABELLED_DROP_REASONS, 0)
+    out: list[PRMExample] = []
+    outcomes: list[float] = []
+    for i, row in enumerate(load_rows(source, split=split)):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            prompt, steps, ratings, final, outcome = _step_labelled_row(row, sep)
+        except RowError as err:
+            if on_invalid == "error":
+                raise DataError(f"data.path: {source} row {i}: {err}") from None
+            drops[err.reason] += 1
+            continue
+        out.append(PRMExample(render_prompt(tokenizer, prompt, system=system), steps, ratings,
+                              final))  # fmt: skip
+        outcomes.append(outcome)
+    if not out:
+        raise DataError(f"data.path: {source} has no valid step-labelled rows ({drops})")
+    return out, outcomes, drops

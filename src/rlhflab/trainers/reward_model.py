@@ -384,6 +384,23 @@ def build_rm_data(cfg: RMConfig, tokenizer, lm, splits, device) -> tuple[list, l
                             "label); a preference reward model needs chosen/rejected pairs")  # fmt: skip
         items, tcounts = tokenize_pairs(tokenizer, pairs)
         return (*_split_rows(items, d.heldout_frac), {"dropped": drops, **tcounts})
+    if d.source == "step_labelled":
+        from rlhflab.data.prm import load_step_labelled, tokenize_prm
+
+        exs, outcomes, drops = load_step_labelled(d.path, tokenizer, split=d.split,
+                                                  on_invalid=d.on_invalid, sep=d.step_separator,
+                                                  system=cfg.task.system if cfg.task else None,
+                                                  limit=d.max_rows)  # fmt: skip
+        items = []
+        for i, (ex, outcome) in enumerate(zip(exs, outcomes, strict=True)):
+            p, comp, labels = tokenize_prm(
+                tokenizer, ex, num_classes=cfg.loss.num_classes, sep=d.step_separator, row=i
+            )
+            if kind == "prm":
+                items.append(StepLabelledCompletion(p, comp, labels))
+            else:
+                items.append(LabelledCompletion(p, comp, outcome))
+        return (*_split_rows(items, d.heldout_frac), {"dropped": drops})
     # prm800k
     from rlhflab.data.prm import load_prm800k, tokenize_prm
 

@@ -1,0 +1,105 @@
+"""Small-scale replications of published RLHF results (`rlhflab replicate NAME [CONFIG]`).
+
+Each replication is one module with a `run(spec: dict, out: Path) -> dict` and a config in
+`configs/replications/<name>.yaml` (the CPU size run for docs/replications.md) beside
+`<name>_gpu.yaml` (the size for a GPU). A config has an `experiment:` section (the replication's
+own settings, checked by its pydantic model: unknown keys are errors) and one section per training
+stage, each a complete training config (`rlhflab train`'s format) that the replication completes
+(start model, run root) and validates before anything runs.
+
+    rm-overopt     reward-model over-optimisation (Gao et al. 2022): best-of-n and RL against a
+                   proxy RM trained on gold labels; gold and proxy against √KL
+    prm-orm-gsm8k  PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on Monte-Carlo
+                   step labels from the policy's own rollouts (Math-Shepherd, Wang et al. 2024)
+    dpo-overopt    DPO over-optimisation (Rafailov et al. 2024): a β × length grid (`rlhflab
+                   sweep`), gold against KL(π‖π_ref) per β
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rlhflab.errors import ConfigError
+
+#: name → (module, default config)
+REPLICATIONS = {
+    "rm-overopt": ("rlhflab.replications.rm_overopt", "configs/replications/rm_overopt.yaml"),
+    "prm-orm-gsm8k": (
+        "rlhflab.replications.prm_orm_gsm8k",
+        "configs/replications/prm_orm_gsm8k.yaml",
+    ),
+    "dpo-overopt": ("rlhflab.replications.dpo_overopt", "configs/replications/dpo_overopt.yaml"),
+}
+
+
+class Experiment(BaseModel):
+    """Base of each replication's `experiment:` section (unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def check_experiment(cls: type[BaseModel], raw: Any, source: str) -> BaseModel:
+    """`raw` validated as `cls`; a one-line ConfigError naming `source` and the key otherwise."""
+    try:
+        return cls.model_validate(raw or {})
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{source}: experiment.{key}: {first['msg']}") from None
+
+
+def begin(cls: type[BaseModel], spec: dict, out: Path, source: str) -> tuple[Any, float, str]:
+    """The start of every replication: its `experiment:` section validated as `cls`, the start
+    time (`time.perf_counter()`), and the runs root `out/runs` (`out` created); torch threads set
+    to `experiment.threads` when given."""
+    import time
+
+    import torch
+
+    exp = check_experiment(cls, spec.get("experiment"), source)
+    t0 = time.perf_counter()
+    if exp.threads:
+        torch.set_num_threads(exp.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    return exp, t0, str(out / "runs")
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def stage(spec: dict, name: str, source: str, **update: Any):
+    """The training config of stage `name`: the spec's section with `update` merged in (nested
+    dicts merged key by key), validated (`config_from_dict`; errors name the section)."""
+    from rlhflab.config import config_from_dict
+
+    if not isinstance(spec.get(name), dict):
+        raise ConfigError(f"{source}: missing section '{name}' (a training config)")
+    return config_from_dict(_merge(spec[name], update), source=f"{source} [{name}]")
+
+
+def run_replication(name: str, config: str | None, out: str, overrides: list[str]) -> dict:
+    """Load the replication's config (dotted overrides applied), run it into `out`."""
+    import importlib
+
+    from rlhflab.config import apply_overrides, read_yaml
+    from rlhflab.config.base import _did_you_mean
+
+    if name not in REPLICATIONS:
+        raise ConfigError(
+            f"replicate: unknown replication '{name}'{_did_you_mean(name, REPLICATIONS)}; "
+            f"valid: {', '.join(REPLICATIONS)}"
+        )
+    module, default = REPLICATIONS[name]
+    path = Path(config or default)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    spec = apply_overrides(read_yaml(path) or {}, overrides)
+    return importlib.import_module(module).run(spec, Path(out), source=str(path))

@@ -1,0 +1,557 @@
+"""`rlhflab sweep`: one training config over a grid of overrides × seeds, as a campaign folder.
+
+    rlhflab sweep configs/pg/quickstart_grpo.yaml --grid kl.coef=0,0.05,0.2 --seeds 3 \\
+        --slug quickstart-beta model.name_or_path=runs/sft/model
+
+Every grid point (the product of the `--grid` values, in the order given) is trained with seeds
+0..N−1 (`seed=i`, as in `rlhflab compare`), one run after another, through the ordinary training
+harness (`rlhflab.trainers.run_config`). Writes `<root>/YYYY-MM-DD-<slug>/`:
+
+    sweep.json     what the campaign is: config file, fixed overrides, grid, seeds, metric, and
+                   the resolved config of the first cell (so a changed config is detected)
+    runs/<cell>-<timestamp>/   every run, complete (config, metrics, checkpoints, model: not for git;
+                   the folder's `.gitignore` keeps them out)
+    README.md      the question (a placeholder line), the command and the exact overrides, one row
+                   per grid point with mean ± standard error over seeds of the headline held-out
+                   metric (a key of final_results.json, named), its value before training, the KL to
+                   the reference when logged, the rollout reward and the wall-clock; plots; a
+                   "Conclusion:" line left for the user
+    results.json   the same numbers, per run and per grid point
+    metric_vs_grid.png   the headline metric against the (first) grid value, error bars ± s.e.
+    curves.png     held-out metric, rollout reward and KL against step, mean ± s.e. over seeds
+
+Resuming: run the same command again. A cell whose run finished (`final_results.json` with
+`status: complete`) is skipped; a cell interrupted mid-way continues from its newest committed
+checkpoint (`run.resume=auto`, the harness's own resume). The campaign folder is found again by its
+slug (`<root>/*-<slug>`, any date); a different config, override list, grid, seed count or metric
+refuses with one line naming the difference.
+
+Many GPUs: cells are independent runs. `--only i/N` runs the cells j with j mod N = i (0 ≤ i < N)
+and writes no report; `--report` trains nothing and gathers every finished run into README.md
+(docs/sweeps.md shows a Slurm job array and one process per GPU on one node).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import statistics
+import time
+from pathlib import Path
+
+from rlhflab.compare import _series
+from rlhflab.errors import ConfigError
+from rlhflab.eval.accuracy import mean_and_stderr
+from rlhflab.rundir import is_run_of
+from rlhflab.serialize import write_json_atomic, write_text_atomic
+from rlhflab.tracking import read_metrics
+
+MANIFEST = "sweep.json"
+#: The manifest fields that must match when a campaign is continued.
+_FIXED = ("config", "overrides", "grid", "seeds", "metric")
+#: Logged metrics summarised per run: the mean over its last `_TAIL` logged values.
+_TAIL = 10
+_KL = "policy/kl"
+_REWARD = "rollout/reward_mean"
+
+
+def _split_values(text: str) -> list[str]:
+    """`0,0.05,[1,2]` → ['0', '0.05', '[1,2]']: commas inside [] or {} do not split."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [v.strip() for v in out]
+
+
+def parse_grid(items: list[str], config_path: str | Path) -> dict[str, list[str]]:
+    """`["kl.coef=0,0.05", "optim.lr=1e-4,3e-4"]` → {"kl.coef": ["0", "0.05"], "optim.lr": [...]}.
+
+    Values stay text (each becomes the override `key=value`, read like any other override). Keys
+    are checked against the config class of the file's `trainer` (`config.config_has_key`).
+
+    Raises:
+        ConfigError: one line, naming the item: no `=`, an empty value, a repeated key or value,
+            or a key the config does not have (with a did-you-mean hint).
+    """
+    from rlhflab.config import (
+        CONFIG_CLASSES,
+        _did_you_mean,
+        _section_class,
+        config_has_key,
+        read_yaml,
+    )
+
+    if not items:
+        raise ConfigError("sweep: give at least one --grid key=v1,v2,...")
+    path = Path(config_path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    raw = read_yaml(path)
+    trainer = raw.get("trainer") if isinstance(raw, dict) else None
+    cls = CONFIG_CLASSES.get(trainer) if isinstance(trainer, str) else None
+    if cls is None:
+        raise ConfigError(f"{path}: 'trainer' must be one of {', '.join(sorted(CONFIG_CLASSES))}")
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"sweep --grid '{item}': expected key.path=v1,v2,...")
+        key, text = (s.strip() for s in item.split("=", 1))
+        values = _split_values(text)
+        if not key or any(not v for v in values):
+            raise ConfigError(f"sweep --grid '{item}': a key and non-empty values are needed")
+        if not config_has_key(cls, key):
+            parts = key.split(".")
+            parent = _section_class(cls, tuple(parts[:-1]))
+            hint = _did_you_mean(parts[-1], parent.model_fields) if parent is not None else ""
+            if not hint and parent is None:
+                hint = _did_you_mean(parts[0], cls.model_fields)
+            raise ConfigError(f"sweep --grid '{item}': unknown config key '{key}'{hint}")
+        if key in grid:
+            raise ConfigError(f"sweep --grid: key '{key}' given twice")
+        if len(set(values)) != len(values):
+            raise ConfigError(f"sweep --grid '{item}': a value is repeated")
+        if key == "seed":
+            raise ConfigError("sweep --grid: 'seed' is set by --seeds, not by the grid")
+        grid[key] = values
+    return grid
+
+
+def grid_points(grid: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Every combination of the grid's values, the first key varying slowest."""
+    keys = list(grid)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*grid.values())]
+
+
+def point_label(point: dict[str, str]) -> str:
+    """`{"kl.coef": "0.05"}` → "kl.coef=0.05" (several keys joined by ", ")."""
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def cell_name(index: int, point: dict[str, str], seed: int) -> str:
+    """The run name of grid point `index` at `seed`: `p00-coef0.05-s0` (run-name characters)."""
+    body = "_".join(f"{k.split('.')[-1]}{v}" for k, v in point.items())
+    body = re.sub(r"[^A-Za-z0-9._-]+", "-", body).strip("-.") or "x"
+    return f"p{index:02d}-{body[:60]}-s{seed}"
+
+
+def parse_only(text: str | None) -> tuple[int, int] | None:
+    """`"2/8"` → (2, 8): this job runs the cells j with j mod 8 = 2. None → every cell.
+
+    Raises:
+        ConfigError: not `i/N` with integers 0 <= i < N.
+    """
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise ConfigError(f"sweep --only '{text}': expected i/N with 0 <= i < N (e.g. 0/4)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _slug_default(config: str | Path, grid: dict) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join([Path(config).stem, *grid]))
+
+
+def campaign_dir(root: str | Path, slug: str) -> Path:
+    """`<root>/YYYY-MM-DD-<slug>`: an existing campaign of that slug (any date; the newest), else
+    today's (not created here).
+
+    Raises:
+        ConfigError: the slug has characters other than letters, digits, '.', '_', '-'.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", slug) or ".." in slug:
+        raise ConfigError(f"sweep --slug '{slug}': letters, digits, '.', '_' or '-' only")
+    root = Path(root)
+    pattern = re.compile(r"\d{4}-\d{2}-\d{2}-" + re.escape(slug))
+    found = sorted(p for p in root.glob(f"*-{slug}") if p.is_dir() and pattern.fullmatch(p.name))
+    return found[-1] if found else root / f"{time.strftime('%Y-%m-%d')}-{slug}"
+
+
+def _first_difference(old, new, prefix: str = "") -> str | None:
+    """The first dotted key where two JSON values differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new), key=str):
+            d = _first_difference(old.get(k), new.get(k), f"{prefix}{k}.")
+            if d:
+                return d
+        return None
+    if old != new:
+        return f"{prefix.rstrip('.') or 'value'}: {json.dumps(old)} before, {json.dumps(new)} now"
+    return None
+
+
+def check_manifest(out: Path, manifest: dict) -> None:
+    """Refuse to continue a campaign started with other settings (one line naming the first
+    difference: a manifest field, or a key of the resolved config). A missing manifest: new."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"sweep: {path} is unreadable ({exc}); move it away to start over"
+        ) from None
+    for field in (*_FIXED, "resolved_config"):
+        d = _first_difference(old.get(field), manifest.get(field))
+        if d:
+            where = "" if field == "resolved_config" else f"{field}."
+            raise ConfigError(
+                f"sweep: {out} was started with other settings ({where}{d}); use the original "
+                "arguments, or another --slug for a new campaign"
+            )
+
+
+def _finished_run(runs: Path, name: str) -> Path | None:
+    """The newest run directory of `name` under `runs` whose final_results.json says complete."""
+    if not runs.is_dir():
+        return None
+    done = []
+    for d in runs.iterdir():
+        if d.is_dir() and is_run_of(d.name, name):
+            try:
+                res = json.loads((d / "final_results.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(res, dict) and res.get("status") == "complete":
+                done.append(d)
+    return max(done, key=lambda p: p.name) if done else None
+
+
+def run_sweep(
+    config: str,
+    *,
+    grid_items: list[str],
+    seeds: int = 3,
+    overrides: list[str] | None = None,
+    root: str = "experiments",
+    slug: str | None = None,
+    metric: str = "heldout_accuracy",
+    only: str | None = None,
+    report_only: bool = False,
+    print_fn=print,
+) -> dict:
+    """Run (or continue, or only report) a sweep; see the module doc.
+
+    Returns:
+        {"out_dir", "ran", "skipped", "cells", "readme" (None with --only)}.
+
+    Raises:
+        ConfigError: bad grid/seeds/only/slug, a config that does not validate for some cell
+            (before any run starts), or a campaign folder started with other settings.
+    """
+    from rlhflab.config import load_config
+    from rlhflab.next_steps import check_start_model
+
+    if seeds < 1:
+        raise ConfigError(f"sweep: --seeds must be >= 1 (got {seeds})")
+    overrides = list(overrides or [])
+    grid = parse_grid(grid_items, config)
+    share = parse_only(only)
+    points = grid_points(grid)
+    out = campaign_dir(root, slug or _slug_default(config, grid))
+    runs = out / "runs"
+    cells = [(i, p, s, cell_name(i, p, s)) for i, p in enumerate(points) for s in range(seeds)]
+
+    # Every cell's config validates before the first (long) run starts.
+    def cell_overrides(p, s, name):
+        return [*overrides, *(f"{k}={v}" for k, v in p.items()), f"seed={s}",
+                f"run.root={runs}", f"run.name={name}"]  # fmt: skip
+
+    cfgs = {c[3]: load_config(config, cell_overrides(c[1], c[2], c[3])) for c in cells}
+    first = cfgs[cells[0][3]].model_dump(mode="json")
+    for k in ("seed", "run"):
+        first.pop(k, None)
+    manifest = {
+        "config": str(config),
+        "overrides": overrides,
+        "grid": grid,
+        "seeds": seeds,
+        "metric": metric,
+        "resolved_config": first,
+    }
+    check_manifest(out, manifest)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / MANIFEST, manifest)
+    if not (out / ".gitignore").exists():
+        write_text_atomic(out / ".gitignore", "runs/\n")
+    ran, skipped = [], []
+    if not report_only:
+        from rlhflab.trainers import run_config
+
+        check_start_model(cfgs[cells[0][3]])
+        mine = [c for j, c in enumerate(cells) if share is None or j % share[1] == share[0]]
+        for k, (_, p, s, name) in enumerate(mine, 1):
+            if _finished_run(runs, name) is not None:
+                skipped.append(name)
+                print_fn(f"sweep [{k}/{len(mine)}] {name}: finished, skipped")
+                continue
+            print_fn(f"sweep [{k}/{len(mine)}] {name}: {point_label(p)}, seed {s}")
+            run_config(load_config(config, [*cell_overrides(p, s, name), "run.resume=auto"]))
+            ran.append(name)
+    readme = None
+    if share is None:
+        results = gather(out, manifest, cells)
+        write_json_atomic(out / "results.json", results)
+        plot_sweep(results, out)
+        readme = out / "README.md"
+        write_text_atomic(readme, render_readme(results, out))
+    else:
+        print_fn(f"sweep: share {only} done; gather with the same command and --report")
+    return {
+        "out_dir": str(out),
+        "ran": ran,
+        "skipped": skipped,
+        "cells": len(cells),
+        "readme": str(readme) if readme else None,
+    }
+
+
+def _tail_mean(rows: list[dict], key: str) -> float | None:
+    vals = [v for _, _, v in _series(rows, key)][-_TAIL:]
+    return statistics.mean(vals) if vals else None
+
+
+def _stat(values: list[float | None]) -> dict:
+    """{"mean", "se", "n"} of the values present (se None below 2 values)."""
+    vals = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    if not vals:
+        return {"mean": None, "se": None, "n": 0}
+    mean, se = mean_and_stderr(vals)
+    return {"mean": mean, "se": None if math.isnan(se) else se, "n": len(vals)}
+
+
+def _curve(rows_per_seed: list[list[dict]], key: str) -> list[tuple[int, float, float]]:
+    """(step, mean, s.e.) at the steps every seed logged `key` (s.e. 0 with one seed)."""
+    series = [{s: v for s, _, v in _series(rows, key)} for rows in rows_per_seed]
+    series = [s for s in series if s]
+    if not series:
+        return []
+    steps = sorted(set.intersection(*[set(s) for s in series]))
+    out = []
+    for step in steps:
+        mean, se = mean_and_stderr([s[step] for s in series])
+        out.append((step, mean, 0.0 if math.isnan(se) else se))
+    return out
+
+
+def gather(out: Path, manifest: dict, cells: list) -> dict:
+    """Per run and per grid point: the headline metric (final and before training), KL and
+    rollout reward over the last logged steps, wall-clock; curves over steps (mean ± s.e.)."""
+    metric = manifest["metric"]
+    before_key = f"{metric}_before"
+    points: list[dict] = []
+    by_point: dict[int, list] = {}
+    for i, p, s, name in cells:
+        by_point.setdefault(i, [p, []])[1].append((s, name))
+    metric_name = None
+    for p, members in by_point.values():
+        per_run, rows_all = [], []
+        for s, name in members:
+            d = _finished_run(out / "runs", name)
+            if d is None:
+                continue
+            res = json.loads((d / "final_results.json").read_text())
+            rows = read_metrics(d / "metrics.jsonl")
+            rows_all.append(rows)
+            metric_name = metric_name or res.get("heldout_metric")
+            per_run.append({
+                "seed": s,
+                "run_dir": str(d.relative_to(out)),
+                "metric": res.get(metric),
+                "metric_before": res.get(before_key),
+                "kl_last10": _tail_mean(rows, _KL),
+                "reward_last10": _tail_mean(rows, _REWARD),
+                "wall_s": res.get("wall_s"),
+                "steps": res.get("steps"),
+                "heldout_n": res.get("heldout_n"),
+            })  # fmt: skip
+        points.append({
+            "point": p,
+            "label": point_label(p),
+            "runs": per_run,
+            "seeds_done": len(per_run),
+            "metric": _stat([r["metric"] for r in per_run]),
+            "metric_before": _stat([r["metric_before"] for r in per_run]),
+            "kl_last10": _stat([r["kl_last10"] for r in per_run]),
+            "reward_last10": _stat([r["reward_last10"] for r in per_run]),
+            "wall_s": _stat([r["wall_s"] for r in per_run]),
+            "curves": {
+                "eval": _curve(rows_all, "eval/accuracy"),
+                "reward": _curve(rows_all, _REWARD),
+                "kl": _curve(rows_all, _KL),
+            },
+        })  # fmt: skip
+    return {
+        "config": manifest["config"],
+        "overrides": manifest["overrides"],
+        "grid": manifest["grid"],
+        "seeds": manifest["seeds"],
+        "metric": metric,
+        "metric_name": metric_name,
+        "points": points,
+    }
+
+
+def fmt_stat(stat: dict, digits: int = 3) -> str:
+    """ "0.512 ± 0.013 (3)" — mean ± standard error (number of seeds); "–" when empty; the mean
+    alone with one seed."""
+    if not stat["n"]:
+        return "–"
+    if stat["se"] is None:
+        return f"{stat['mean']:.{digits}f} (1)"
+    return f"{stat['mean']:.{digits}f} ± {stat['se']:.{digits}f} ({stat['n']})"
+
+
+def sweep_table(results: dict) -> str:
+    """The markdown table: one row per grid point, mean ± s.e. over seeds."""
+    m = results["metric"]
+    head = (
+        f"| grid point | {m} (final) | {m}_before | {_KL} (per token), last {_TAIL} steps "
+        f"| rollout reward, last {_TAIL} steps | wall-clock s / run | seeds |"
+    )
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for pt in results["points"]:
+        lines.append(
+            f"| {pt['label']} | {fmt_stat(pt['metric'])} | {fmt_stat(pt['metric_before'])} | "
+            f"{fmt_stat(pt['kl_last10'], 4)} | {fmt_stat(pt['reward_last10'])} | "
+            f"{fmt_stat(pt['wall_s'], 0)} | {pt['seeds_done']}/{results['seeds']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_readme(results: dict, out: Path) -> str:
+    """The campaign's README.md (see module doc)."""
+    grid_args = " ".join(f"--grid {k}={','.join(v)}" for k, v in results["grid"].items())
+    cmd = (
+        f"rlhflab sweep {results['config']} {grid_args} --seeds {results['seeds']} "
+        f"--root {out.parent} --slug {out.name[11:]} {' '.join(results['overrides'])}"
+    ).strip()
+    name = results.get("metric_name")
+    metric_doc = f"`{results['metric']}` of each run's final_results.json" + (
+        f" (held-out {name}: greedy, on the task's held-out problems)" if name else ""
+    )
+    n_runs = sum(pt["seeds_done"] for pt in results["points"])
+    total = len(results["points"]) * results["seeds"]
+    kl_note = (
+        "KL is `policy/kl` of metrics.jsonl: the k3 estimate of KL(π‖π_ref) per completion token, "
+        "mean of each run's last 10 logged values (logged when the run has a KL term; – when "
+        "it did not log it)."
+    )
+    return "\n".join([
+        f"# Sweep {out.name}",
+        "",
+        "Question: _(write the question this campaign answers)_",
+        "",
+        "## Configs",
+        "",
+        f"- Config: `{results['config']}`",
+        f"- Fixed overrides: `{' '.join(results['overrides']) or 'none'}`",
+        "- Grid: " + "; ".join(f"`{k}` ∈ {{{', '.join(v)}}}" for k, v in results["grid"].items()),
+        f"- Seeds: 0..{results['seeds'] - 1} (`seed=i`); runs finished: {n_runs}/{total}",
+        f"- Command (resumable: run it again to continue): `{cmd}`",
+        "- Every run's resolved config: `runs/<cell>-<timestamp>/config.yaml` (not in git)",
+        "",
+        "## Results",
+        "",
+        sweep_table(results),
+        f"Mean ± standard error over seeds (number of seeds). Headline: {metric_doc}. "
+        f"{kl_note} Wall-clock is per run, on a shared machine.",
+        "",
+        f"![{results['metric']} against the grid](metric_vs_grid.png)",
+        "",
+        "![curves over steps](curves.png)",
+        "",
+        "Numbers per run and per grid point: `results.json`.",
+        "",
+        "Conclusion: _(left for the user)_",
+        "",
+    ])  # fmt: skip
+
+
+def _as_number(values: list[str]) -> list[float] | None:
+    try:
+        return [float(v) for v in values]
+    except ValueError:
+        return None
+
+
+def plot_sweep(results: dict, out: Path) -> None:
+    """metric_vs_grid.png (error bars ± s.e.; first grid key on x, one line per combination of the
+    others) and curves.png (held-out metric, rollout reward, KL against step; mean ± s.e. bands)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(results["grid"])
+    xkey, xvals = keys[0], results["grid"][keys[0]]
+    numeric = _as_number(xvals)
+    lines: dict[str, list] = {}
+    for pt in results["points"]:
+        rest = point_label({k: v for k, v in pt["point"].items() if k != xkey}) or results["metric"]
+        lines.setdefault(rest, []).append(pt)
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for label, pts in lines.items():
+        xs, ys, es = [], [], []
+        for pt in pts:
+            if pt["metric"]["n"]:
+                v = pt["point"][xkey]
+                xs.append(numeric[xvals.index(v)] if numeric else xvals.index(v))
+                ys.append(pt["metric"]["mean"])
+                es.append(pt["metric"]["se"] or 0.0)
+        if xs:
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=4, label=label)
+    if not numeric:
+        ax.set_xticks(range(len(xvals)), xvals)
+    ax.set_xlabel(xkey)
+    ax.set_ylabel(f"{results['metric']} (mean ± s.e. over seeds)")
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "metric_vs_grid.png")
+    plt.close(fig)
+
+    panels = [("eval", "eval/accuracy (held-out)"), ("reward", _REWARD), ("kl", _KL)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), dpi=100)
+    cmap = plt.get_cmap("tab10" if len(results["points"]) <= 10 else "tab20")
+    for i, pt in enumerate(results["points"]):
+        for ax, (key, _) in zip(axes, panels, strict=True):
+            curve = pt["curves"][key]
+            if not curve:
+                continue
+            steps, mean, se = zip(*curve, strict=True)
+            lo = [m - e for m, e in zip(mean, se, strict=True)]
+            hi = [m + e for m, e in zip(mean, se, strict=True)]
+            color = cmap(i % cmap.N)
+            ax.plot(
+                steps,
+                mean,
+                color=color,
+                label=pt["label"],
+                marker="o" if len(steps) < 15 else None,
+                ms=3,
+            )
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.15)
+    for ax, (_, title) in zip(axes, panels, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    labelled = [ax for ax in axes if ax.get_lines()]
+    if labelled:
+        labelled[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png")
+    plt.close(fig)

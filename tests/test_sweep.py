@@ -1,0 +1,139 @@
+"""`rlhflab sweep`: grid parsing and its one-line errors, the mean ± s.e. table from hand
+arithmetic, resume (finished runs skipped, an interrupted run continued from its checkpoint), and
+a changed campaign refused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from factories import tiny_sft
+
+from rlhflab.cli import main
+from rlhflab.errors import ConfigError, Interrupted
+from rlhflab.sweep import cell_name, grid_points, parse_grid, parse_only, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = str(ROOT / "configs/pg/quickstart_grpo.yaml")
+
+
+def test_grid_values_split_on_top_level_commas_and_make_a_product():
+    grid = parse_grid(["kl.coef=0, 0.05", "task.config={a: 1, b: 2},{a: 3}"], GRPO)
+    assert grid == {"kl.coef": ["0", "0.05"], "task.config": ["{a: 1, b: 2}", "{a: 3}"]}
+    points = grid_points(grid)
+    assert len(points) == 4 and points[1] == {"kl.coef": "0", "task.config": "{a: 3}"}
+    assert cell_name(1, points[1], 2) == "p01-coef0_config-a-3-s2"
+    assert parse_only("2/8") == (2, 8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--grid", "kl.cof=0,0.1"], "unknown config key 'kl.cof' (did you mean 'coef'?)"),
+        (["--grid", "rollout.grop_size=4,8"], "(did you mean 'group_size'?)"),
+        (["--grid", "kl.coef"], "expected key.path=v1,v2"),
+        (["--grid", "kl.coef=0,,1"], "non-empty values"),
+        (["--grid", "kl.coef=0,0"], "a value is repeated"),
+        (["--grid", "seed=0,1"], "'seed' is set by --seeds"),
+        (["--grid", "kl.coef=0", "--only", "4/4"], "--only '4/4'"),
+        ([], "give at least one --grid"),
+    ],
+)
+def test_bad_grid_is_one_line_naming_the_item(argv, expected, tmp_path, capsys):
+    root = tmp_path / "exp"
+    code = main(["sweep", GRPO, *argv, "--root", str(root)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: sweep") and expected in err[0], err
+    assert not root.exists()
+
+
+def _fake_run(runs: Path, name: str, acc: float, before: float, kls: list[float], wall: float):
+    d = runs / f"{name}-20260101-000000"
+    d.mkdir(parents=True)
+    res = {"status": "complete", "steps": len(kls), "heldout_accuracy": acc,
+           "heldout_accuracy_before": before, "heldout_metric": "accuracy", "wall_s": wall}  # fmt: skip
+    (d / "final_results.json").write_text(json.dumps(res))
+    rows = [{"step": i + 1, "time_s": float(i), "policy/kl": k} for i, k in enumerate(kls)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_table_is_mean_and_standard_error_over_seeds(tmp_path):
+    # Three finished seeds at kl.coef=0.1, one at kl.coef=0 (its mean alone, no s.e.).
+    slug = "hand"
+    out = tmp_path / f"2026-01-01-{slug}"
+    accs, walls = [0.5, 0.6, 0.8], [10.0, 20.0, 60.0]
+    kls = [[0.3, 0.1], [0.2, 0.2], [0.1, 0.3]]  # mean of each run's logged KL: 0.2 each
+    points = grid_points({"kl.coef": ["0", "0.1"]})
+    for s in range(3):
+        _fake_run(out / "runs", cell_name(1, points[1], s), accs[s], 0.4, kls[s], walls[s])
+    _fake_run(out / "runs", cell_name(0, points[0], 0), 0.45, 0.4, [0.0], 5.0)
+    res = run_sweep(GRPO, grid_items=["kl.coef=0,0.1"], seeds=3, root=str(tmp_path), slug=slug,
+                    report_only=True, print_fn=lambda _: None)  # fmt: skip
+    assert res["out_dir"] == str(out) and res["ran"] == []
+    # By hand: mean 1.9/3; sample variance Σ(x − x̄)²/2; s.e. = sqrt(var/3).
+    mean = (0.5 + 0.6 + 0.8) / 3
+    var = ((0.5 - mean) ** 2 + (0.6 - mean) ** 2 + (0.8 - mean) ** 2) / 2
+    se = math.sqrt(var / 3)
+    got = json.loads((out / "results.json").read_text())["points"]
+    assert got[1]["metric"]["mean"] == pytest.approx(mean, abs=1e-12)
+    assert got[1]["metric"]["se"] == pytest.approx(se, abs=1e-12)
+    assert got[1]["wall_s"]["mean"] == pytest.approx(30.0)
+    assert got[1]["kl_last10"]["se"] == pytest.approx(0.0, abs=1e-12)
+    assert got[0]["metric"] == {"mean": 0.45, "se": None, "n": 1}
+    readme = (out / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| kl.coef=0.1 "))
+    assert f"| {mean:.3f} ± {se:.3f} (3) |" in row and "| 3/3 |" in row
+    assert "| kl.coef=0 | 0.450 (1) |" in readme and "| 1/3 |" in readme
+    assert "Conclusion:" in readme and "Question:" in readme
+    assert (out / "metric_vs_grid.png").stat().st_size > 0 and (out / "curves.png").is_file()
+
+
+def _tiny_config(tmp_path: Path) -> str:
+    raw = tiny_sft(tmp_path / "unused", train={"steps": 6, "batch_size": 4, "micro_batch_size": 4,
+                                               "max_len": 32}, checkpoint={"every": 2})  # fmt: skip
+    raw["model"]["build"]["tokenizer_texts"] = 100
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_resume_skips_finished_runs_and_continues_an_interrupted_one(tmp_path, monkeypatch):
+    config = _tiny_config(tmp_path)
+    kw = {"grid_items": ["optim.lr=1e-3,2e-3"], "seeds": 1, "root": str(tmp_path / "exp"),
+          "slug": "t", "metric": "steps", "print_fn": lambda _: None}  # fmt: skip
+    first = run_sweep(config, **kw, only="0/2")  # one job of two: the first cell only
+    assert first["ran"] == ["p00-lr1e-3-s0"] and first["readme"] is None
+    # The second cell is interrupted by SIGTERM at the end of step 3 (a stop signal writes a
+    # checkpoint), as a cluster pre-emption would.
+    with monkeypatch.context() as m:
+        m.setenv("RLHFLAB_FAULT", "step_end@3=sigterm")
+        with pytest.raises(Interrupted):
+            run_sweep(config, **kw)  # the first cell is skipped, the second interrupted
+    runs = next((tmp_path / "exp").glob("*-t")) / "runs"
+    (second,) = runs.glob("p01-*")
+    assert not (second / "final_results.json").exists()
+    again = run_sweep(config, **kw)
+    assert again["skipped"] == ["p00-lr1e-3-s0"] and again["ran"] == ["p01-lr2e-3-s0"]
+    assert [p.name for p in runs.glob("p01-*")] == [second.name]  # continued in its own directory
+    rows = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # resumed mid-way, no step run twice
+    last = run_sweep(config, **kw)
+    assert last["ran"] == [] and len(last["skipped"]) == 2
+    # A changed grid refuses in one line naming it; nothing is trained.
+    with pytest.raises(ConfigError, match=r"other settings \(grid\.optim\.lr: .*\["):
+        run_sweep(config, **{**kw, "grid_items": ["optim.lr=1e-3,5e-3"]})
+    with pytest.raises(ConfigError, match=r"other settings \(train\.steps: 6 before, 5 now\)"):
+        run_sweep(_changed(config, steps=5), **kw)
+
+
+def _changed(config: str, *, steps: int) -> str:
+    raw = yaml.safe_load(Path(config).read_text())
+    raw["train"]["steps"] = steps
+    Path(config).write_text(yaml.safe_dump(raw))
+    return config
