@@ -25,6 +25,7 @@ What the trainers call (nothing else in the package touches torch.distributed):
     gathered(model)                    full parameters on every rank while sampling
   in state.py (re-exported here):
     full_model_state / load_full_model_state
+    full_tensor(t, dtype)              one parameter whole on every rank (rollout engine pushes)
     full_optimizer_state / load_full_optimizer_state
 
 Gradients are summed across ranks, never averaged. Every trainer divides its loss by the
@@ -423,6 +424,8 @@ from rlhflab.distributed.state import (  # noqa: E402, F401
     from_local_like,
     full_model_state,
     full_optimizer_state,
+    full_tensor,
+    is_shard,
     load_full_model_state,
     load_full_optimizer_state,
     local_piece,
