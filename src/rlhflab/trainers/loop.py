@@ -85,7 +85,11 @@ def check_launch(cfg) -> None:
     if rollout is not None and rollout.engine == "vllm":  # a TP group is a group of ranks
         from rlhflab.rollout.engines.vllm import check_parallel
 
-        check_parallel(rollout.vllm.tensor_parallel_size, distributed.world_size())
+        check_parallel(
+            rollout.vllm.tensor_parallel_size,
+            distributed.world_size(),
+            dynamic=rollout.dynamic_sampling.enabled,
+        )
     if cfg.trainer == "policy_gradient":
         distributed.check_split(
             cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",

@@ -44,3 +44,6 @@ def test_tensor_parallel_needs_torchrun_ranks():
         check_parallel(2, 1)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 does not divide the 3"):
         check_parallel(2, 3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 with rollout.dynamic_samp"):
+        check_parallel(2, 2, dynamic=True)
+    check_parallel(1, 2, dynamic=True)

@@ -93,15 +93,22 @@ def _import_vllm():
     return vllm
 
 
-def check_parallel(tensor_parallel_size: int, world_size: int) -> None:
+def check_parallel(tensor_parallel_size: int, world_size: int, dynamic: bool = False) -> None:
     """Refuse a tensor-parallel size the launch cannot give: under torchrun it must divide the
     number of ranks (groups of consecutive ranks); in one process it must be 1 (a TP group is a
-    group of torchrun ranks: launch with `torchrun --nproc-per-node k`).
+    group of torchrun ranks: launch with `torchrun --nproc-per-node k`). With `dynamic`
+    (rollout.dynamic_sampling) TP > 1 is refused: a round's remainder can leave a rank without
+    prompts, and its group's engines would wait for it.
 
     Raises:
         ConfigError: naming `rollout.vllm.tensor_parallel_size`.
     """
     tp = tensor_parallel_size
+    if tp > 1 and dynamic:
+        raise ConfigError(
+            f"rollout.vllm.tensor_parallel_size: {tp} with rollout.dynamic_sampling is not "
+            "supported (a rank of a TP group can be left without prompts); use 1"
+        )
     if world_size == 1 and tp > 1:
         raise ConfigError(
             f"rollout.vllm.tensor_parallel_size: {tp} needs {tp} torchrun ranks (one engine "
@@ -138,7 +145,10 @@ class VLLMEngine:
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
         self.tp = tensor_parallel_size
-        self.lora_scalings = dict(lora_scalings or {})
+        # {module name (without peft's prefix): scaling}
+        self.lora_scalings = {
+            k.removeprefix(_PEFT_PREFIX): v for k, v in (lora_scalings or {}).items()
+        }
         self._pending: list[tuple[str, Tensor]] | None = None
         self._workdir = workdir
         self.n_pushes = 0
@@ -177,7 +187,8 @@ class VLLMEngine:
                     f"runs on {current_platform.device_type or 'cpu'}); set rollout.vllm.sleep=false"
                 )
         lora = is_lora(model)
-        hf = model.get_base_model() if lora else model  # the HF model (adapters injected)
+        # The HF model: adapters are injected in place (`apply_lora`); a PeftModel wraps it
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         workdir = tempfile.TemporaryDirectory(prefix="rlhflab-vllm-")
         _hf_config(hf).save_pretrained(workdir.name)  # config and tokenizer only: no weights
         if getattr(hf, "generation_config", None) is not None:
@@ -221,6 +232,8 @@ class VLLMEngine:
         )
         engine.update_weights(model.named_parameters())
         engine._push_pending()  # every rank, now: the engine starts with the policy's weights
+        if world > 1:  # vLLM's groups live in ours: it shuts down before we leave the group
+            distributed.on_teardown(engine.shutdown)
         return engine
 
     def generate(
@@ -395,7 +408,7 @@ class VLLMEngine:
                 got[kind] = distributed.full_tensor(t)  # own dtype: merged in float32
                 if len(got) == 3:
                     w = merged_weight(got["W"], got["A"], got["B"],
-                                      self.lora_scalings[_PEFT_PREFIX + module], self.dtype)  # fmt: skip
+                                      self.lora_scalings[module], self.dtype)  # fmt: skip
                     del parts[module]
                     yield f"{module}.weight", w
                 continue
@@ -423,6 +436,13 @@ class VLLMEngine:
             else:
                 self.llm.wake_up()
             self.asleep = self._weights_awake = False
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core now (it leaves its process groups and, under torchrun, the
+        default group), then `close`. Under torchrun `distributed.teardown` calls it."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+        self.close()
 
     def close(self) -> None:
         """Drop the LLM and its temporary directory."""
