@@ -31,6 +31,7 @@ from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.errors import ConfigError  # noqa: F401  (check_launch raises it, via check_parallel)
 from rlhflab.health import HealthMonitor
+from rlhflab.health.checks import resolved_health
 from rlhflab.plots import plot_run
 from rlhflab.rundir import SampleWriter
 from rlhflab.serialize import write_json_atomic
@@ -346,7 +347,9 @@ def run(cfg, make: type[Trainer]) -> dict:
     samples = None
     if trainer.writes_samples:
         samples = SampleWriter(run_dir, enabled=distributed.is_main(), tracker=tracker)
-    health = HealthMonitor(cfg.health, trainer.model, print_fn=tracker.warn)
+    health = HealthMonitor(  # logp_mismatch's threshold by precision unless set
+        resolved_health(cfg, autocast_dtype), trainer.model, print_fn=tracker.warn
+    )
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
     trainer.run_dir, trainer.tracker, trainer.samples = run_dir, tracker, samples
     trainer.health, trainer.guard = health, guard
