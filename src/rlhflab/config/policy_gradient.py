@@ -63,6 +63,9 @@ class VLLMConfig(Strict):
     # Weight sync: parameters are pushed in buckets of whole decoder layers of at least this
     # many MiB (full tensors in the engine's dtype); the largest extra memory of a push.
     sync_bucket_mb: float = Field(512.0, gt=0)
+    # KV-cache block size in tokens (None: vLLM's default, 16 on GPUs, 128 on the CPU build);
+    # prefix caching shares whole blocks only
+    block_size: int | None = Field(None, ge=1)
 
 
 class RolloutConfig(Strict):

@@ -16,9 +16,15 @@ class RecordingLLM:
     def __init__(self):
         self.pushes: list[list[tuple[str, torch.Tensor]]] = []
 
+        self.calls: list[str] = []
+
     def collective_rpc(self, method, kwargs):
         assert method == "reload_weights"
         self.pushes.append(list(kwargs["weights_iterator"]))
+        self.calls.append(method)
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
 
 
 def _engine(dtype, bucket_bytes, tied, lora=None):
@@ -56,6 +62,8 @@ def test_buckets_hold_whole_layers_in_the_engine_dtype(tiny_model, bucket_bytes,
             src = params["model.embed_tokens.weight" if name == "lm_head.weight" else name]
             assert torch.equal(t, src.detach().to(torch.bfloat16))
     assert engine.last_push_buckets == len(llm.pushes) and engine.n_pushes == 1
+    # then the prefix cache goes: its KV blocks were computed with the old weights
+    assert llm.calls == ["reload_weights"] * len(llm.pushes) + ["reset_prefix_cache"]
 
 
 def test_lora_layers_are_merged_under_the_base_names(tiny_model):

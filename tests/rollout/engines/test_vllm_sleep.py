@@ -29,6 +29,9 @@ class RecordingLLM:
     def collective_rpc(self, method, kwargs):
         self.calls.append((method, len(list(kwargs["weights_iterator"]))))
 
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache", None))
+
 
 def _engine(sleep_mode: bool) -> tuple[VLLMEngine, RecordingLLM]:
     llm = RecordingLLM()
@@ -56,7 +59,8 @@ def test_a_push_into_a_sleeping_engine_wakes_the_weights_first(tiny_model):
     engine._push_pending()
     engine.wake()
     names = [c[0] for c in llm.calls]
-    assert names == ["sleep", "wake_up", "reload_weights", "reload_weights", "wake_up"]
+    assert names == ["sleep", "wake_up", "reload_weights", "reload_weights",
+                     "reset_prefix_cache", "wake_up"]  # fmt: skip
     assert llm.calls[1] == ("wake_up", ["weights"]) and llm.calls[-1] == ("wake_up", ["kv_cache"])
     assert not engine.asleep
 

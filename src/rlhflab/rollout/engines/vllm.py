@@ -216,6 +216,7 @@ class VLLMEngine:
             enable_sleep_mode=vcfg.sleep,
             tensor_parallel_size=vcfg.tensor_parallel_size,
             distributed_executor_backend="external_launcher" if world > 1 else None,
+            **({"block_size": vcfg.block_size} if vcfg.block_size else {}),
         )
         dtype = _DTYPES.get(vcfg.dtype, next(hf.parameters()).dtype)
         engine = cls(
@@ -361,6 +362,11 @@ class VLLMEngine:
             self.last_push_buckets += 1
             size = sum(t.numel() * t.element_size() for _, t in bucket)
             self.last_push_max_bytes = max(self.last_push_max_bytes, size)
+        # Prefix caching keeps KV blocks of earlier prompts, computed with the old weights: a
+        # later prompt sharing a block-aligned prefix (a system prompt, a template) would reuse
+        # them. Drop them (TRL does the same). On CPU (blocks of 128 tokens) short prompts never
+        # fill a block; on GPUs (16) they do.
+        self.llm.reset_prefix_cache()
         self.n_pushes += 1
 
     def _buckets(self, pending: list[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
