@@ -30,14 +30,28 @@ def two_ranks_nothing_loaded(monkeypatch):
         monkeypatch.setattr(module, "prepare_model", too_late)
 
 
-def test_vllm_under_torchrun_is_refused_before_any_model_load(tmp_path, two_ranks_nothing_loaded):
-    # Before: the model was loaded (here: a path that does not exist) and wrapped, the process
-    # group had talked, and each rank printed the refusal of make_engine.
+def test_vllm_tensor_parallel_that_does_not_fit_the_ranks_is_refused_first(
+    tmp_path, two_ranks_nothing_loaded
+):
+    # The vllm engine runs under torchrun (one engine per rank, or one per group of
+    # tensor_parallel_size ranks); a TP size that does not divide the ranks is refused before
+    # any model load or collective.
     raw = grpo_raw(tmp_path, tmp_path / "no-such-model")
     raw["rollout"]["engine"] = "vllm"
-    with pytest.raises(ConfigError, match=r"^rollout\.engine 'vllm' runs in one process"):
+    raw["rollout"]["vllm"] = {"tensor_parallel_size": 3}
+    with pytest.raises(
+        ConfigError, match=r"^rollout\.vllm\.tensor_parallel_size: 3 does not divide the 2"
+    ):
         run_config(config_from_dict(raw))
     assert not distributed.collectives_started()
+
+
+def test_vllm_under_torchrun_passes_the_launch_checks(tmp_path, two_ranks_nothing_loaded):
+    # Before: refused ("runs in one process"). Now it goes on to the model load (here: stopped).
+    raw = grpo_raw(tmp_path, tmp_path / "no-such-model")
+    raw["rollout"]["engine"] = "vllm"
+    with pytest.raises(AssertionError, match="got past the config-only checks"):
+        run_config(config_from_dict(raw))
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,8 @@ class DynamicSamplingConfig(Strict):
 
 
 class VLLMConfig(Strict):
-    """The colocated `vllm` rollout engine (vLLM's offline LLM in the trainer's process)."""
+    """The colocated `vllm` rollout engine (vLLM's offline LLM in the trainer's process; one
+    per torchrun rank, see rlhflab.rollout.engines.vllm)."""
 
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # share of GPU memory vLLM may take
     enable_prefix_caching: bool = True  # a group's prompt is prefilled once
@@ -55,9 +56,16 @@ class VLLMConfig(Strict):
     # Colocated mode: between rollouts vLLM offloads its weights to CPU memory and frees its KV
     # cache (vLLM sleep mode, level 1), so the trainer's update has the GPU. CUDA/ROCm only.
     sleep: bool = False
-    # vLLM's tensor parallelism for a model too large for one GPU: the LLM shards the model over
-    # this many GPUs (vLLM starts one worker process per GPU). Untested here (no GPU).
+    # vLLM's tensor parallelism for a model too large for one GPU: under torchrun each group of
+    # this many consecutive ranks shards one engine (external_launcher); it must divide the
+    # number of ranks. 1: one whole engine per rank.
     tensor_parallel_size: int = Field(1, ge=1)
+    # Weight sync: parameters are pushed in buckets of whole decoder layers of at least this
+    # many MiB (full tensors in the engine's dtype); the largest extra memory of a push.
+    sync_bucket_mb: float = Field(512.0, gt=0)
+    # KV-cache block size in tokens (None: vLLM's default, 16 on GPUs, 128 on the CPU build);
+    # prefix caching shares whole blocks only
+    block_size: int | None = Field(None, ge=1)
 
 
 class RolloutConfig(Strict):

@@ -314,7 +314,9 @@ class HealthConfig(Strict):
     sample_every: int = Field(10, ge=0)  # sampled softmax-sum check every N steps; 0: never
     prob_sum_tol: float = Field(1e-3, gt=0)
     logp_tol: float = Field(1e-4, ge=0)
-    logp_mismatch_max: float = Field(0.05, gt=0)  # mean |sampler logp - trainer logp| per token
+    # mean |sampler logp - trainer logp| per token (nats); None: by the run's precision,
+    # rlhflab.health.checks.LOGP_MISMATCH_MAX (fp32 1e-3, bf16 0.05; docs/health.md)
+    logp_mismatch_max: float | None = Field(None, gt=0)
     ratio_tol: float = Field(1e-3, gt=0)
     grad_norm_min: float = Field(1e-8, ge=0)
     grad_norm_max: float = Field(1e4, gt=0)

@@ -9,6 +9,7 @@ What the trainers call (nothing else in the package touches torch.distributed):
 
     setup(parallel) / teardown()       process group (NCCL for GPU tensors and gloo for host-side
                                        ones on CUDA, gloo on CPU), collective timeout
+    on_teardown(fn)                    fn() before the group is left (vLLM's own groups)
     world_size() rank() is_main()      who we are
     device()                           cuda:LOCAL_RANK on GPUs, else cpu
     shard(rows)                        this rank's contiguous share of a global batch
@@ -25,6 +26,7 @@ What the trainers call (nothing else in the package touches torch.distributed):
     gathered(model)                    full parameters on every rank while sampling
   in state.py (re-exported here):
     full_model_state / load_full_model_state
+    full_tensor(t, dtype)              one parameter whole on every rank (rollout engine pushes)
     full_optimizer_state / load_full_optimizer_state
 
 Gradients are summed across ranks, never averaged. Every trainer divides its loss by the
@@ -183,8 +185,21 @@ def exit_with_parent(grace_s: float = PARENT_GRACE_S, poll_s: float = 0.5) -> bo
     return armed
 
 
+_BEFORE_TEARDOWN: list = []  # callables run by `teardown` first, last registered first
+
+
+def on_teardown(fn) -> None:
+    """Have `teardown` call `fn()` before it leaves the process group: for a library that made
+    groups of its own inside ours (the colocated vLLM engine under torchrun), whose shutdown
+    must run while they are still valid (after, it fails: "Invalid process group")."""
+    _BEFORE_TEARDOWN.append(fn)
+
+
 def teardown() -> None:
-    """Leave the process group this module joined (no-op with one process)."""
+    """Leave the process group this module joined (no-op with one process), after running the
+    `on_teardown` callables."""
+    while _BEFORE_TEARDOWN:
+        _BEFORE_TEARDOWN.pop()()
     if _STATE["owned"] and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _STATE["owned"] = False
@@ -423,6 +438,8 @@ from rlhflab.distributed.state import (  # noqa: E402, F401
     from_local_like,
     full_model_state,
     full_optimizer_state,
+    full_tensor,
+    is_shard,
     load_full_model_state,
     load_full_optimizer_state,
     local_piece,

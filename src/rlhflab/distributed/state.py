@@ -87,6 +87,27 @@ def stream_model_state(model: torch.nn.Module, names: list[str]):
         del t
 
 
+def is_shard(t: torch.Tensor) -> bool:
+    """True for a sharded parameter (a DTensor under FSDP2): `full_tensor` of it is a
+    collective. No communication."""
+    return isinstance(t, _dtensor_type())
+
+
+def full_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole of `t` on every rank, detached, cast to `dtype` (None: `t`'s own dtype).
+
+    For a DTensor (an FSDP2 shard) the local shard is cast first and then all-gathered, so the
+    traffic and the full tensor are in `dtype` (bf16 halves them): a collective, every rank
+    must call it for the same tensors in the same order. A plain tensor (DDP, one process) is
+    cast locally; no communication. Used to push one layer at a time into a rollout engine."""
+    t = t.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if isinstance(t, _dtensor_type()):
+        t = t.full_tensor()
+    return t
+
+
 def load_full_model_state(
     model: torch.nn.Module, sd: dict[str, torch.Tensor], *, strict: bool = True
 ) -> None:

@@ -14,6 +14,50 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Default threshold of the `logp_mismatch` check (`health.logp_mismatch_max` unset): the mean
+# |sampler logp − trainer logp| per token, nats, by the precision of the forward passes.
+# fp32: the hf engine's log-probs are the trainer's to ~1e-7 and vLLM-CPU's (fp32) to < 3e-6 on
+# every token (tests/rollout/engines); 1e-3 leaves > 300x of room for other kernels (GPU fp32
+# without TF32) while a real defect (wrong temperature, padding or positions: ~0.1-1 nats) fails.
+# bf16: the 1.41 B Qwen3-shape probe (H200, bf16 autocast) gave a per-token max of 0.07-0.09;
+# vLLM-CPU in bfloat16 against an fp32 trainer (the `small` model, 12 GRPO steps,
+# bench/vllm_mismatch.py) a per-step mean of 0.001-0.005 and max of 0.004-0.018, the mean growing
+# as the policy sharpens (docs/rollout_engines.md). 0.05 is ~10x those means and above half the
+# large model's worst tokens: a mean above it is a systematic difference, not bf16 rounding.
+LOGP_MISMATCH_MAX = {"fp32": 1e-3, "bf16": 0.05}
+
+
+def mismatch_max(cfg) -> float:
+    """The `logp_mismatch` threshold of a `health` section: its `logp_mismatch_max`, or the fp32
+    default when unset (the trainers fill it by precision: `run_precision`)."""
+    return cfg.logp_mismatch_max if cfg.logp_mismatch_max is not None else LOGP_MISMATCH_MAX["fp32"]
+
+
+def run_precision(cfg, autocast_dtype: torch.dtype | None) -> str:
+    """ "bf16" when any forward pass that produces log-probs runs in 16 bits: bf16/fp16 autocast,
+    FSDP2 bf16 mixed precision, a 16-bit model dtype or a 16-bit vLLM engine; else "fp32"."""
+    half = (torch.bfloat16, torch.float16)
+    sixteen = ("bfloat16", "float16")
+    parallel, model = getattr(cfg, "parallel", None), getattr(cfg, "model", None)
+    rollout = getattr(cfg, "rollout", None)
+    if (
+        autocast_dtype in half
+        or getattr(parallel, "mixed_precision", "fp32") == "bf16"
+        or getattr(model, "dtype", "float32") in sixteen
+        or (rollout is not None and rollout.engine == "vllm" and rollout.vllm.dtype in sixteen)
+    ):
+        return "bf16"
+    return "fp32"
+
+
+def resolved_health(cfg, autocast_dtype: torch.dtype | None):
+    """`cfg.health` with `logp_mismatch_max` filled by the run's precision when unset."""
+    if cfg.health.logp_mismatch_max is not None:
+        return cfg.health
+    limit = LOGP_MISMATCH_MAX[run_precision(cfg, autocast_dtype)]
+    return cfg.health.model_copy(update={"logp_mismatch_max": limit})
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure functions
 # ---------------------------------------------------------------------------------------------
@@ -214,9 +258,9 @@ CHECKS: dict[str, Check] = {
         Check(
             "logp_mismatch",
             _get("rollout/logp_diff_mean"),
-            lambda x, c: _bad(x) or x > c.logp_mismatch_max,
+            lambda x, c: _bad(x) or x > mismatch_max(c),
             True,
-            lambda c: f"<= {c.logp_mismatch_max:g} nats/token",
+            lambda c: f"<= {mismatch_max(c):g} nats/token",
             "the sampler's log-probs differ from the trainer's (training-inference mismatch): "
             "precision, temperature, padding or position ids",
         ),

@@ -223,6 +223,23 @@ def load_trainable_state(model: nn.Module, state: dict[str, Tensor]) -> None:
             params[name].copy_(state[name])
 
 
+def merged_weight(w: Tensor, a: Tensor, b: Tensor, scaling: float, dtype=None) -> Tensor:
+    """W + scaling · B A: one LoRA layer folded into its base weight.
+
+    Shapes: w (out, in), a (r, in), b (out, r). Computed in float32 (float64 for a float64 base)
+    and returned in `dtype` (None: w's dtype). `scaling` is peft's alpha / r (alpha / √r with
+    rsLoRA), the layer's `scaling[ADAPTER]`."""
+    dt = torch.float64 if w.dtype == torch.float64 else torch.float32
+    out = w.to(dt) + scaling * (b.to(dt) @ a.to(dt))
+    return out.to(dtype or w.dtype)
+
+
+def lora_scalings(model: nn.Module) -> dict[str, float]:
+    """{module name: scaling} of every LoRA layer ({} without adapters): what
+    `merged_weight` multiplies B A by."""
+    return {name: float(layer.scaling[ADAPTER]) for name, layer in lora_layers(model).items()}
+
+
 def merged_state(
     model: nn.Module, full: dict[str, Tensor] | None = None
 ) -> dict[str, Tensor] | None:
@@ -241,11 +258,12 @@ def merged_state(
     sd = full if full is not None else model.state_dict()
     out: dict[str, Tensor] = {}
     for name, layer in layers.items():
-        w = sd[f"{name}.base_layer.weight"]
-        dt = torch.float64 if w.dtype == torch.float64 else torch.float32
-        a = sd[f"{name}.lora_A.{ADAPTER}.weight"].to(dt)
-        b = sd[f"{name}.lora_B.{ADAPTER}.weight"].to(dt)
-        out[f"{name}.weight"] = (w.to(dt) + layer.scaling[ADAPTER] * (b @ a)).to(w.dtype)
+        out[f"{name}.weight"] = merged_weight(
+            sd[f"{name}.base_layer.weight"],
+            sd[f"{name}.lora_A.{ADAPTER}.weight"],
+            sd[f"{name}.lora_B.{ADAPTER}.weight"],
+            layer.scaling[ADAPTER],
+        )
     for key, value in sd.items():
         if ".lora_" in key:
             continue

@@ -29,8 +29,9 @@ import torch
 
 from rlhflab import distributed, faults
 from rlhflab.checkpoint import Checkpointer, StopSignals
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError  # noqa: F401  (check_launch raises it, via check_parallel)
 from rlhflab.health import HealthMonitor
+from rlhflab.health.checks import resolved_health
 from rlhflab.plots import plot_run
 from rlhflab.rundir import SampleWriter
 from rlhflab.serialize import write_json_atomic
@@ -72,8 +73,9 @@ def open_run(cfg, ckpt) -> Path:
 def check_launch(cfg) -> None:
     """Refusals that depend only on the config and the number of processes, made once the
     process group is joined and before anything is read, loaded or written (so under torchrun
-    every rank refuses the same way before any collective, and the CLI prints it once): the
-    vLLM engine under torchrun, a global batch that does not split over the ranks. (The
+    every rank refuses the same way before any collective, and the CLI prints it once): a vLLM
+    tensor-parallel size that does not fit the ranks, a global batch that does not split over
+    the ranks. (The
     trainers repeat the split checks where they shard; these come first.)
 
     Raises:
@@ -81,9 +83,13 @@ def check_launch(cfg) -> None:
             `rollout.prompts_per_step`).
     """
     rollout = getattr(cfg, "rollout", None)
-    if rollout is not None and rollout.engine == "vllm" and distributed.world_size() > 1:
-        raise ConfigError(
-            "rollout.engine 'vllm' runs in one process; use rollout.engine 'hf' under torchrun"
+    if rollout is not None and rollout.engine == "vllm":  # a TP group is a group of ranks
+        from rlhflab.rollout.engines.vllm import check_parallel
+
+        check_parallel(
+            rollout.vllm.tensor_parallel_size,
+            distributed.world_size(),
+            dynamic=rollout.dynamic_sampling.enabled,
         )
     if cfg.trainer == "policy_gradient":
         distributed.check_split(
@@ -341,7 +347,9 @@ def run(cfg, make: type[Trainer]) -> dict:
     samples = None
     if trainer.writes_samples:
         samples = SampleWriter(run_dir, enabled=distributed.is_main(), tracker=tracker)
-    health = HealthMonitor(cfg.health, trainer.model, print_fn=tracker.warn)
+    health = HealthMonitor(  # logp_mismatch's threshold by precision unless set
+        resolved_health(cfg, autocast_dtype), trainer.model, print_fn=tracker.warn
+    )
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
     trainer.run_dir, trainer.tracker, trainer.samples = run_dir, tracker, samples
     trainer.health, trainer.guard = health, guard

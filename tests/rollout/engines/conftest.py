@@ -44,8 +44,10 @@ def vllm_engine(contract_model, tiny_tokenizer):
     from rlhflab.rollout.engines.vllm import VLLMEngine
 
     stops = stop_ids_for(contract_model, tiny_tokenizer)
+    # KV blocks of 32 tokens (CPU default 128): prompts of the weight-sync tests fill blocks
+    # that prefix caching would reuse after a push
     engine = VLLMEngine.from_model(
-        contract_model, tiny_tokenizer, VLLMConfig(), stop_token_ids=stops
+        contract_model, tiny_tokenizer, VLLMConfig(block_size=32), stop_token_ids=stops
     )
     yield engine
     engine.close()

@@ -126,3 +126,22 @@ def test_a_batch_of_more_prompt_tokens_than_one_engine_step_takes(engine, contra
     with torch.no_grad():
         trainer, _ = completion_logps(contract_model, ro)
     torch.testing.assert_close(ro.logp * ro.mask, trainer * ro.mask, atol=1e-4, rtol=0)
+
+
+def test_rows_keep_their_completions_whatever_the_split(engine):
+    """Data parallelism: a rank generating global rows [lo, hi) of a batch (`rows`, `n_rows`,
+    `width` of the whole batch) gets the rows one process gets for the whole batch, with the
+    same seeded generator: completions do not depend on the number of ranks."""
+    n, width = 2, max(len(p) for p in PROMPTS)
+    params = SamplingParams(n=n, max_new_tokens=8)
+    whole = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+    assert len({tuple(r[0]) for r in _rows(whole)}) > 2  # sampled: rows differ
+    for lo, hi in ((0, 1), (1, 4)):  # an uneven split, as dynamic sampling's remainder gives
+        part = engine.generate(
+            PROMPTS[lo:hi], params, generator=torch.Generator().manual_seed(3),
+            rows=list(range(lo * n, hi * n)), n_rows=len(PROMPTS) * n, width=width,
+        )  # fmt: skip
+        assert _rows(part) == _rows(whole)[lo * n : hi * n]
+        assert torch.equal(part.prompt_ids, whole.prompt_ids[lo * n : hi * n])
+        t = part.mask.size(1)
+        torch.testing.assert_close(part.logp, whole.logp[lo * n : hi * n, :t], atol=1e-5, rtol=0)

@@ -33,15 +33,17 @@ def test_sampling_params_are_checked():
         SamplingParams(min_p=1.0)
 
 
-def test_vllm_engine_with_lora_adapters_is_one_config_error(tiny_model, tiny_tokenizer):
-    """The vllm engine receives plain weights; a LoRA policy is refused before vLLM is touched
-    (so this holds with or without vllm installed)."""
-    pytest.importorskip("peft")
-    import copy
+def test_tensor_parallel_needs_torchrun_ranks():
+    """A TP group is a group of torchrun ranks: one process runs TP 1; under torchrun the size
+    divides the ranks (checked before vLLM is touched, so with or without it)."""
+    from rlhflab.rollout.engines.vllm import check_parallel
 
-    from rlhflab.config import LoRAConfig
-    from rlhflab.models.lora import apply_lora
-
-    model = apply_lora(copy.deepcopy(tiny_model), LoRAConfig(r=2, alpha=4))
-    with pytest.raises(ConfigError, match=r"vllm does not take LoRA adapters"):
-        make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer)
+    check_parallel(1, 1)
+    check_parallel(2, 4)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 needs 2 torchrun ranks"):
+        check_parallel(2, 1)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 does not divide the 3"):
+        check_parallel(2, 3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 with rollout.dynamic_samp"):
+        check_parallel(2, 2, dynamic=True)
+    check_parallel(1, 2, dynamic=True)

@@ -26,6 +26,12 @@ class RecordingLLM:
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
 
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, len(list(kwargs["weights_iterator"]))))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache", None))
+
 
 def _engine(sleep_mode: bool) -> tuple[VLLMEngine, RecordingLLM]:
     llm = RecordingLLM()
@@ -42,6 +48,21 @@ def test_sleep_then_wake_calls_vllm_once_each():
     engine.wake()
     engine.wake()  # already awake
     assert llm.calls == [("sleep", 1), ("wake_up", None)] and not engine.asleep
+
+
+def test_a_push_into_a_sleeping_engine_wakes_the_weights_first(tiny_model):
+    """As TRL does: a weight push wakes only the weights (`tags=["weights"]`), and the KV cache
+    is woken before the next generation."""
+    engine, llm = _engine(sleep_mode=True)
+    engine.sleep()
+    engine.update_weights(tiny_model.named_parameters())
+    engine._push_pending()
+    engine.wake()
+    names = [c[0] for c in llm.calls]
+    assert names == ["sleep", "wake_up", "reload_weights", "reload_weights",
+                     "reset_prefix_cache", "wake_up"]  # fmt: skip
+    assert llm.calls[1] == ("wake_up", ["weights"]) and llm.calls[-1] == ("wake_up", ["kv_cache"])
+    assert not engine.asleep
 
 
 def test_without_sleep_mode_the_engine_keeps_its_memory():

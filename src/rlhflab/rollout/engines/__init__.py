@@ -10,8 +10,9 @@ Engines (`rollout.engine`):
 - `hf`   — our KV-cache sampler (`rlhflab.rollout.sampler.sample`) on the live policy module: the
            default, the CPU and teaching path. Sampler log-probs equal the trainer's by
            construction (same module, same arithmetic), so the training–inference mismatch is 0.
-- `vllm` — vLLM's offline `LLM` in the trainer's process (colocated), weights pushed in place
-           after every update. Optional: `pip install rlhflab[vllm]` (see README).
+- `vllm` — vLLM's offline `LLM` in the trainer's process (colocated; one per torchrun rank),
+           weights pushed in place after every update (LoRA merged in the push).
+           Optional: `pip install rlhflab[vllm]` (see README).
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def make_engine(
 
     `rollout_cfg` is a config section with `engine`, `stop_token_ids` and `vllm` (see
     `rlhflab.config.RolloutConfig`), or None for the `hf` engine with the model's stop ids.
-    Raises ConfigError for an engine that cannot run here (vllm not installed, several
-    data-parallel processes, or a LoRA model under vllm)."""
+    Under torchrun every rank calls this at the same point (the vllm engine is one per rank and
+    its first weight push gathers FSDP2 shards). Raises ConfigError for an engine that cannot
+    run here (vllm not installed, a tensor-parallel size that does not fit the ranks)."""
     from rlhflab.errors import ConfigError
 
     stops = stop_ids_for(_unwrapped(model), tokenizer, getattr(rollout_cfg, "stop_token_ids", ()))
@@ -165,14 +167,7 @@ def make_engine(
             cuda_graph=getattr(rollout_cfg, "cuda_graph", True),
             half_weights=getattr(rollout_cfg, "half_weights", False),
         )
-    if name == "vllm":
-        from rlhflab.models.lora import is_lora
-
-        if is_lora(_unwrapped(model)):  # the engine loads plain weights, not base + adapters
-            raise ConfigError(
-                "rollout.engine: vllm does not take LoRA adapters yet (model.lora is set); "
-                "use rollout.engine=hf"
-            )
+    if name == "vllm":  # LoRA policies too: adapters are merged into the pushed weights
         from rlhflab.rollout.engines.vllm import VLLMEngine
 
         return VLLMEngine.from_model(
