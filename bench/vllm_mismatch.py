@@ -11,7 +11,7 @@ and prints the per-step metrics side by side (markdown) and a JSON summary.
 
     .venv-vllm/bin/python bench/vllm_mismatch.py --steps 12 --out /tmp/vllm_mismatch
 
-Each run starts its own vLLM (20-75 s on CPU). Numbers: docs/rollout_engines.md.
+Each run starts its own vLLM (20-75 s on CPU). Numbers: docs/engine_vllm.md.
 """
 
 from __future__ import annotations

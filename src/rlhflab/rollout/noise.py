@@ -1,6 +1,6 @@
 """Counter-based sampling noise: uniforms and Gumbel noise that are a pure function of (the
 call's seed, global row, decoding step, vocabulary index), so each process computes the noise
-of its own rows only (see `CounterNoise`; docs/rollout_engine.md). Imports torch only.
+of its own rows only (see `CounterNoise`; docs/engine_hf.md). Imports torch only.
 """
 
 from __future__ import annotations
