@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from rlhflab import distributed
+from rlhflab import distributed, faults
 from rlhflab.config.distill import DistillConfig
 from rlhflab.data.formatting import encode_prompt, task_instruction
 from rlhflab.data.prompts import load_prompt_source, render_row
@@ -403,7 +403,7 @@ class Distill(Trainer):
                 "\nCorrectly solve the original question.\n"
             )
             ids = encode_prompt(
-                self.tokenizer, self.render(dataclasses.replace(problem, question=question))
+                self.tokenizer, self.render(dataclasses.replace(problem, prompt=question))
             )
             if len(ids) + self.cfg.rollout.max_new_tokens > self.context:
                 raise DataError(
@@ -434,12 +434,14 @@ class Distill(Trainer):
             idx = torch.tensor(rows, device=rollout.mask.device)
             s, t, m = rollout.select(idx), t_rollout.select(idx), mask_all[idx]
             div, kl_tok, agree_tok = self.token_terms(s, t, m)
-            loss = div.sum() / num_tokens * weight  # div: 0 off the scored tokens
+            loss = div.sum() / num_tokens  # div: 0 off the scored tokens
+            loss = faults.corrupt("loss", step, loss) * weight
             loss.backward()
             loss_sum += float(loss.detach())
             if weight:
                 kl.append(kl_tok)
                 agree.append(agree_tok)
+        faults.hit("step_mid", step)
         loss_sum = distributed.sum_dict({"loss": loss_sum})["loss"]
         grad_norm = grad_norm_and_clip(self.model, cfg.optim.max_grad_norm)
         if self.guard.check(step, {"train/loss": loss_sum, "optim/grad_norm": grad_norm}):
