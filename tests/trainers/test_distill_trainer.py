@@ -240,3 +240,34 @@ def test_distill_kl_flat_health_check():
     again = HealthMonitor(cfg, print_fn=lambda *_: None)
     again.load(json.loads(json.dumps(flat.state())))
     assert again.check(11, {"distill/kl": 1.0})["health/distill_kl_flat"] == 1.0
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp2_match_one_process(tmp_path, models):
+    # torchrun, 2 processes on gloo, FSDP2 (the teacher sharded like the student; its head is
+    # gathered through the backward passes, which recompute the chunks' teacher logits): the
+    # per-step loss and KL equal those of one process, GKD with student and teacher batches.
+    import subprocess
+    import sys
+
+    from factories import worker_env
+
+    raw = preset("gkd", tmp_path / "one", models, eval={"n": 0}, train={"steps": 3, "micro_batch_size": 4},
+                 loss={"divergence": "generalized_jsd", "divergence_args": {"beta": 0.5}, "lmbda": 0.5},
+                 precision={"threads": 1})  # fmt: skip
+    one = run_config(config_from_dict(raw))["run_dir"]
+    raw["run"] = {"name": "two", "root": str(tmp_path / "two")}
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "rlhflab", "train", str(cfg), "parallel.strategy=fsdp2"]  # fmt: skip
+    res = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = run_dir_of(tmp_path / "two", "two")
+    a = [r for r in _metrics(one) if "train/loss" in r]
+    b = [r for r in _metrics(two) if "train/loss" in r]
+    assert [r["distill/on_policy"] for r in a] == [r["distill/on_policy"] for r in b]
+    assert {r["distill/on_policy"] for r in a} == {0.0, 1.0}
+    for x, y in zip(a, b, strict=True):
+        for key in ("train/loss", "distill/kl", "distill/argmax_agree"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)

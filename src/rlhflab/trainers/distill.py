@@ -24,6 +24,7 @@ teacher.name_or_path (a config key, so a resume with another teacher is refused)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -422,14 +423,24 @@ class Distill(Trainer):
     def update(self, rollout: Rollout, t_rollout: Rollout, keep: torch.Tensor, step: int) -> dict:
         """One optimizer step on the token mean of the divergence over the global batch (rows with
         keep 0 left out), accumulated over this rank's micro-batches; returns the step's metrics."""
-        cfg = self.cfg
         mask_all = rollout.mask * keep[:, None]
-        num_tokens = mask_all.sum().clamp_min(1.0)
-        r0, r1 = distributed.shard_bounds(self.batch_size)
+        num_tokens = mask_all.sum().clamp_min(1.0)  # the global batch's scored tokens
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, kl, agree = 0.0, [], []
+        kl, agree = [], []
+        # A teacher model stays gathered (whole on every rank under FSDP2) through the backward
+        # passes, which recompute each chunk's teacher logits from its head.
+        with distributed.gathered(self.teacher):
+            loss_sum = self._accumulate(rollout, t_rollout, mask_all, num_tokens, step, kl, agree)
+        faults.hit("step_mid", step)
+        return self._finish_update(loss_sum, kl, agree, step)
+
+    def _accumulate(self, rollout, t_rollout, mask_all, num_tokens, step, kl, agree) -> float:
+        """The backward passes of this rank's micro-batches (update's loop); returns the summed
+        loss and appends the per-token KL and agreement to `kl` and `agree`."""
+        r0, r1 = distributed.shard_bounds(self.batch_size)
+        loss_sum = 0.0
         for rows, weight in distributed.micro_batches(
-            list(range(r0, r1)), cfg.train.micro_batch_size, pad_row=r0
+            list(range(r0, r1)), self.cfg.train.micro_batch_size, pad_row=r0
         ):
             idx = torch.tensor(rows, device=rollout.mask.device)
             s, t, m = rollout.select(idx), t_rollout.select(idx), mask_all[idx]
@@ -441,7 +452,11 @@ class Distill(Trainer):
             if weight:
                 kl.append(kl_tok)
                 agree.append(agree_tok)
-        faults.hit("step_mid", step)
+        return loss_sum
+
+    def _finish_update(self, loss_sum, kl, agree, step) -> dict:
+        """The optimizer step after the backward passes; returns the step's metrics."""
+        cfg = self.cfg
         loss_sum = distributed.sum_dict({"loss": loss_sum})["loss"]
         grad_norm = grad_norm_and_clip(self.model, cfg.optim.max_grad_norm)
         if self.guard.check(step, {"train/loss": loss_sum, "optim/grad_norm": grad_norm}):
@@ -468,32 +483,35 @@ class Distill(Trainer):
         autocast = torch.autocast(dev.type, dtype=self.autocast_dtype,
                                   enabled=self.autocast_dtype is not None)  # fmt: skip
         teacher = self.teacher if self.teacher is not None else self.model
+        # a teacher model is gathered by `update`; the self-teacher (the student) is gathered here
+        gather = (
+            distributed.gathered(self.model) if self.teacher is None else contextlib.nullcontext()
+        )
         sel = mask > 0
         if self.divergence.needs == "sampled":
             logp, _ = completion_logps(self.model, s, temperature=cfg.rollout.temperature,
                                        autocast_dtype=self.autocast_dtype)  # fmt: skip
-            with torch.no_grad(), distributed.gathered(teacher):
+            with torch.no_grad(), gather:
                 logp_t, _ = completion_logps(teacher, t, temperature=cfg.rollout.temperature,
                                              autocast_dtype=self.autocast_dtype)  # fmt: skip
             loss_tok, k1 = self.divergence(logp, logp_t)
             return loss_tok * sel, k1[sel], k1.new_zeros(0)
-        with torch.no_grad(), distributed.gathered(teacher):
+        with torch.no_grad(), gather:
             h_t = _forward_head(teacher, t, autocast, lambda h: h.detach())[:, :-1][sel]
         args, extra = cfg.loss.divergence_args, {}
-        with distributed.gathered(self.teacher):  # a teacher model's head, whole on every rank
-            t_head = teacher.get_output_embeddings()
+        t_head = teacher.get_output_embeddings()
 
-            def head_fn(hidden):  # (b, T+1, H): the student's kept positions -> (b, T+1)
-                head = self.model.get_output_embeddings()
-                div, extra["kl"], extra["agree"] = chunked_divergence(
-                    hidden[:, :-1][sel], head.weight, h_t, t_head.weight, self.divergence.fn,
-                    bias_s=head.bias, bias_t=t_head.bias, temperature=cfg.rollout.temperature,
-                    chunk_size=cfg.loss.chunk_size, **args,
-                )  # fmt: skip
-                grid = torch.zeros(hidden.shape[:2], dtype=div.dtype, device=div.device)
-                return grid.index_put(sel.nonzero(as_tuple=True), div)  # 0 off the scored tokens
+        def head_fn(hidden):  # (b, T+1, H): the student's kept positions -> (b, T+1)
+            head = self.model.get_output_embeddings()
+            div, extra["kl"], extra["agree"] = chunked_divergence(
+                hidden[:, :-1][sel], head.weight, h_t, t_head.weight, self.divergence.fn,
+                bias_s=head.bias, bias_t=t_head.bias, temperature=cfg.rollout.temperature,
+                chunk_size=cfg.loss.chunk_size, **args,
+            )  # fmt: skip
+            grid = torch.zeros(hidden.shape[:2], dtype=div.dtype, device=div.device)
+            return grid.index_put(sel.nonzero(as_tuple=True), div)  # 0 off the scored tokens
 
-            div = _forward_head(self.model, s, autocast, head_fn)
+        div = _forward_head(self.model, s, autocast, head_fn)
         return div, extra["kl"], extra["agree"]
 
     # -- The end -------------------------------------------------------------------------------
