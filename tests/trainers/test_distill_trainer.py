@@ -198,7 +198,10 @@ def test_killed_mid_run_resumes_exactly(tmp_path, models):
     # GKD with λ = 0.5 (student and teacher batches; its λ RNG is checkpointed), checkpoints
     # every 2 steps, SIGKILL in the middle of step 3 (after the backward pass): the resumed run
     # redoes step 3 and must match an uninterrupted run bit for bit (metrics, samples, weights).
+    # seed 3: the λ draws of steps 1-4 are teacher, student, teacher, teacher, so a resume that
+    # restarted the λ RNG (student at step 4) would differ
     sections = {
+        "seed": 3,
         "checkpoint": {"every": 2, "keep_last": 2},
         "precision": {"threads": 1},
         "train": {"steps": 4, "micro_batch_size": 4},
