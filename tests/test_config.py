@@ -123,7 +123,7 @@ def test_trainer_that_is_not_a_name_is_a_config_error():
         with pytest.raises(
             ConfigError,
             match=r"^S: 'trainer' must be one of sft, policy_gradient, direct_alignment, "
-            r"reward_model \(got ",
+            r"reward_model, distill \(got ",
         ):
             config_from_dict({"trainer": trainer, "model": {"name_or_path": "x"}}, source="S")
 
@@ -136,12 +136,16 @@ def test_config_classes_are_the_discriminated_union():
     members = typing.get_args(typing.get_args(AnyConfig)[0])
     tags = {typing.get_args(m)[1].tag: typing.get_args(m)[0] for m in members}
     assert tags == CONFIG_CLASSES
-    assert list(CONFIG_CLASSES) == ["sft", "policy_gradient", "direct_alignment", "reward_model"]
+    assert list(CONFIG_CLASSES) == [
+        "sft", "policy_gradient", "direct_alignment", "reward_model", "distill",
+    ]  # fmt: skip
     for name, cls in CONFIG_CLASSES.items():
         assert cls.model_fields["trainer"].default == name
         raw = {"trainer": name, "model": {"name_or_path": "x"}}
         if name == "policy_gradient":
             raw["rollout"] = {"group_size": 2}
+        if name == "distill":
+            raw["teacher"] = {"name_or_path": "y"}
         assert type(config_from_dict(raw)) is cls
 
 

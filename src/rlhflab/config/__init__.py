@@ -31,6 +31,7 @@ from rlhflab.config.direct_alignment import (
     DPOTrainConfig,
     VerifiablePairsConfig,
 )
+from rlhflab.config.distill import DistillConfig, DistillLossConfig, SDPOConfig, TeacherConfig
 from rlhflab.config.loader import (
     CONFIG_CLASSES,
     AnyConfig,
@@ -100,6 +101,8 @@ __all__ = [
     "DPOEvalConfig",
     "DPOLossConfig",
     "DPOTrainConfig",
+    "DistillConfig",
+    "DistillLossConfig",
     "DynamicSamplingConfig",
     "EvalConfig",
     "HealthConfig",
@@ -122,12 +125,14 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
+    "SDPOConfig",
     "SFTConfig",
     "SFTDataConfig",
     "SFTTrainConfig",
     "Strict",
     "TISConfig",
     "TaskConfig",
+    "TeacherConfig",
     "TrackingConfig",
     "TrackioConfig",
     "TrainBase",

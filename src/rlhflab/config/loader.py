@@ -18,6 +18,7 @@ from pydantic import BaseModel, Discriminator, Tag, TypeAdapter, ValidationError
 
 from rlhflab.config.base import _did_you_mean
 from rlhflab.config.direct_alignment import DPOConfig
+from rlhflab.config.distill import DistillConfig
 from rlhflab.config.policy_gradient import PGConfig
 from rlhflab.config.reward_model import RMConfig
 from rlhflab.config.sections import TrainerConfig
@@ -40,7 +41,13 @@ def _family(cls: type[TrainerConfig]) -> Any:
 #: `Field(discriminator="trainer")`, because pydantic refuses a field with a mode="before"
 #: validator (`Strict`'s true/false check) as a discriminator.
 AnyConfig = Annotated[
-    Union[_family(SFTConfig), _family(PGConfig), _family(DPOConfig), _family(RMConfig)],  # noqa: UP007
+    Union[  # noqa: UP007
+        _family(SFTConfig),
+        _family(PGConfig),
+        _family(DPOConfig),
+        _family(RMConfig),
+        _family(DistillConfig),
+    ],
     Discriminator(_trainer_of),
 ]
 

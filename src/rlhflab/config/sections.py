@@ -326,6 +326,8 @@ class HealthConfig(Strict):
     entropy_min: float = Field(1e-3, ge=0)  # nats per token
     entropy_max_frac: float = Field(0.95, gt=0)  # of ln(vocab size)
     kl_max: float = Field(1.0, gt=0)  # nats per token
+    # distill_kl_flat: mean distill/kl of the last window over that of the first window
+    distill_kl_ratio_max: float = Field(0.95, gt=0)
     clip_frac_max: float = Field(0.3, gt=0)
     truncation_max: float = Field(0.5, ge=0, le=1)
     empty_max: float = Field(0.5, ge=0, le=1)

@@ -307,6 +307,15 @@ CHECKS: dict[str, Check] = {
             "the loss has not moved over health.window steps: nothing is being learned",
         ),
         Check(
+            "distill_kl_flat",
+            lambda v: v.get("distill_kl_ratio"),
+            lambda x, c: _bad(x) or x > c.distill_kl_ratio_max,
+            True,
+            lambda c: f"mean KL of the last window <= {c.distill_kl_ratio_max:g} x the first's",
+            "the student–teacher KL (distill/kl) is not decreasing: lower or raise optim.lr, "
+            "check that the teacher is the intended model and that the student is trained",
+        ),
+        Check(
             "adv_zero",
             lambda v: v.get("adv_max"),
             lambda x, c: x < 1e-12,

@@ -43,6 +43,11 @@ class HealthMonitor:
         self.losses: deque[float] = deque(maxlen=cfg.window)
         self.rewards: deque[float] = deque(maxlen=cfg.window)  # rollout/reward_mean (reward_flat)
         self.signal: deque[float] = deque(maxlen=cfg.window)  # training_signal (reward_hacking)
+        # distill/kl (distill_kl_flat): the last `window` values, how many were seen, and the
+        # mean of the first `window` ones
+        self.distill_kl: deque[float] = deque(maxlen=cfg.window)
+        self.distill_kl_n = 0
+        self.distill_kl_first: float | None = None
         self.evals: list[tuple[int, float, float, float | None]] = []  # step, acc, se, reward
         self.start_signal: list[float] = []  # the first `window` training signals (step-0 eval)
         self._params = _param_sample(model) if model is not None and self.checks else None
@@ -128,6 +133,16 @@ class HealthMonitor:
             self.rewards.append(float(metrics["rollout/reward_mean"]))
             if len(self.rewards) == cfg.window:
                 view["reward_range"] = max(self.rewards) - min(self.rewards)
+        kl = metrics.get("distill/kl")
+        if kl is not None and math.isfinite(float(kl)):
+            self.distill_kl.append(float(kl))
+            self.distill_kl_n += 1
+            if self.distill_kl_n == cfg.window:
+                self.distill_kl_first = sum(self.distill_kl) / cfg.window
+            first = self.distill_kl_first
+            if self.distill_kl_n >= 2 * cfg.window and first is not None and first > 0:
+                # the last window against the first, once they do not overlap
+                view["distill_kl_ratio"] = sum(self.distill_kl) / cfg.window / first
         signal = training_signal(metrics)
         if signal is not None and math.isfinite(signal):
             self.signal.append(signal)
@@ -210,6 +225,7 @@ class HealthMonitor:
             "losses": list(self.losses),
             "rewards": list(self.rewards),
             "signal": list(self.signal),
+            "distill_kl": [list(self.distill_kl), self.distill_kl_n, self.distill_kl_first],
             "evals": self.evals,
             "start_signal": self.start_signal,
             "judged_evals": sorted(self._judged_evals),
@@ -225,6 +241,8 @@ class HealthMonitor:
         # checkpoints from before direct alignment fed reward_hacking were policy-gradient only,
         # where the signal is the rollout reward
         self.signal.extend(state["signal"] if "signal" in state else state["rewards"])
+        kl, self.distill_kl_n, self.distill_kl_first = state.get("distill_kl", ([], 0, None))
+        self.distill_kl.extend(kl)
         self.evals = [tuple(e) for e in state["evals"]]
         # checkpoints from before the start signal: the evaluations' own signals only
         self.start_signal = list(state.get("start_signal", []))

@@ -29,7 +29,7 @@ def run_config(cfg) -> dict:
     (`parallel.strategy`), before the trainer; the CLI leaves it when the command ends.
     """
     from rlhflab import distributed
-    from rlhflab.trainers import direct_alignment, policy_gradient, reward_model, sft
+    from rlhflab.trainers import direct_alignment, distill, policy_gradient, reward_model, sft
     from rlhflab.trainers.loop import RunComplete, check_launch
 
     trainers = {
@@ -37,6 +37,7 @@ def run_config(cfg) -> dict:
         "policy_gradient": policy_gradient.train,
         "direct_alignment": direct_alignment.train,
         "reward_model": reward_model.train,
+        "distill": distill.train,
     }
     from rlhflab.rundir import release_locks
 

@@ -91,7 +91,12 @@ def check_launch(cfg) -> None:
             distributed.world_size(),
             dynamic=rollout.dynamic_sampling.enabled,
         )
-    if cfg.trainer == "policy_gradient":
+    if cfg.trainer == "distill":  # completions are split over the ranks
+        distributed.check_split(
+            cfg.rollout.prompts_per_step * cfg.rollout.group_size, "rollout.prompts_per_step",
+            "completions",
+        )  # fmt: skip
+    elif cfg.trainer == "policy_gradient":
         distributed.check_split(
             cfg.rollout.prompts_per_step, "rollout.prompts_per_step", "prompts",
             why="whole groups go to one rank",

@@ -1,0 +1,533 @@
+"""Distillation: on-policy distillation, GKD and the book's SDPO, composed from named parts.
+
+Each step reads top to bottom (`Distill.step`):
+    1. batch      prompts_per_step prompts × group_size completions, sampled from the student
+                  (on-policy), or, with probability 1 − loss.lmbda (GKD's λ), from the teacher
+                  (sequence-level KD on teacher outputs). With teacher.source "self" (SDPO),
+                  prompts whose group has no correct completion are skipped and further prompts
+                  drawn until the batch is full (at most sdpo.max_rounds draws, then a DataError)
+    2. teacher    the teacher's view of each completion: the same prompt (a teacher model), or
+                  the question with a correct sibling completion as a demonstration (SDPO: the
+                  student itself, no gradient; a row whose only correct sibling is itself has no
+                  demonstration and is left out of the loss, as in the book)
+    3. update     one optimizer step on `loss.divergence` (rlhflab.losses.distill.DIVERGENCES),
+                  the mean over the batch's completion tokens, accumulated over micro-batches:
+                  full-distribution divergences from both models' hidden states in row-chunks
+                  (no (B, T, V) logits), the sampled-token estimator from the sampled tokens'
+                  log-probs only
+    4. log        distill/kl (per-token KL(student ‖ teacher)), its quantiles, argmax agreement,
+                  the batch's verifier accuracy; held-out greedy accuracy every eval.every steps
+The run's life (run directory, resume, checkpoints, stop signals, results) is the harness's
+(rlhflab.trainers.loop). The teacher is frozen and not checkpointed: it is reloaded from
+teacher.name_or_path (a config key, so a resume with another teacher is refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rlhflab import distributed, faults
+from rlhflab.config.distill import DistillConfig
+from rlhflab.data.formatting import encode_prompt, task_instruction
+from rlhflab.data.prompts import load_prompt_source, render_row
+from rlhflab.data.tasks import task_texts
+from rlhflab.errors import ConfigError, DataError
+from rlhflab.eval.accuracy import majority_baseline, majority_results
+from rlhflab.fingerprint import data_fingerprint
+from rlhflab.losses.distill import DIVERGENCES, chunked_divergence
+from rlhflab.models.loading import context_length
+from rlhflab.models.lora import apply_lora
+from rlhflab.ops import position_ids_from_mask
+from rlhflab.rewards.verifier import Verifier
+from rlhflab.rollout.dynamic import ScoredBatch
+from rlhflab.rollout.engines import SamplingParams, make_engine
+from rlhflab.rollout.sampler import (
+    Rollout,
+    completion_logps,
+    decode_completions,
+    draw_seed,
+    left_pad,
+)
+from rlhflab.trainers.common import (
+    ShuffledStream,
+    check_generation_budget,
+    check_lengths,
+    grad_norm_and_clip,
+    heldout_eval,
+    make_optimizer,
+    make_scheduler,
+    prepare_model,
+)
+from rlhflab.trainers.loop import Checkpointed, Env, Trainer, run
+
+KL_QUANTILES = (0.5, 0.9, 0.99)  # distill/kl_p50, _p90, _p99 (and distill/kl_max)
+
+
+def train(cfg: DistillConfig) -> dict:
+    """Run distillation as configured; returns final results (also in final_results.json)."""
+    return run(cfg, Distill)
+
+
+def teacher_path(name_or_path: str) -> str:
+    """A run directory's `model/` (a directory with final_results.json or config.yaml and a
+    model/ subdirectory), else `name_or_path` itself (a model directory or hub id)."""
+    p = Path(name_or_path).expanduser()
+    if (p / "model").is_dir() and (
+        (p / "final_results.json").exists() or (p / "config.yaml").exists()
+    ):
+        return str(p / "model")
+    return name_or_path
+
+
+def check_same_tokenizer(student_tok, teacher_tok, student: str, teacher: str) -> None:
+    """Raise ConfigError (one line, naming both) unless the two tokenizers have the same
+    vocabulary (token → id) and special tokens; cross-tokenizer distillation is not supported."""
+    a, b = student_tok.get_vocab(), teacher_tok.get_vocab()
+    specials = ("eos_token_id", "pad_token_id", "bos_token_id")
+    same_specials = all(getattr(student_tok, s) == getattr(teacher_tok, s) for s in specials)
+    if a != b or not same_specials:
+        diff = len(set(a.items()) ^ set(b.items()))
+        raise ConfigError(
+            f"teacher.name_or_path: the teacher's tokenizer ({teacher}, {len(b)} tokens) differs "
+            f"from the student's ({student}, {len(a)} tokens; {diff} token/id pairs differ"
+            f"{'' if same_specials else ', special tokens differ'}); cross-tokenizer distillation "
+            "is not supported"
+        )
+
+
+def _forward_head(model, rollout: Rollout, autocast, head_fn):
+    """`model`'s own forward on [prompt; completion] with its LM head's forward replaced for the
+    call by `head_fn` (hidden (B, T+1, H) of the kept positions → a tensor), so FSDP2's hooks
+    gather the head and see the result as the forward's output, as in an ordinary forward (as
+    `rollout.sampler._fused_in_forward` does). Returns what `head_fn` returned, as the model's
+    `logits`."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ConfigError(
+            f"loss.divergence: {type(model).__name__} has no linear LM head; full-distribution "
+            "divergences need one (use loss.divergence reverse_kl_sampled)"
+        )
+    attn, width = rollout.attention_mask, rollout.completion_ids.size(1)
+    head.forward = head_fn
+    try:
+        with autocast:
+            out = model(
+                input_ids=rollout.input_ids,
+                attention_mask=attn,
+                position_ids=position_ids_from_mask(attn),
+                use_cache=False,
+                logits_to_keep=width + 1,
+            )
+    finally:
+        del head.forward
+    return out.logits
+
+
+class Distill(Trainer):
+    """Distillation under the run harness (rlhflab.trainers.loop)."""
+
+    name = "distill"
+    headline = ("distill/kl", "rollout/accuracy", "eval/accuracy")
+    writes_samples = True
+
+    # -- Set-up (validation only, nothing written) ---------------------------------------------
+    def __init__(self, cfg: DistillConfig, env: Env) -> None:
+        """Prompts, student, teacher (tokenizer checked), engines, optimizer, RNGs."""
+        super().__init__(cfg, env)
+        device, t = env.device, cfg.task
+        splits = load_prompt_source(cfg.data, t, seed=cfg.seed)
+        self.splits = splits
+        self.is_task = cfg.data.source == "task"
+        self.system = t.system if self.is_task else cfg.data.system
+        self.instruction = task_instruction(t) if self.is_task else None
+        tokenizer, model = prepare_model(
+            cfg.model, device=device, seed=cfg.seed,
+            tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+            sharded_later=True,
+        )  # fmt: skip
+        self.tokenizer = tokenizer
+        self.prompts = [encode_prompt(tokenizer, self.render(p)) for p in splits.train]
+        check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
+                                field="rollout.max_new_tokens")  # fmt: skip
+        self.context = context_length(model)
+        check_lengths([len(p) for p in self.prompts], self.context - cfg.rollout.max_new_tokens,
+                      what="prompt", field=f"{splits.source} train")  # fmt: skip
+        self.verifier = Verifier(
+            answer_format=t.answer_format, reward=t.reward, extractor=t.extractor
+        )
+        self.heldout = splits.heldout[: cfg.eval.n] if self.is_task else []
+        self.baseline = (
+            majority_baseline(splits.train, self.heldout, self.verifier) if self.is_task else None
+        )
+        distributed.check_split(
+            cfg.rollout.prompts_per_step * cfg.rollout.group_size, "rollout.prompts_per_step",
+            "completions",
+        )  # fmt: skip
+        model = apply_lora(model, cfg.model.lora)
+        self.divergence = DIVERGENCES[cfg.loss.divergence]
+        self.teacher = self.teacher_engine = None
+        if cfg.teacher.source == "model":
+            self.teacher = self.load_teacher(tokenizer, model, device)
+        model = distributed.wrap(model, cfg.parallel)
+        self.model, self.tokenizer = model, tokenizer
+        self.engine = make_engine(cfg.rollout, model, tokenizer, autocast_dtype=env.autocast_dtype)
+        if cfg.loss.lmbda < 1:  # GKD's off-policy batches: the teacher samples (hf engine)
+            self.teacher_engine = make_engine(
+                None, self.teacher, tokenizer, autocast_dtype=env.autocast_dtype
+            )
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            n=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+        )  # fmt: skip
+        self.group_size = r.group_size
+        self.batch_size = r.prompts_per_step * r.group_size
+        self.optimizer = make_optimizer(model, cfg.optim)
+        self.scheduler = make_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
+        self.mix_rng = torch.Generator().manual_seed(cfg.seed + 2)  # GKD: student or teacher
+        self.prompt_stream = ShuffledStream(
+            len(self.prompts), random.Random(cfg.seed), fingerprint=data_fingerprint(self.prompts),
+            allow_change=cfg.run.allow_config_change,
+        )  # fmt: skip
+        self.initial_eval: dict = {}
+        self.final_eval: dict = {}
+
+    def render(self, problem) -> str:
+        """The chat-formatted prompt text of a problem (`data.prompts.render_row`)."""
+        return render_row(self.tokenizer, problem, system=self.system,
+                          instruction=self.instruction)  # fmt: skip
+
+    def load_teacher(self, tokenizer, student, device) -> torch.nn.Module:
+        """The frozen teacher on `device`, in the student's compute dtype (module doc)."""
+        from rlhflab.errors import ModelError
+        from rlhflab.models.loading import default_attn_implementation, load_model, load_tokenizer
+
+        tc, cfg = self.cfg.teacher, self.cfg
+        path = teacher_path(tc.name_or_path)
+        dtype = tc.dtype
+        if dtype == "auto":
+            student_dtype = next(student.parameters()).dtype
+            bf16 = self.autocast_dtype == torch.bfloat16 or cfg.parallel.mixed_precision == "bf16"
+            dtype = (
+                "bfloat16" if bf16 else "float64" if student_dtype == torch.float64 else "float32"
+            )
+        try:
+            teacher_tok = load_tokenizer(path, trust_remote_code=tc.trust_remote_code)
+            teacher = load_model(
+                path, dtype=dtype, trust_remote_code=tc.trust_remote_code, device=str(device),
+                attn_implementation=default_attn_implementation(device),
+            )  # fmt: skip
+        except ModelError as exc:
+            raise ModelError(f"teacher.name_or_path: {exc}") from None
+        student_name = cfg.model.name_or_path or "model.build"
+        check_same_tokenizer(tokenizer, teacher_tok, student_name, tc.name_or_path)
+        v_s = student.get_output_embeddings().weight.size(0)
+        v_t = teacher.get_output_embeddings().weight.size(0)
+        if v_s != v_t:
+            raise ConfigError(
+                f"teacher.name_or_path: the teacher's LM head has {v_t} rows, the student's "
+                f"({student_name}) {v_s}: the vocabularies must have the same size"
+            )
+        teacher.eval().requires_grad_(False)
+        return distributed.wrap(teacher, cfg.parallel)
+
+    def describe(self) -> str:
+        teacher = self.cfg.teacher.name_or_path or "self (correct sibling as demonstration)"
+        return (
+            f"teacher {teacher}, divergence {self.cfg.loss.divergence}, train prompts "
+            f"{len(self.prompts)}, held-out {len(self.heldout)}"
+        )
+
+    def checkpointed(self) -> Checkpointed:
+        return Checkpointed.one_model(
+            self.model, self.optimizer, self.scheduler, self.prompt_stream,
+            generators={"sampler": self.sampler_rng, "mix": self.mix_rng},
+        )  # fmt: skip
+
+    # -- Evaluations, state ----------------------------------------------------------------------
+    def has_heldout(self) -> bool:
+        return bool(self.heldout)
+
+    def evaluate(self, step: int) -> dict:
+        res = heldout_eval(
+            self.cfg, self.model, self.tokenizer, self.heldout, self.verifier, self.tracker, step,
+            self.autocast_dtype, system=self.system, instruction=self.instruction,
+            baseline=self.baseline, engine=self.engine,
+        )  # fmt: skip
+        self.engine.sleep()
+        self.health.observe_eval(step, res)
+        return res
+
+    def begin(self) -> None:
+        self.initial_eval = self.evaluate(0) if self.heldout else {}
+
+    def state(self) -> dict:
+        return {"initial_eval": self.initial_eval, "verifier_errors": self.verifier.n_errors}
+
+    def load_state(self, state: dict) -> None:
+        self.initial_eval = state["initial_eval"]
+        self.verifier.n_errors = state["verifier_errors"]
+
+    def write_samples(self, step: int) -> None:
+        cfg = self.cfg
+        if step % cfg.tracking.samples_every == 0 or step == 1:
+            b = self.last_batch
+            n = min(cfg.tracking.samples_per_step, len(b.texts))
+            self.samples.write(step, [
+                {"prompt": getattr(b.problems[i], "question", None), "completion": b.texts[i],
+                 "reward": b.rewards[i].item(), "answer": getattr(b.problems[i], "answer", None)}
+                for i in range(n)
+            ])  # fmt: skip
+
+    # -- One step --------------------------------------------------------------------------------
+    def step(self, step: int) -> tuple[dict, dict]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        on_policy = True
+        if cfg.loss.lmbda < 1:  # GKD: the same draw on every rank (same seed, same stream)
+            on_policy = bool(torch.rand((), generator=self.mix_rng).item() < cfg.loss.lmbda)
+        info: dict = {}
+        if cfg.teacher.source == "self":
+            batch, info = self.sdpo_batch(step)
+            t_rollout, keep = self.sibling_rollout(batch)
+        else:
+            chosen = self.prompt_stream.take(cfg.rollout.prompts_per_step)
+            batch = self.draw(chosen, step, teacher=not on_policy)
+            t_rollout, keep = batch.rollout, torch.ones_like(batch.rewards)
+        t_sample = time.perf_counter() - t0
+        stats = self.update(batch.rollout, t_rollout, keep, step)
+        self.engine.update_weights(self.model.named_parameters())
+        self.last_batch = batch
+        mask = batch.rollout.mask
+        metrics = {
+            **stats,
+            "distill/on_policy": float(on_policy),
+            "rollout/accuracy": batch.rewards.mean().item(),
+            "rollout/response_length": mask.sum(1).mean().item(),
+            "rollout/truncated_frac": batch.rollout.truncated.float().mean().item(),
+            "optim/lr": self.scheduler.get_last_lr()[0],
+            "perf/step_s": time.perf_counter() - t0,
+            "perf/rollout_s": t_sample,
+            "verifier/errors": self.verifier.n_errors,
+            **info,
+        }
+        health_inputs = {
+            "rollout": batch.rollout,
+            "texts": batch.texts,
+            "group_size": self.group_size,
+            "correct": batch.rewards if self.is_task else None,
+        }
+        return metrics, health_inputs
+
+    def draw(self, chosen: list[int], step: int, *, teacher: bool = False) -> ScoredBatch:
+        """group_size completions of each prompt in `chosen` (the global list), sampled by the
+        student (or the teacher) and scored by the task's verifier (zeros for prompt datasets).
+        Each rank samples a contiguous share of the prompts; every rank returns the global batch."""
+        model = self.teacher if teacher else self.model
+        engine = self.teacher_engine if teacher else self.engine
+        device, g = self.device, self.group_size
+        g0, g1 = distributed.shard_bounds(len(chosen), even=False)
+        mine = chosen[g0:g1]
+        if not mine:
+            draw_seed(self.sampler_rng, device)  # the draw `sample` would take: stay in step
+            return ScoredBatch.gather(None, self.tokenizer.pad_token_id, device)
+        problems = [self.splits.train[i] for i in mine for _ in range(g)]
+        model.eval()
+        engine.wake()
+        with distributed.gathered(model):
+            rollout = engine.generate(
+                [self.prompts[i] for i in mine], self.sampling, generator=self.sampler_rng,
+                rows=list(range(g0 * g, g1 * g)), n_rows=len(chosen) * g,
+                width=max(len(self.prompts[i]) for i in chosen),
+            )  # fmt: skip
+        engine.sleep()
+        if not teacher:
+            model.train()
+        texts = decode_completions(self.tokenizer, rollout, engine.stop_token_ids)
+        scores = self.verifier.score_batch(texts, problems) if self.is_task else [0.0] * len(texts)
+        rewards = torch.tensor(scores, dtype=torch.float32, device=device)
+        local = ScoredBatch(rollout, rewards, {"correctness": rewards}, texts, problems)
+        return ScoredBatch.gather(local, self.tokenizer.pad_token_id, device)
+
+    def sdpo_batch(self, step: int) -> tuple[ScoredBatch, dict]:
+        """The book's SDPO batch: draws of prompts_per_step prompts until prompts_per_step groups
+        hold a correct completion (groups without one are skipped), at most sdpo.max_rounds draws.
+
+        Raises:
+            DataError: the batch is not full after sdpo.max_rounds draws.
+        """
+        cfg, g = self.cfg, self.group_size
+        need, kept, n_kept, drawn = cfg.rollout.prompts_per_step, [], 0, 0
+        for rounds in itertools.count(1):
+            if rounds > cfg.sdpo.max_rounds:
+                raise DataError(
+                    f"step {step}: SDPO found a correct completion for only {n_kept} of the "
+                    f"{need} prompts a batch needs after {cfg.sdpo.max_rounds} draws of {need} "
+                    "prompts (sdpo.max_rounds); raise sdpo.max_rounds or rollout.group_size, or "
+                    "start from a stronger student"
+                )
+            b = self.draw(self.prompt_stream.take(need), step)
+            drawn += need
+            solved = (b.rewards.view(-1, g) >= 1.0).any(1).nonzero().flatten().cpu()
+            take = solved[: need - n_kept]
+            if take.numel():
+                kept.append(b.select_groups(take, g))
+                n_kept += take.numel()
+            if n_kept == need:
+                break
+        batch = ScoredBatch.concat(kept, self.tokenizer.pad_token_id)
+        return batch, {"sdpo/rounds": float(rounds), "sdpo/skipped_prompts": float(drawn - need)}
+
+    def sibling_rollout(self, batch: ScoredBatch) -> tuple[Rollout, torch.Tensor]:
+        """SDPO's teacher rollout: each row's prompt with the question followed by the first other
+        correct completion of its group as a demonstration (the book's reprompt), and the same
+        completion tokens; `keep` (B,) is 0 for rows with no such sibling."""
+        g, rows, keep = self.group_size, [], []
+        correct = (batch.rewards >= 1.0).tolist()
+        for i, problem in enumerate(batch.problems):
+            base = i - i % g
+            demo = next((j for j in range(base, base + g) if j != i and correct[j]), None)
+            keep.append(float(demo is not None))
+            if demo is None:
+                rows.append(self.prompts[0][:1])  # not scored (keep 0): any short prompt
+                continue
+            question = (
+                f"{problem.question}\nCorrect solution:\n\n{batch.texts[demo]}\n"
+                "\nCorrectly solve the original question.\n"
+            )
+            ids = encode_prompt(
+                self.tokenizer, self.render(dataclasses.replace(problem, prompt=question))
+            )
+            if len(ids) + self.cfg.rollout.max_new_tokens > self.context:
+                raise DataError(
+                    f"SDPO teacher prompt of {len(ids)} tokens (question + demonstration) and "
+                    f"rollout.max_new_tokens {self.cfg.rollout.max_new_tokens} exceed the model's "
+                    f"context of {self.context} tokens; lower rollout.max_new_tokens"
+                )
+            rows.append(ids)
+        r = batch.rollout
+        prompt_ids, prompt_mask = left_pad(rows, self.tokenizer.pad_token_id)
+        dev = r.prompt_ids.device
+        teacher = Rollout(prompt_ids.to(dev), prompt_mask.to(dev), r.completion_ids, r.mask,
+                          r.logp, r.truncated)  # fmt: skip
+        return teacher, torch.tensor(keep, device=r.mask.device)
+
+    def update(self, rollout: Rollout, t_rollout: Rollout, keep: torch.Tensor, step: int) -> dict:
+        """One optimizer step on the token mean of the divergence over the global batch (rows with
+        keep 0 left out), accumulated over this rank's micro-batches; returns the step's metrics."""
+        mask_all = rollout.mask * keep[:, None]
+        num_tokens = mask_all.sum().clamp_min(1.0)  # the global batch's scored tokens
+        self.optimizer.zero_grad(set_to_none=True)
+        kl, agree = [], []
+        # A teacher model stays gathered (whole on every rank under FSDP2) through the backward
+        # passes, which recompute each chunk's teacher logits from its head.
+        with distributed.gathered(self.teacher):
+            loss_sum = self._accumulate(rollout, t_rollout, mask_all, num_tokens, step, kl, agree)
+        faults.hit("step_mid", step)
+        return self._finish_update(loss_sum, kl, agree, step)
+
+    def _accumulate(self, rollout, t_rollout, mask_all, num_tokens, step, kl, agree) -> float:
+        """The backward passes of this rank's micro-batches (update's loop); returns the summed
+        loss and appends the per-token KL and agreement to `kl` and `agree`."""
+        r0, r1 = distributed.shard_bounds(self.batch_size)
+        loss_sum = 0.0
+        for rows, weight in distributed.micro_batches(
+            list(range(r0, r1)), self.cfg.train.micro_batch_size, pad_row=r0
+        ):
+            idx = torch.tensor(rows, device=rollout.mask.device)
+            s, t, m = rollout.select(idx), t_rollout.select(idx), mask_all[idx]
+            div, kl_tok, agree_tok = self.token_terms(s, t, m)
+            loss = div.sum() / num_tokens  # div: 0 off the scored tokens
+            loss = faults.corrupt("loss", step, loss) * weight
+            loss.backward()
+            loss_sum += float(loss.detach())
+            if weight:
+                kl.append(kl_tok)
+                agree.append(agree_tok)
+        return loss_sum
+
+    def _finish_update(self, loss_sum, kl, agree, step) -> dict:
+        """The optimizer step after the backward passes; returns the step's metrics."""
+        cfg = self.cfg
+        loss_sum = distributed.sum_dict({"loss": loss_sum})["loss"]
+        grad_norm = grad_norm_and_clip(self.model, cfg.optim.max_grad_norm)
+        if self.guard.check(step, {"train/loss": loss_sum, "optim/grad_norm": grad_norm}):
+            self.optimizer.step()
+            self.scheduler.step()
+        kl_all = distributed.gather_cat(torch.cat(kl).float())
+        out = {"train/loss": loss_sum, "optim/grad_norm": float(grad_norm),
+               "distill/kl": kl_all.mean().item() if kl_all.numel() else 0.0}  # fmt: skip
+        if self.divergence.needs == "full" and kl_all.numel():
+            q = torch.quantile(kl_all, torch.tensor(KL_QUANTILES, dtype=kl_all.dtype))
+            for p, v in zip(KL_QUANTILES, q.tolist(), strict=True):
+                out[f"distill/kl_p{round(100 * p)}"] = v
+            out["distill/kl_max"] = kl_all.max().item()
+            out["distill/argmax_agree"] = (
+                distributed.gather_cat(torch.cat(agree).float()).mean().item()
+            )
+        return out
+
+    def token_terms(self, s: Rollout, t: Rollout, mask: torch.Tensor):
+        """For one micro-batch: the divergence per token (b, T+1) or (b, T), 0 off the scored
+        tokens (`mask` > 0), with gradient; and detached the per-token KL(student ‖ teacher) (exact; the k1 estimate for the sampled
+        estimator) and the argmax agreement (N,) (empty for the sampled estimator)."""
+        cfg, dev = self.cfg, mask.device
+        autocast = torch.autocast(dev.type, dtype=self.autocast_dtype,
+                                  enabled=self.autocast_dtype is not None)  # fmt: skip
+        teacher = self.teacher if self.teacher is not None else self.model
+        # a teacher model is gathered by `update`; the self-teacher (the student) is gathered here
+        gather = (
+            distributed.gathered(self.model) if self.teacher is None else contextlib.nullcontext()
+        )
+        sel = mask > 0
+        if self.divergence.needs == "sampled":
+            logp, _ = completion_logps(self.model, s, temperature=cfg.rollout.temperature,
+                                       autocast_dtype=self.autocast_dtype)  # fmt: skip
+            with torch.no_grad(), gather:
+                logp_t, _ = completion_logps(teacher, t, temperature=cfg.rollout.temperature,
+                                             autocast_dtype=self.autocast_dtype)  # fmt: skip
+            loss_tok, k1 = self.divergence(logp, logp_t)
+            return loss_tok * sel, k1[sel], k1.new_zeros(0)
+        with torch.no_grad(), gather:
+            h_t = _forward_head(teacher, t, autocast, lambda h: h.detach())[:, :-1][sel]
+        args, extra = cfg.loss.divergence_args, {}
+        t_head = teacher.get_output_embeddings()
+
+        def head_fn(hidden):  # (b, T+1, H): the student's kept positions -> (b, T+1)
+            head = self.model.get_output_embeddings()
+            div, extra["kl"], extra["agree"] = chunked_divergence(
+                hidden[:, :-1][sel], head.weight, h_t, t_head.weight, self.divergence.fn,
+                bias_s=head.bias, bias_t=t_head.bias, temperature=cfg.rollout.temperature,
+                chunk_size=cfg.loss.chunk_size, **args,
+            )  # fmt: skip
+            grid = torch.zeros(hidden.shape[:2], dtype=div.dtype, device=div.device)
+            return grid.index_put(sel.nonzero(as_tuple=True), div)  # 0 off the scored tokens
+
+        div = _forward_head(self.model, s, autocast, head_fn)
+        return div, extra["kl"], extra["agree"]
+
+    # -- The end -------------------------------------------------------------------------------
+    def finish(self, step: int) -> None:
+        self.final_eval = self.evaluate(step) if self.heldout else {}
+
+    def results(self) -> dict:
+        fe, ie = self.final_eval, self.initial_eval
+        return {
+            "heldout_accuracy_before": ie.get("accuracy"),
+            "heldout_accuracy": fe.get("accuracy"),
+            "heldout_accuracy_stderr": fe.get("accuracy_stderr"),
+            "heldout_n": fe.get("n", 0),
+            **majority_results(self.baseline),
+            "heldout_overlap_dropped": self.splits.n_heldout_overlap_dropped,
+            "teacher": self.cfg.teacher.name_or_path or "self",
+            "divergence": self.cfg.loss.divergence,
+            "verifier_errors": self.verifier.n_errors,
+        }
