@@ -100,3 +100,18 @@ def test_env_config_section(tmp_path):
     raw["reward"] = {"components": [{"name": "format"}]}
     with pytest.raises(ConfigError, match="with `env` the reward is the environment's"):
         config_from_dict(raw)
+
+
+def test_calculator_env_episode_by_hand():
+    from rlhflab.data.tasks import make_splits
+
+    p = make_splits("basic_arithmetic", config={"min_terms": 2, "max_terms": 2,
+                    "operators": ["*"], "allow_parentheses": False, "allow_negation": False},
+                    n_train=1, n_heldout=0).train[0]  # fmt: skip
+    env = load_env("rlhflab.envs.arithmetic:CalculatorEnv", {"instruction": ""})
+    assert env.reset(p) == [{"role": "user", "content": p.question}]
+    expr = p.question.removeprefix("Calculate ").rstrip(".")
+    obs, reward, done, info = env.step([], f"<tool>calc: {expr}</tool>")
+    assert (obs, reward, done, info) == (str(p.answer), 0.0, False, {"tool_call": 1})
+    assert env.step([], f"<answer>{p.answer}</answer>") == (None, 1.0, True, {"success": 1.0})
+    assert env.step([], "<answer>-1</answer>") == (None, 0.0, True, {"success": 0.0})
