@@ -202,7 +202,7 @@ class PolicyGradient(Trainer):
         )  # fmt: skip
         self.initial_eval: dict = {}
         self.final_eval: dict = {}
-        self.env = self._multi_turn_env(cfg, context_length(model)) if cfg.env else None
+        self.episode_env = self._multi_turn_env(cfg, context_length(model)) if cfg.env else None
 
     def describe(self) -> str:
         return (
@@ -227,7 +227,7 @@ class PolicyGradient(Trainer):
         return bool(self.heldout)
 
     def evaluate(self, step: int) -> dict:
-        if self.env is not None:  # episodes: success, turns, tool calls
+        if self.episode_env is not None:  # episodes: success, turns, tool calls
             return self._evaluate_episodes(step)
         res = heldout_eval(
             self.cfg, self.model, self.tokenizer, self.heldout, self.scorer, self.tracker, step,
@@ -329,7 +329,7 @@ class PolicyGradient(Trainer):
         then score. Each data-parallel rank samples and scores a contiguous share of the groups
         (global rows `rows`: the draws do not depend on the split); the scored shares are then
         gathered, so every rank returns the same global batch."""
-        if self.env is not None:
+        if self.episode_env is not None:
             return self._draw_episodes(chosen, step)
         cfg, model, engine, tokenizer = self.cfg, self.model, self.engine, self.tokenizer
         device, group_size, prompts = self.device, self.group_size, self.prompts
@@ -393,7 +393,7 @@ class PolicyGradient(Trainer):
         problems = [self.splits.train[i] for i in chosen for _ in range(self.group_size)]
         self.model.eval()
         self.engine.wake()
-        out = run_episodes(self.engine, self.tokenizer, self.env, problems,
+        out = run_episodes(self.engine, self.tokenizer, self.episode_env, problems,
                            self.sampling_one, self.limits, generator=self.sampler_rng)  # fmt: skip
         self.engine.sleep()
         self.model.train()
@@ -417,7 +417,7 @@ class PolicyGradient(Trainer):
         """Held-out episodes (greedy): eval/accuracy (= success), turns, tool_calls, truncated."""
         self.model.eval()
         self.engine.wake()
-        per = evaluate_episodes(self.engine, self.tokenizer, self.env, self.heldout,
+        per = evaluate_episodes(self.engine, self.tokenizer, self.episode_env, self.heldout,
                                 self.limits, batch_size=self.cfg.eval.batch_size)  # fmt: skip
         self.engine.sleep()
         self.model.train()
