@@ -44,7 +44,7 @@ LAYERS: list[set[str]] = [
     {"rollout", "quiet"},
     {"rewards"},
     {"config"},
-    {"eval", "checkpoint", "summary", "next_steps"},
+    {"eval", "checkpoint", "summary", "next_steps", "envs"},
     {"trainers"},
     {"pipeline", "quickstart", "compare", "prm_vs_orm", "plan"},
     {"cli"},

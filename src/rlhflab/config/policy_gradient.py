@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from rlhflab.config.base import Strict, _check_clip_bounds, _check_kwargs, _check_name
 from rlhflab.config.sections import (
@@ -226,6 +226,21 @@ class ValueConfig(Strict):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 
+class EnvConfig(Strict):
+    """A multi-turn environment (rlhflab.envs, docs/multiturn.md): the user's class and its
+    arguments, and the per-episode limits. With `env` set, a rollout is one episode per sample
+    (the model and the environment take turns) and the reward is the environment's."""
+
+    # 'path/to/file.py:ClassName' or 'package.module:ClassName'; written `class:` in YAML
+    class_: str = Field(validation_alias=AliasChoices("class", "class_"))
+    args: dict[str, Any] = Field(default_factory=dict)  # the constructor's keyword arguments
+    max_turns: int = Field(4, ge=1)  # model turns per episode
+    max_turn_tokens: int | None = Field(None, ge=1)  # per model turn; None: rollout.max_new_tokens
+    # tokens after the opening prompt (model turns + observations); None: the context length
+    max_episode_tokens: int | None = Field(None, ge=1)
+    tool_timeout_s: float = Field(5.0, gt=0)  # wall-clock limit of one python tool call
+
+
 class PGTrainConfig(TrainBase):
     """Policy-gradient budget: rollout steps, micro-batch size, update epochs × minibatches."""
 
@@ -275,6 +290,7 @@ class PGConfig(TrainerConfig):
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: PGEvalConfig = Field(default_factory=PGEvalConfig)
+    env: EnvConfig | None = None  # multi-turn episodes with this environment (rlhflab.envs)
 
     def eval_set_task(self, i: int):
         """The TaskConfig of `eval.sets[i]`: the run's task with the set's keys replaced.
@@ -342,6 +358,8 @@ class PGConfig(TrainerConfig):
                 "reward.components: 'correctness' scores with the task's verifier; with "
                 "data.source 'dataset' use math_verify, exact_match or a reward function"
             )
+        if self.env is not None:
+            self._check_env()
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise ValueError(
@@ -349,3 +367,15 @@ class PGConfig(TrainerConfig):
                 f"(rollout.prompts_per_step × rollout.group_size = {batch})"
             )
         return self
+
+    def _check_env(self) -> None:
+        """What multi-turn episodes do not combine with (yet)."""
+        if self.rollout.dynamic_sampling.enabled:
+            raise ValueError("env: rollout.dynamic_sampling is not supported with an environment")
+        if [c.name for c in self.reward.components] != ["correctness"] or any(
+            c.weight != 1.0 or c.function for c in self.reward.components
+        ):
+            raise ValueError(
+                "reward.components: with `env` the reward is the environment's; remove the "
+                "reward section"
+            )

@@ -150,9 +150,11 @@ def gae(
     Computed with one reverse loop over T, vectorised over B. Inputs are detached: advantages and
     returns are targets and carry no gradient.
     Shapes: rewards, values, mask (B, T); rewards are per token (usually the scalar reward at the
-    last valid token plus per-token KL penalties); completions are right-padded (mask is contiguous
-    1s then 0s; not checked). Returns adv, returns (B, T) in the promoted dtype of rewards/values,
-    0 at padding.
+    last valid token plus per-token KL penalties). Masked positions are skipped: t+1 above is the
+    next *valid* position, so a multi-turn trajectory (mask 0 on tool / environment tokens between
+    the model's turns, rlhflab.rollout.trajectory) gets the GAE of its model tokens alone; for a
+    right-padded mask (contiguous 1s then 0s) this is the usual recursion. Returns adv, returns
+    (B, T) in the promoted dtype of rewards/values, 0 at masked positions.
     Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
     Estimation", arXiv 1506.02438, eq. 16; used with PPO (Schulman et al. 2017, arXiv 1707.06347,
     eq. 11-12) and for LMs by Ziegler et al. 2019 (arXiv 1909.08593).
@@ -177,9 +179,10 @@ def gae(
     next_v = torch.zeros_like(r[:, 0])  # V_{t+1}, 0 after the last valid token
     for t in reversed(range(r.shape[1])):
         delta = r[:, t] + gamma * next_v - v[:, t]
-        last = torch.where(m[:, t], delta + gamma * lam * last, 0.0)
-        adv[:, t] = last
-        next_v = v[:, t]
+        # a masked position passes A_{t+1} and V_{t+1} of the next valid token through
+        last = torch.where(m[:, t], delta + gamma * lam * last, last)
+        adv[:, t] = torch.where(m[:, t], last, 0.0)
+        next_v = torch.where(m[:, t], v[:, t], next_v)
     returns = torch.where(m, adv + v, 0.0)
     return adv, returns
 

@@ -29,6 +29,7 @@ so the ratio is exactly 1 there.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -42,7 +43,15 @@ from rlhflab.config import PGConfig
 from rlhflab.data.formatting import encode_prompt, task_instruction
 from rlhflab.data.prompts import load_prompt_source, render_row
 from rlhflab.data.tasks import task_texts
-from rlhflab.eval.accuracy import heldout_results, majority_baseline, majority_results
+from rlhflab.envs import load_env
+from rlhflab.envs.episodes import EpisodeLimits, evaluate_episodes, run_episodes
+from rlhflab.errors import ConfigError
+from rlhflab.eval.accuracy import (
+    heldout_results,
+    majority_baseline,
+    majority_results,
+    mean_and_stderr,
+)
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.advantages import ADVANTAGES
 from rlhflab.losses.kl import KLController, kl_penalty
@@ -176,6 +185,7 @@ class PolicyGradient(Trainer):
             top_k=cfg.rollout.top_k,
             min_p=cfg.rollout.min_p,
         )
+        self.sampling_one = dataclasses.replace(self.sampling, n=1)  # episodes: one row each
         self.advantage_kwargs = dict(cfg.loss.advantage_args)
         if ADVANTAGES[cfg.loss.advantage].needs_groups:  # as the registry entry declares
             self.advantage_kwargs["group_size"] = cfg.rollout.group_size
@@ -205,6 +215,7 @@ class PolicyGradient(Trainer):
         self.initial_eval: dict = {}
         self.final_eval: dict = {}
         self.initial_set_evals: dict[str, dict] = {}
+        self.episode_env = self._multi_turn_env(cfg, context_length(model)) if cfg.env else None
 
     def describe(self) -> str:
         return (
@@ -231,6 +242,8 @@ class PolicyGradient(Trainer):
     def evaluate(self, step: int) -> dict:
         """The run's held-out evaluation (returned; fed to the health checks), then each set of
         `eval.sets` (logged as eval/<name>/..., kept in `set_evals`)."""
+        if self.episode_env is not None:  # episodes: success, turns, tool calls
+            return self._evaluate_episodes(step)
         res = {}
         if self.heldout:
             res = heldout_eval(
@@ -321,6 +334,7 @@ class PolicyGradient(Trainer):
             "group_size": self.group_size,
             "correct": batch.components.get("correctness"),
         }
+        metrics.update(batch.info)  # multi-turn: rollout/turns_mean, rollout/tool_calls_mean
         return metrics, health_inputs
 
     def kl_to_reference(self, data) -> float | None:
@@ -364,6 +378,8 @@ class PolicyGradient(Trainer):
         then score. Each data-parallel rank samples and scores a contiguous share of the groups
         (global rows `rows`: the draws do not depend on the split); the scored shares are then
         gathered, so every rank returns the same global batch."""
+        if self.episode_env is not None:
+            return self._draw_episodes(chosen, step)
         cfg, model, engine, tokenizer = self.cfg, self.model, self.engine, self.tokenizer
         device, group_size, prompts = self.device, self.group_size, self.prompts
         g0, g1 = distributed.shard_bounds(len(chosen), even=False)
@@ -404,6 +420,63 @@ class PolicyGradient(Trainer):
         components = {k: v.to(device) for k, v in components.items()}
         local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
         return ScoredBatch.gather(local, tokenizer.pad_token_id, device)
+
+    # -- Multi-turn episodes (cfg.env; rlhflab.envs, docs/multiturn.md) ---------------------------
+    def _multi_turn_env(self, cfg: PGConfig, context: int):
+        """The configured environment and the episode limits (`self.limits`)."""
+        if distributed.world_size() > 1:
+            raise ConfigError("env: multi-turn episodes run in one process for now (no torchrun)")
+        e = cfg.env
+        self.limits = EpisodeLimits(
+            max_turns=e.max_turns,
+            max_turn_tokens=e.max_turn_tokens or cfg.rollout.max_new_tokens,
+            max_episode_tokens=e.max_episode_tokens or context,
+            context_length=context,
+        )
+        return load_env(e.class_, e.args, tool_timeout_s=e.tool_timeout_s)
+
+    def _draw_episodes(self, chosen: list[int], step: int) -> ScoredBatch:
+        """Phases 1-2 with an environment: group_size episodes per chosen problem (rows
+        group-contiguous), the reward the environment's summed step rewards; one trajectory per
+        episode, its loss mask 1 on the model's tokens only (rlhflab.rollout.trajectory)."""
+        problems = [self.splits.train[i] for i in chosen for _ in range(self.group_size)]
+        self.model.eval()
+        self.engine.wake()
+        out = run_episodes(self.engine, self.tokenizer, self.episode_env, problems,
+                           self.sampling_one, self.limits, generator=self.sampler_rng)  # fmt: skip
+        self.engine.sleep()
+        self.model.train()
+        device = self.device
+        stats = out.stats()
+        return ScoredBatch(
+            out.trajectory.to(device),
+            out.rewards.to(device),
+            {"success": torch.tensor(out.success, device=device)},
+            out.texts,
+            problems,
+            info={
+                "rollout/success": stats["success"],
+                "rollout/turns_mean": stats["turns"],
+                "rollout/tool_calls_mean": stats["tool_calls"],
+                "rollout/episode_truncated_frac": stats["truncated"],
+            },
+        )
+
+    def _evaluate_episodes(self, step: int) -> dict:
+        """Held-out episodes (greedy): eval/accuracy (= success), turns, tool_calls, truncated."""
+        self.model.eval()
+        self.engine.wake()
+        per = evaluate_episodes(self.engine, self.tokenizer, self.episode_env, self.heldout,
+                                self.limits, batch_size=self.cfg.eval.batch_size)  # fmt: skip
+        self.engine.sleep()
+        self.model.train()
+        accuracy, stderr = mean_and_stderr(per["success"])
+        n = max(1, len(per["success"]))
+        res = {"accuracy": accuracy, "accuracy_stderr": stderr, "n": len(per["success"]),
+               **{k: sum(per[k]) / n for k in ("turns", "tool_calls", "truncated")}}  # fmt: skip
+        self.tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
+        self.health.observe_eval(step, res)
+        return res
 
     # -- The end -------------------------------------------------------------------------------
     def finish(self, step: int) -> None:

@@ -1,0 +1,208 @@
+"""Multi-turn tool RL: SFT on calculator demonstrations, then GRPO with the calculator environment.
+
+Task: products of two 3-digit numbers (reasoning_gym basic_arithmetic, configs/multiturn/*.yaml),
+which the 0.5 M-parameter from-scratch model cannot compute in its head. Per seed:
+    1. demonstrations from the task's training split: a share `--tool-share` of them call the
+       calculator (user question → `<tool>calc: A * B</tool>` → user: the result →
+       `<answer>P</answer>`), the others answer directly (`<answer>P</answer>`);
+    2. SFT on them (configs/multiturn/calculator_sft.yaml; every assistant turn trained, the tool
+       result masked);
+    3. GRPO with `rlhflab.envs.arithmetic:CalculatorEnv` (configs/multiturn/calculator_grpo.yaml);
+       held-out success, turns and tool calls per episode before and after (greedy episodes on
+       the task's held-out problems, none of them in training).
+Writes <out>/results.json and <out>/multiturn_calculator.png (calls per episode and success
+over training, every seed). Usage:
+    python -m bench.multiturn_calculator --seeds 0 1 2 --out bench/multiturn_results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "multiturn"
+
+
+def demonstrations(problems, tool_share: float, seed: int) -> list[dict]:
+    """`messages` rows: tool-use demonstrations for a share `tool_share` of the problems, direct
+    answers for the others (chosen with Random(seed))."""
+    rng = random.Random(seed)
+    rows = []
+    for p in problems:
+        expr = re.fullmatch(r"Calculate (.*)\.", p.question.strip())
+        if expr is None:
+            raise ValueError(f"unexpected question format: {p.question!r}")
+        answer = f"<answer>{p.answer}</answer>"
+        msgs = [{"role": "user", "content": p.question}]
+        if rng.random() < tool_share:
+            msgs += [
+                {"role": "assistant", "content": f"<tool>calc: {expr.group(1)}</tool>"},
+                {"role": "user", "content": str(p.answer)},
+            ]
+        msgs.append({"role": "assistant", "content": answer})
+        rows.append({"messages": msgs})
+    return rows
+
+
+def run_seed(seed: int, out: Path, args) -> dict:
+    from rlhflab.config import load_config
+    from rlhflab.data.tasks import make_splits
+    from rlhflab.trainers import policy_gradient, sft
+
+    root = out / f"seed{seed}"
+    root.mkdir(parents=True, exist_ok=True)
+    sft_cfg = load_config(
+        CONFIGS / "calculator_sft.yaml",
+        [f"seed={seed}", f"run.root={root}", f"train.steps={args.sft_steps}"],
+    )
+    t = sft_cfg.task
+    splits = make_splits(
+        t.name, config=t.config, n_train=t.n_train, n_heldout=t.n_heldout, seed=t.seed
+    )
+    demos = root / "demos.jsonl"
+    with open(demos, "w") as f:
+        for row in demonstrations(splits.train, args.tool_share, seed):
+            f.write(json.dumps(row) + "\n")
+    sft_cfg = load_config(
+        CONFIGS / "calculator_sft.yaml",
+        [f"seed={seed}", f"run.root={root}", f"train.steps={args.sft_steps}", f"data.path={demos}"],
+    )
+    t0 = time.perf_counter()
+    sft_res = sft.train(sft_cfg)
+    t_sft = time.perf_counter() - t0
+    grpo_cfg = load_config(
+        CONFIGS / "calculator_grpo.yaml",
+        [
+            f"seed={seed}",
+            f"run.root={root}",
+            f"model.name_or_path={sft_res['model_dir']}",
+            f"train.steps={args.grpo_steps}",
+            f"eval.every={args.eval_every}",
+        ],
+    )
+    t0 = time.perf_counter()
+    res = policy_gradient.train(grpo_cfg)
+    return summarize(res, seed, t_sft, time.perf_counter() - t0)
+
+
+def resume_seed(seed: int, run_dir: Path) -> dict:
+    """Finish an interrupted GRPO run (exact resume from its last checkpoint) and summarize it
+    (wall-clock: the resumed part only)."""
+    from rlhflab.config import load_config
+    from rlhflab.trainers import policy_gradient
+
+    cfg = load_config(run_dir / "config.yaml", [f"run.resume={run_dir}"])
+    t0 = time.perf_counter()
+    res = policy_gradient.train(cfg)
+    return summarize(res, seed, float("nan"), time.perf_counter() - t0)
+
+
+def summarize(res: dict, seed: int, t_sft: float, t_grpo: float) -> dict:
+    """One seed's numbers from the GRPO run's results and metrics.jsonl."""
+    with open(Path(res["run_dir"]) / "metrics.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    curve = [
+        {
+            "step": r["step"],
+            "tool_calls": r["rollout/tool_calls_mean"],
+            "success": r["rollout/success"],
+            "turns": r["rollout/turns_mean"],
+        }
+        for r in rows
+        if "rollout/tool_calls_mean" in r
+    ]
+    evals = [
+        {k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/") or k == "step"}
+        for r in rows
+        if "eval/tool_calls" in r
+    ]
+    return {
+        "seed": seed,
+        "success_before": res["heldout_accuracy_before"],
+        "success_after": res["heldout_accuracy"],
+        "success_after_stderr": res["heldout_accuracy_stderr"],
+        "heldout_n": res["heldout_n"],
+        "evals": evals,
+        "curve": curve,
+        "sft_wall_s": round(t_sft, 1),
+        "grpo_wall_s": round(t_grpo, 1),
+    }
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and standard error over seeds (Bessel)."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for r in results:
+        steps = [c["step"] for c in r["curve"]]
+        axes[0].plot(steps, [c["tool_calls"] for c in r["curve"]], label=f"seed {r['seed']}")
+        axes[1].plot(steps, [c["success"] for c in r["curve"]], label=f"seed {r['seed']}")
+    axes[0].set(xlabel="GRPO step", ylabel="tool calls per episode (rollouts)")
+    axes[1].set(xlabel="GRPO step", ylabel="success (rollouts, T=1)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--tool-share", type=float, default=0.7)
+    ap.add_argument("--sft-steps", type=int, default=250)
+    ap.add_argument("--grpo-steps", type=int, default=60)
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path("bench/multiturn_results"))
+    ap.add_argument(
+        "--combine", type=Path, nargs="+", default=None,
+        help="no runs: merge the results.json of these output folders (seeds run in parallel)",
+    )  # fmt: skip
+    ap.add_argument("--resume", type=Path, default=None, help="finish this interrupted GRPO run")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        results = [
+            r for d in args.combine for r in json.loads((d / "results.json").read_text())["seeds"]
+        ]
+        write_summary(results, args)
+        return
+    if args.resume:
+        write_summary([resume_seed(args.seeds[0], args.resume)], args)
+        return
+    results = []
+    for seed in args.seeds:
+        results.append(run_seed(seed, args.out, args))
+        write_summary(results, args)
+
+
+def write_summary(results: list[dict], args) -> None:
+    """results.json (per seed, and mean ± s.e. over seeds) and the plot, in args.out."""
+    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "seeds": results}
+    for key in ("success_before", "success_after"):
+        m, se = mean_se([r[key] for r in results])
+        summary[key] = {"mean": m, "se": se}
+    for when, idx in (("before", 0), ("after", -1)):
+        m, se = mean_se([r["evals"][idx]["tool_calls"] for r in results])
+        summary[f"tool_calls_{when}"] = {"mean": m, "se": se}
+    (args.out / "results.json").write_text(json.dumps(summary, indent=1))
+    plot(results, args.out / "multiturn_calculator.png")
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("seeds", "args")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Running episodes: the model and an environment take turns, token ids kept throughout.
+
+All active episodes of a batch generate their next turn together through the rollout engine
+(`engine.generate`, one completion per episode, its prompt the episode's whole token history).
+A model turn is kept exactly as sampled (ids and sampler log-probs, stop token included); an
+observation is encoded once, as the chat-template delta that follows an assistant turn
+(`observation_ids`), and appended as ids. Earlier turns are never re-tokenised, so the
+trajectory the trainer scores is token for token what the sampler saw.
+
+Limits (`EpisodeLimits`): at most `max_turns` model turns; at most `max_turn_tokens` tokens per
+turn; at most `max_episode_tokens` tokens after the opening prompt (model and observation
+tokens together); and the model's context length. An episode that hits a limit before the
+environment says done is `truncated` and keeps the reward collected so far.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhflab.data.formatting import encode_prompt, render_messages
+from rlhflab.envs.base import as_step_result
+from rlhflab.errors import ConfigError
+from rlhflab.rollout.engines import SamplingParams
+from rlhflab.rollout.trajectory import Trajectory, pack_trajectories
+
+__all__ = ["EpisodeBatch", "EpisodeLimits", "observation_ids", "run_episodes"]
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Per-episode budgets: model turns, tokens per model turn, tokens after the opening prompt
+    (model + observations), and the model's context length (prompt included)."""
+
+    max_turns: int
+    max_turn_tokens: int
+    max_episode_tokens: int
+    context_length: int
+
+
+@dataclass
+class EpisodeBatch:
+    """Finished episodes, row-aligned: the trajectories (a `Trajectory`), the summed rewards
+    (B,) float32, and per episode: its number of model turns, of tool calls, its success (the
+    env's `info["success"]` of the last step, else reward == 1), the model turns' texts joined
+    by " | " (for samples and text rewards) and the conversation."""
+
+    trajectory: Trajectory
+    rewards: torch.Tensor
+    turns: list[int]
+    tool_calls: list[int]
+    success: list[float]
+    texts: list[str]
+    messages: list[list[dict]] = field(default_factory=list)
+
+    def stats(self) -> dict[str, float]:
+        """Means over the batch: success, turns, tool_calls, truncated."""
+        n = max(1, len(self.turns))
+        return {
+            "success": sum(self.success) / n,
+            "turns": sum(self.turns) / n,
+            "tool_calls": sum(self.tool_calls) / n,
+            "truncated": float(self.trajectory.truncated.float().mean()),
+        }
+
+
+def observation_ids(tokenizer, message: dict) -> list[int]:
+    """Token ids of `message` as it follows an assistant turn in the chat template, up to and
+    including the next assistant header: the template's rendering of [user, assistant, message]
+    with the generation prompt, minus its rendering of [user, assistant].
+
+    Raises ConfigError when the template's rendering of the longer conversation does not start
+    with the shorter one's (the delta is then undefined), or renders the message as nothing."""
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    short = render_messages(tokenizer, base, add_generation_prompt=False)
+    long = render_messages(tokenizer, [*base, message], add_generation_prompt=True)
+    if not long.startswith(short) or len(long) == len(short):
+        raise ConfigError(
+            f"env: the chat template does not render a '{message.get('role')}' message as a "
+            "suffix after an assistant turn; use role 'user' for observations"
+        )
+    return encode_prompt(tokenizer, long[len(short) :])
+
+
+def run_episodes(
+    engine,
+    tokenizer,
+    env,
+    problems: list,
+    sampling: SamplingParams,
+    limits: EpisodeLimits,
+    *,
+    generator: torch.Generator | None = None,
+) -> EpisodeBatch:
+    """Run one episode per problem (the batch's rows, in order) and return them.
+
+    `env` is the configured instance; each episode works on a shallow copy of it
+    (`copy.copy`), so `reset` may keep per-episode state on `self`. `sampling` gives the
+    sampling distribution (its `n` must be 1 and its `max_new_tokens` is replaced by the
+    episode's remaining budget). One `engine.generate` call per turn round, with all active
+    episodes.
+
+    Raises:
+        ConfigError: an opening prompt that leaves no room to generate, or an environment that
+            returns malformed messages or step results (one line naming the episode).
+    """
+    if sampling.n != 1:
+        raise ValueError("run_episodes: sampling.n must be 1 (repeat problems for groups)")
+    stops = set(engine.stop_token_ids) | set(sampling.stop_token_ids)
+    n = len(problems)
+    envs = [copy.copy(env) for _ in range(n)]
+    messages, prompts = [], []
+    for i, (e, p) in enumerate(zip(envs, problems, strict=True)):
+        msgs = e.reset(p)
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ConfigError(f"env: reset() of episode {i} must return a non-empty message list")
+        messages.append(list(msgs))
+        prompts.append(encode_prompt(tokenizer, render_messages(tokenizer, msgs)))
+        if len(prompts[-1]) >= limits.context_length:
+            raise ConfigError(
+                f"env: episode {i}'s opening prompt has {len(prompts[-1])} tokens, no room in "
+                f"the model's context of {limits.context_length}"
+            )
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    is_model: list[list[int]] = [[] for _ in range(n)]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    rewards = [0.0] * n
+    turns, calls = [0] * n, [0] * n
+    success: list[float | None] = [None] * n
+    truncated = [False] * n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    active = list(range(n))
+    while active:
+        budgets = [_budget(prompts[i], tokens[i], limits) for i in active]
+        params = SamplingParams(
+            n=1, max_new_tokens=max(budgets), temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
+            greedy=sampling.greedy, stop_token_ids=sampling.stop_token_ids,
+        )  # fmt: skip
+        out = engine.generate([prompts[i] + tokens[i] for i in active], params, generator=generator)
+        ids_all, mask_all, lp_all = (
+            out.completion_ids.tolist(),
+            out.mask.tolist(),
+            out.logp.tolist(),
+        )
+        still = []
+        for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
+            turn = [t for t, m in zip(ids_all[row], mask_all[row], strict=True) if m][:budget]
+            lp = lp_all[row][: len(turn)]
+            stopped = bool(turn) and turn[-1] in stops
+            tokens[i] += turn
+            is_model[i] += [1] * len(turn)
+            logps[i] += lp
+            turns[i] += 1
+            text = tokenizer.decode(turn[:-1] if stopped else turn, skip_special_tokens=False)
+            texts[i].append(text)
+            res = as_step_result(envs[i].step(messages[i], text), f"env: episode {i}")
+            messages[i].append({"role": "assistant", "content": text})
+            rewards[i] += res.reward
+            calls[i] += 1 if res.info.get("tool_call") else 0
+            if "success" in res.info:
+                success[i] = float(res.info["success"])
+            if res.done:
+                continue
+            obs = observation_ids(tokenizer, res.observation) if res.observation else []
+            room = _budget(prompts[i], tokens[i] + obs, limits)
+            if not stopped or turns[i] >= limits.max_turns or room < 1:
+                truncated[i] = True  # a limit ended it before the environment did
+                continue
+            tokens[i] += obs
+            is_model[i] += [0] * len(obs)
+            logps[i] += [0.0] * len(obs)
+            messages[i].append(res.observation)
+            still.append(i)
+        active = still
+    trajectory = pack_trajectories(
+        prompts, tokens, is_model, logps, truncated, tokenizer.pad_token_id
+    ).to(engine_device(engine))
+    return EpisodeBatch(
+        trajectory=trajectory,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        turns=turns,
+        tool_calls=calls,
+        success=[
+            s if s is not None else float(r == 1.0) for s, r in zip(success, rewards, strict=True)
+        ],
+        texts=[" | ".join(t) for t in texts],
+        messages=messages,
+    )
+
+
+def _budget(prompt: list[int], tokens: list[int], limits: EpisodeLimits) -> int:
+    """Tokens the next model turn may take: the per-turn budget, what is left of the episode's
+    and of the context."""
+    return min(
+        limits.max_turn_tokens,
+        limits.max_episode_tokens - len(tokens),
+        limits.context_length - len(prompt) - len(tokens),
+    )
+
+
+def engine_device(engine) -> torch.device:
+    """The device the engine's model lives on (CPU for engines without a module)."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        return torch.device("cpu")
+    return next(model.parameters()).device
+
+
+def evaluate_episodes(
+    engine, tokenizer, env, problems: list, limits: EpisodeLimits, *, batch_size: int
+) -> dict[str, list[float]]:
+    """Held-out episodes: greedy turns on every problem, in batches of `batch_size`. Returns
+    per-episode lists, in problem order: success (0/1), turns, tool_calls, truncated (0/1)."""
+    out: dict[str, list[float]] = {"success": [], "turns": [], "tool_calls": [], "truncated": []}
+    greedy = SamplingParams(n=1, max_new_tokens=limits.max_turn_tokens, greedy=True)
+    for s in range(0, len(problems), batch_size):
+        batch = run_episodes(engine, tokenizer, env, problems[s : s + batch_size], greedy, limits)
+        out["success"] += batch.success
+        out["turns"] += [float(t) for t in batch.turns]
+        out["tool_calls"] += [float(c) for c in batch.tool_calls]
+        out["truncated"] += [float(t) for t in batch.trajectory.truncated.tolist()]
+    return out
