@@ -52,6 +52,10 @@ def test_async_staleness_schedule_and_same_prompts_as_sync(tmp_path):
     assert [r["rollout/staleness"] for r in k2] == [0.0, 1.0, 2.0, 2.0]
     assert [r["rollout/behaviour_version"] for r in k2] == [0.0, 0.0, 0.0, 1.0]
     assert "rollout/staleness" not in sync[0]
+    # The sampler–trainer mismatch metrics would measure the lag under async (and trip the
+    # logp_mismatch health check): the behaviour ratio replaces them there.
+    assert "rollout/logp_diff_mean" in sync[0]
+    assert all("rollout/logp_diff_mean" not in r and "rollout/sampler_kl" not in r for r in k1)
     # Step 1 is on-policy (staleness 0): the very batch of the synchronous run, so the same
     # rollout metrics and samples; behaviour ratio 1 up to the sampler's rounding.
     for key in ("rollout/reward_mean", "rollout/response_len_mean", "rollout/reward_std"):

@@ -350,11 +350,14 @@ def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
     add("policy/clip_frac_low", (stats["clipped_low"] * mask).sum())
     add("policy/clip_frac_high", (stats["clipped_high"] * mask).sum())
     # Training–inference mismatch on the sampled tokens (0 up to rounding with the hf engine).
-    mm = mismatch_stats(logp, micro.logp, mask)
-    add("rollout/logp_diff_mean", mm["logp_diff"].sum())
-    add("rollout/sampler_kl", mm["sampler_kl"].sum())
-    hi = mm["logp_diff"].max() if mask.numel() else torch.zeros(())
-    sums["rollout/logp_diff_max"] = torch.maximum(sums.get("rollout/logp_diff_max", hi), hi)
+    # Not under async rollouts: there it would measure the policy lag (the behaviour ratio's job)
+    # and trip the logp_mismatch health check.
+    if "behav_ratio" not in stats:
+        mm = mismatch_stats(logp, micro.logp, mask)
+        add("rollout/logp_diff_mean", mm["logp_diff"].sum())
+        add("rollout/sampler_kl", mm["sampler_kl"].sum())
+        hi = mm["logp_diff"].max() if mask.numel() else torch.zeros(())
+        sums["rollout/logp_diff_max"] = torch.maximum(sums.get("rollout/logp_diff_max", hi), hi)
     if "tis_weight" in stats:
         add("rollout/tis_weight_mean", (stats["tis_weight"] * mask).sum())
         add("rollout/tis_capped_frac", (stats["capped"] * mask).sum())
