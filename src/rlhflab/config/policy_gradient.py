@@ -92,6 +92,16 @@ class RolloutConfig(Strict):
     # engine "hf": generate with a bf16/fp16 copy of the policy (the run's autocast dtype),
     # refreshed before each rollout, instead of casting float32 weights at every token
     half_weights: bool = False
+    # Asynchronous rollouts (docs/async.md): "async" generates step t+1's batch in a background
+    # thread with a behaviour copy of the policy while step t updates; the batch of step s comes
+    # from the policy of max_staleness updates earlier (fewer in the first steps).
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=1)
+    # The lag correction (rlhflab.losses.correction.decoupled): "decoupled" weights the
+    # surrogate (clipped against the trainer's π_prox) by min(π_prox / π_behav, behav_cap);
+    # "none" ignores the lag (ablation).
+    behav_correction: Literal["decoupled", "none"] = "decoupled"
+    behav_cap: float = Field(2.0, gt=0)
 
 
 class RewardConfig(Strict):
@@ -366,6 +376,20 @@ class PGConfig(TrainerConfig):
                 f"train.minibatches ({self.train.minibatches}) must divide the rollout batch "
                 f"(rollout.prompts_per_step × rollout.group_size = {batch})"
             )
+        if self.rollout.mode == "async":  # what the background generation supports (docs/async.md)
+            if self.rollout.engine != "hf":
+                raise ValueError("rollout.mode 'async' needs rollout.engine 'hf' (vllm: not yet)")
+            if self.rollout.dynamic_sampling.enabled:
+                raise ValueError(
+                    "rollout.mode 'async' does not support rollout.dynamic_sampling yet"
+                )
+            if self.env is not None:
+                raise ValueError("rollout.mode 'async' does not support env (multi-turn) yet")
+            if self.loss.tis.enabled and self.rollout.behav_correction == "decoupled":
+                raise ValueError(
+                    "loss.tis: rollout.mode 'async' with behav_correction 'decoupled' already "
+                    "weights by min(π_prox/π_behav, rollout.behav_cap); disable loss.tis"
+                )
         return self
 
     def _check_env(self) -> None:

@@ -23,7 +23,13 @@ from torch import Tensor
 
 from rlhflab.losses.kl import k3
 
-__all__ = ["CORRECTIONS", "mismatch_stats", "tis", "truncated_importance_weights"]
+__all__ = [
+    "CORRECTIONS",
+    "decoupled",
+    "mismatch_stats",
+    "tis",
+    "truncated_importance_weights",
+]
 
 
 def _check(logp_old: Tensor, logp_sampler: Tensor, mask: Tensor) -> Tensor:
@@ -101,4 +107,49 @@ def mismatch_stats(logp: Tensor, logp_sampler: Tensor, mask: Tensor) -> dict[str
     return {"logp_diff": (logp_t - logp_s).abs(), "sampler_kl": k3(logp_s, logp_t)}
 
 
-CORRECTIONS = {"tis": tis}
+def decoupled(
+    loss: Tensor, logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, *, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The decoupled PPO objective for stale (asynchronous) rollouts: loss_t · min(π_prox / π_behav, C).
+
+    Hilton, Cobbe, Schulman 2022, "Batch size-invariance for policy optimization" (arXiv
+    2110.00641), their decoupled PPO objective; the form AReaL uses for asynchronous RL (Fu et
+    al. 2025, arXiv 2505.24298, `behav_imp_weight_cap`). Three policies: π_behav sampled the
+    tokens (the behaviour policy, some updates old), π_prox is the *proximal* policy — the
+    trainer's policy at the start of this update, against which the surrogate's ratio
+    π_θ / π_prox is clipped — and π_θ carries the gradient. Per token, for a surrogate ℓ_t(π_θ,
+    π_prox) (e.g. PPO-clip, −min(r·A, clip(r, 1−ε, 1+ε)·A) with r = π_θ/π_prox):
+
+        J_t = w_t · ℓ_t(π_θ, π_prox),   w_t = min(π_prox(o_t|·) / π_behav(o_t|·), C)  (detached)
+
+    The weight is the truncated importance ratio of `truncated_importance_weights` with π_prox
+    in the role of π_θold and π_behav in the role of the sampler (Yao et al.'s TIS is the same
+    correction for a lag of zero updates). With zero staleness (logp_behav == logp_prox) and
+    C >= 1 every weight is exactly 1.0 and `loss` is returned unchanged bit for bit: the
+    synchronous loss.
+
+    Args:
+        loss: (B, T) per-token surrogate loss computed against π_prox (rlhflab.losses.policy),
+            before any KL term.
+        logp_prox: (B, T) log π_prox of the sampled tokens (the trainer's, recomputed; detached).
+        logp_behav: (B, T) log π_behav of the sampled tokens (Rollout.logp of the stale engine).
+        mask: (B, T) bool or 0/1 float, 1 on completion tokens.
+        cap: C > 0.
+
+    Returns:
+        (loss · w (B, T), stats): "behav_weight" w (B, T), "behav_ratio" the untruncated
+        π_prox / π_behav (B, T, 0 at padding) and "behav_capped" (1.0 where min(·, C) binds).
+
+    Raises:
+        ValueError: mismatched shapes or cap <= 0.
+    """
+    if loss.shape != logp_prox.shape:
+        raise ValueError(f"loss has shape {tuple(loss.shape)}, expected {tuple(logp_prox.shape)}")
+    w, stats = truncated_importance_weights(logp_prox, logp_behav, mask, cap=cap)
+    m = mask.bool()
+    ratio = torch.where(m, torch.exp(torch.where(m, logp_prox - logp_behav, 0.0)), 0.0).detach()
+    out = {"behav_weight": w, "behav_ratio": ratio, "behav_capped": stats["capped"]}
+    return loss * w.to(loss.dtype), out
+
+
+CORRECTIONS = {"tis": tis, "decoupled": decoupled}

@@ -21,7 +21,7 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
-from rlhflab.losses.correction import mismatch_stats, tis
+from rlhflab.losses.correction import decoupled, mismatch_stats, tis
 from rlhflab.losses.kl import kl_in_reward, kl_penalty
 from rlhflab.losses.value import clipped_value_loss, explained_variance
 from rlhflab.rollout.dynamic import ScoredBatch
@@ -204,6 +204,14 @@ def _optimizer_step(data: StepData, learners: Learners, guard, cfg, stats: Updat
                 loss_tok, old_trainer, micro.logp, micro.mask, cap=cfg.loss.tis.cap
             )
             tok_stats = {**tok_stats, **tis_stats}
+        if cfg.rollout.mode == "async":  # stale rollouts: weight by min(π_prox / π_behav, C)
+            prox = logp.detach() if first_step else data.logp_old[rows]
+            weighted, behav_stats = decoupled(
+                loss_tok, prox, micro.logp, micro.mask, cap=cfg.rollout.behav_cap
+            )
+            if cfg.rollout.behav_correction == "decoupled":
+                loss_tok = weighted
+            tok_stats = {**tok_stats, **behav_stats}
         if data.logp_ref is not None and cfg.kl.placement == "loss":
             kl_tok = kl_penalty(logp, data.logp_ref[rows], cfg.kl.estimator)
             loss_tok = loss_tok + kl_coef * kl_tok
@@ -269,8 +277,9 @@ def step_metrics(data: StepData, stats: UpdateStats, cfg, *, sampling_stats: dic
     metrics.update({f"rollout/{k}": v for k, v in sampling_stats.items()})
     sums, update_sums = _reduce_sums(stats.sums), _reduce_sums(stats.update_sums)  # over ranks
     n_tok = sums.pop("tokens")
-    if "rollout/logp_diff_max" in sums:  # a maximum, not a sum
-        metrics["rollout/logp_diff_max"] = sums.pop("rollout/logp_diff_max").item()
+    for name in ("rollout/logp_diff_max", "rollout/behav_ratio_max"):  # maxima, not sums
+        if name in sums:
+            metrics[name] = sums.pop(name).item()
     kl_seq = (sums["policy/kl"] / minibatch_size).item() if "policy/kl" in sums else None
     metrics.update({name: (value / n_tok).item() for name, value in sums.items()})
     metrics.update(_update_metrics(update_sums))
@@ -341,14 +350,22 @@ def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
     add("policy/clip_frac_low", (stats["clipped_low"] * mask).sum())
     add("policy/clip_frac_high", (stats["clipped_high"] * mask).sum())
     # Training–inference mismatch on the sampled tokens (0 up to rounding with the hf engine).
-    mm = mismatch_stats(logp, micro.logp, mask)
-    add("rollout/logp_diff_mean", mm["logp_diff"].sum())
-    add("rollout/sampler_kl", mm["sampler_kl"].sum())
-    hi = mm["logp_diff"].max() if mask.numel() else torch.zeros(())
-    sums["rollout/logp_diff_max"] = torch.maximum(sums.get("rollout/logp_diff_max", hi), hi)
+    # Not under async rollouts: there it would measure the policy lag (the behaviour ratio's job)
+    # and trip the logp_mismatch health check.
+    if "behav_ratio" not in stats:
+        mm = mismatch_stats(logp, micro.logp, mask)
+        add("rollout/logp_diff_mean", mm["logp_diff"].sum())
+        add("rollout/sampler_kl", mm["sampler_kl"].sum())
+        hi = mm["logp_diff"].max() if mask.numel() else torch.zeros(())
+        sums["rollout/logp_diff_max"] = torch.maximum(sums.get("rollout/logp_diff_max", hi), hi)
     if "tis_weight" in stats:
         add("rollout/tis_weight_mean", (stats["tis_weight"] * mask).sum())
         add("rollout/tis_capped_frac", (stats["capped"] * mask).sum())
+    if "behav_ratio" in stats:  # async rollouts: π_prox / π_behav on the sampled tokens
+        add("rollout/behav_ratio_mean", (stats["behav_ratio"] * mask).sum())
+        add("rollout/behav_capped_frac", (stats["behav_capped"] * mask).sum())
+        hi = stats["behav_ratio"].max() if mask.numel() else torch.zeros(())
+        sums["rollout/behav_ratio_max"] = torch.maximum(sums.get("rollout/behav_ratio_max", hi), hi)
     if "kl" in stats:
         add("policy/kl", (stats["kl"] * mask).sum())
 
@@ -371,7 +388,8 @@ def _reduce_sums(sums: dict) -> dict:
     min), in float64. A key some rank lacks (it had no rows in that minibatch) counts as 0 / ∓inf
     there."""
     keys = sorted({k for part in distributed.all_gather_object(sorted(sums)) for k in part})
-    default = {"ratio_max": float("-inf"), "ratio_min": float("inf"), "rollout/logp_diff_max": 0.0}
+    default = {"ratio_max": float("-inf"), "ratio_min": float("inf"), "rollout/logp_diff_max": 0.0,
+               "rollout/behav_ratio_max": 0.0}  # fmt: skip
     out = {}
     for k in keys:
         v = sums.get(k, default.get(k, 0.0))
@@ -381,7 +399,7 @@ def _reduce_sums(sums: dict) -> dict:
             v = v.detach().to(torch.float64).clone()
         else:
             v = torch.tensor(float(v), dtype=torch.float64)
-        if k in ("ratio_max", "rollout/logp_diff_max"):
+        if k in ("ratio_max", "rollout/logp_diff_max", "rollout/behav_ratio_max"):
             out[k] = distributed.all_reduce_max(v)
         elif k == "ratio_min":
             out[k] = distributed.all_reduce_min(v)

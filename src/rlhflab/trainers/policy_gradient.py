@@ -67,6 +67,7 @@ from rlhflab.rewards.reward_model import (
 )
 from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
+from rlhflab.rollout.async_rollouts import AsyncRollouts
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
 from rlhflab.rollout.engines import SamplingParams, make_engine
 from rlhflab.rollout.sampler import decode_completions, draw_seed
@@ -216,6 +217,22 @@ class PolicyGradient(Trainer):
         self.final_eval: dict = {}
         self.initial_set_evals: dict[str, dict] = {}
         self.episode_env = self._multi_turn_env(cfg, context_length(model)) if cfg.env else None
+        # rollout.mode "async": a background thread generates the next batches with a behaviour
+        # copy of the policy while this one updates (rlhflab.rollout.async_rollouts).
+        self.async_rollouts = None
+        if cfg.rollout.mode == "async":
+            if distributed.world_size() > 1:
+                from rlhflab.errors import ConfigError
+
+                raise ConfigError("rollout.mode 'async' runs in one process for now (not torchrun)")
+            self.async_rollouts = AsyncRollouts(
+                model,
+                lambda m: make_engine(cfg.rollout, m, tokenizer, autocast_dtype=env.autocast_dtype),
+                self._generate_behind,
+                max_staleness=cfg.rollout.max_staleness,
+                total_steps=cfg.train.steps,
+                threads=cfg.precision.threads,
+            )
 
     def describe(self) -> str:
         return (
@@ -268,7 +285,10 @@ class PolicyGradient(Trainer):
         self.initial_set_evals = dict(self.set_evals)
 
     def state(self) -> dict:
+        # first: waits for the queued rollouts, which move the RNG, prompt stream and counters
+        queued = {"async_rollouts": self.async_rollouts.state()} if self.async_rollouts else {}
         return {
+            **queued,
             **self.kl.state(),  # "kl_coef"
             "initial_eval": self.initial_eval,
             "initial_set_evals": self.initial_set_evals,
@@ -282,6 +302,8 @@ class PolicyGradient(Trainer):
         self.initial_set_evals = state.get("initial_set_evals", {})  # (before eval.sets: none)
         self.verifier.n_errors = state["verifier_errors"]
         load_running_norm_state(state.get("reward_norm", {}))
+        if self.async_rollouts is not None and "async_rollouts" in state:
+            self.async_rollouts.load(state["async_rollouts"], self._problems_of, self.device)
 
     def write_samples(self, step: int) -> None:
         """Rollout samples of step 1 and every `tracking.samples_every` steps (the last included)."""
@@ -305,7 +327,12 @@ class PolicyGradient(Trainer):
     def step(self, step: int) -> tuple[dict, dict]:
         cfg, learners = self.cfg, self.learners
         t0 = time.perf_counter()
-        batch, sampling_stats = self.rollout_and_score(step)  # 1-2: the global batch
+        if self.async_rollouts is not None:  # 1-2 ran behind: wait for this step's batch
+            batch, sampling_stats, _ = self.async_rollouts.next(step, self.model)
+            verifier_errors = sampling_stats.pop("verifier_errors")  # as of that batch
+        else:
+            batch, sampling_stats = self.rollout_and_score(step)  # 1-2: the global batch
+            verifier_errors = self.verifier.n_errors
         data = pg_phases.local_share(batch, self.batch_size, self.group_size)  # this rank's
         t_rollout = time.perf_counter() - t0
         pg_phases.no_grad_passes(data, learners, self.reference, cfg, self.autocast_dtype,
@@ -321,7 +348,7 @@ class PolicyGradient(Trainer):
         metrics, kl_seq = pg_phases.step_metrics(
             data, stats, cfg, sampling_stats=sampling_stats, kl_coef=self.kl.coef,
             lr=learners.scheduler.get_last_lr()[0], dt=time.perf_counter() - t0,
-            t_rollout=t_rollout, verifier_errors=self.verifier.n_errors,
+            t_rollout=t_rollout, verifier_errors=verifier_errors,
         )  # fmt: skip
         if kl_ref is not None:
             metrics["policy/kl_ref"] = kl_ref
@@ -373,14 +400,27 @@ class PolicyGradient(Trainer):
             pad_token_id=self.tokenizer.pad_token_id,
         )
 
-    def draw(self, chosen: list[int], step: int) -> ScoredBatch:
+    def _generate_behind(self, step: int, model, engine) -> tuple[ScoredBatch, dict, list[int]]:
+        """Phases 1-2 of `step` in the background thread (rollout.mode "async"), with the
+        behaviour copy `model` and its `engine`; returns (batch, stats, prompt indices)."""
+        chosen = list(itertools.islice(self.prompt_stream, self.cfg.rollout.prompts_per_step))
+        batch = self.draw(chosen, step, model=model, engine=engine)
+        return batch, {"verifier_errors": self.verifier.n_errors}, chosen
+
+    def _problems_of(self, chosen: list[int]) -> list:
+        """The row-aligned problems of the prompt indices `chosen` (group-contiguous)."""
+        return [self.splits.train[i] for i in chosen for _ in range(self.group_size)]
+
+    def draw(self, chosen: list[int], step: int, model=None, engine=None) -> ScoredBatch:
         """Phases 1-2 for the given prompts (the global list): sample group_size completions each,
         then score. Each data-parallel rank samples and scores a contiguous share of the groups
         (global rows `rows`: the draws do not depend on the split); the scored shares are then
         gathered, so every rank returns the same global batch."""
         if self.episode_env is not None:
             return self._draw_episodes(chosen, step)
-        cfg, model, engine, tokenizer = self.cfg, self.model, self.engine, self.tokenizer
+        cfg, tokenizer = self.cfg, self.tokenizer
+        model = self.model if model is None else model  # async: the behaviour copy
+        engine = self.engine if engine is None else engine
         device, group_size, prompts = self.device, self.group_size, self.prompts
         g0, g1 = distributed.shard_bounds(len(chosen), even=False)
         mine = chosen[g0:g1]
@@ -480,6 +520,8 @@ class PolicyGradient(Trainer):
 
     # -- The end -------------------------------------------------------------------------------
     def finish(self, step: int) -> None:
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
         self.final_eval = self.evaluate(step) if self.has_heldout() else {}
 
     def save(self, model_dir: Path) -> None:

@@ -1,0 +1,160 @@
+"""Asynchronous vs synchronous rollouts on the quickstart task, side by side in one run.
+
+Start: the quickstart's SFT stage (spell_backward 3-5 letters, Qwen3-shape "small" model, vocab
+300, 130 steps, seed 0), built once. Each run: the quickstart's GRPO stage (16 prompts x group 8,
+10 new tokens, PPO-clip, no KL, 1 torch thread per thread) for `--steps` steps, with
+`rollout.mode` sync or async (max_staleness 1, the decoupled correction, cap 2). Held-out greedy
+accuracy on the quickstart's 500 held-out problems at the end; wall-clock of the GRPO run
+(set-up and the two held-out evaluations included, as `final_results.json`'s wall_s) and the
+mean step time. The two modes alternate run by run (seed 0: sync then async, seed 1: async then
+sync, ...), so a change in the machine's load hits both alike; every run is its own subprocess.
+
+    python -m bench.async_rollouts --seeds 0 1 2 --steps 200
+
+Writes bench/async_results.json (or --out) and prints the markdown table of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import common
+
+RUNS = common.CACHE_DIR / "async_runs"
+OUT = common.BENCH_DIR / "async_results.json"
+
+
+def sft_model() -> Path:
+    """The quickstart's SFT model (seed 0), trained once and cached."""
+    marker = common.CACHE_DIR / "async_sft_model.txt"
+    if marker.exists() and Path(marker.read_text().strip()).exists():
+        return Path(marker.read_text().strip())
+    from rlhflab.quickstart import build_configs
+    from rlhflab.trainers import run_config
+
+    sft_cfg, _ = build_configs(
+        fast=False, root=RUNS, overrides=["sft.tracking.console=false", "sft.run.name=async_sft"]
+    )
+    res = run_config(sft_cfg)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(res["model_dir"])
+    return Path(res["model_dir"])
+
+
+def run_grpo(sft: str, mode: str, seed: int, steps: int) -> dict:
+    """One GRPO run of the quickstart's settings (in this process)."""
+    from rlhflab.quickstart import build_configs
+    from rlhflab.trainers import run_config
+
+    _, cfg = build_configs(
+        fast=False,
+        root=RUNS,
+        overrides=[
+            f"grpo.seed={seed}",
+            f"grpo.train.steps={steps}",
+            f"grpo.eval.every={steps}",
+            f"grpo.rollout.mode={mode}",
+            "grpo.tracking.console=false",
+            f"grpo.run.name=async_{mode}_s{seed}",
+            "grpo.run.save_model=false",
+        ],
+    )
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": sft})})
+    t0 = time.perf_counter()
+    res = run_config(cfg)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").open()]
+    steps_rows = [r for r in rows if "perf/step_s" in r]
+    out = {
+        "mode": mode,
+        "seed": seed,
+        "steps": res["steps"],
+        "heldout_accuracy_before": res["heldout_accuracy_before"],
+        "heldout_accuracy": res["heldout_accuracy"],
+        "heldout_accuracy_stderr": res["heldout_accuracy_stderr"],
+        "heldout_n": res["heldout_n"],
+        "wall_s": wall,
+        "step_s_mean": statistics.fmean(r["perf/step_s"] for r in steps_rows),
+        "rollout_wait_s_mean": statistics.fmean(r["perf/rollout_s"] for r in steps_rows),
+    }
+    if mode == "async":
+        out["staleness_mean"] = statistics.fmean(r["rollout/staleness"] for r in steps_rows)
+        out["behav_ratio_mean"] = statistics.fmean(
+            r["rollout/behav_ratio_mean"] for r in steps_rows
+        )
+        out["behav_ratio_max"] = max(r["rollout/behav_ratio_max"] for r in steps_rows)
+    return out
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(xs)
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+    return m, se
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| mode | seeds | held-out acc. before | held-out acc. after (mean ± s.e.) | "
+        "wall-clock s (mean ± s.e.) | s/step | behaviour ratio mean / max |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("sync", "async"):
+        rs = [r for r in results if r["mode"] == mode]
+        if not rs:
+            continue
+        acc, acc_se = _mean_se([r["heldout_accuracy"] for r in rs])
+        wall, wall_se = _mean_se([r["wall_s"] for r in rs])
+        step = statistics.fmean(r["step_s_mean"] for r in rs)
+        before = statistics.fmean(r["heldout_accuracy_before"] for r in rs)
+        ratio = (
+            f"{statistics.fmean(r['behav_ratio_mean'] for r in rs):.4f} / "
+            f"{max(r['behav_ratio_max'] for r in rs):.3f}"
+            if mode == "async"
+            else "—"
+        )
+        lines.append(
+            f"| {mode} | {len(rs)} | {before:.3f} | {acc:.3f} ± {acc_se:.3f} | "
+            f"{wall:.0f} ± {wall_se:.0f} | {step:.3f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", type=Path, default=OUT, help="results JSON (default %(default)s)")
+    ap.add_argument("--one", nargs=3, metavar=("SFT", "MODE", "SEED"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:  # a single run, in this subprocess
+        sft, mode, seed = args.one
+        print(json.dumps(run_grpo(sft, mode, int(seed), args.steps)))
+        return
+    common.setup()
+    sft = str(sft_model())
+    results = []
+    for i, seed in enumerate(args.seeds):
+        order = ("sync", "async") if i % 2 == 0 else ("async", "sync")
+        for mode in order:
+            cmd = [sys.executable, "-m", "bench.async_rollouts", "--steps", str(args.steps),
+                   "--one", sft, mode, str(seed)]  # fmt: skip
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, cwd=str(common.BENCH_DIR.parent)
+            )
+            if out.returncode != 0:
+                raise RuntimeError(out.stderr[-3000:])
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[-1]), flush=True)
+            args.out.write_text(json.dumps({"steps": args.steps, "runs": results}, indent=1) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
