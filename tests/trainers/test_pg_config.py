@@ -40,7 +40,7 @@ def test_all_methods_have_presets():
             ["rollout.group_size=1", "loss.advantage=batch_mean", "loss.advantage_args={}"],
             r"dynamic_sampling",
         ),
-        ("grpo", ["kl.estimator=k4"], r"kl.estimator: unknown name 'k4'.*valid: k1, k2, k3"),
+        ("grpo", ["kl.estimator=k4"], r"kl.estimator: unknown name 'k4'.*valid: abs, abs\+, k1, k1\+, k2, k3"),
         ("grpo", ["kl.placement=reward"], r"kl.placement"),
         ("grpo", ["kl.placement=reward_token"], r"kl.placement 'reward_token' needs a per-token"),
         ("grpo", ["kl.controller=adaptive"], r"kl.controller 'adaptive' needs kl.target"),
