@@ -286,7 +286,8 @@ def sapo(
         raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
     m, a = _check_inputs(logp, logp_old, adv, mask)
     ratio = torch.exp(_log_ratio(logp, logp_old, m))
-    tau = torch.where(a > 0, tau_pos, tau_neg).to(ratio.dtype)
+    pos = torch.full_like(ratio, tau_pos)  # in the loss's dtype (a scalar where() is float32)
+    tau = torch.where(a > 0, pos, torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
     loss = torch.where(m, -gate * a, 0.0)
     zeros = torch.zeros_like(m)
