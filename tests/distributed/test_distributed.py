@@ -415,7 +415,9 @@ def test_batch_statistics_two_ranks_micro_batches_equal_one_batch(case, base_mod
     raw["loss"].update(parts["loss"])
     one = dict(raw, train={**raw["train"], "micro_batch_size": 64})  # one micro-batch
     two = dict(raw, train={**raw["train"], "micro_batch_size": 3})  # 8 rows per rank: 3 + 3 + 2
-    _assert_same_run(_train(tmp_path, case, one, 1, "none"), _train(tmp_path, case, two, 2, strategy))
+    _assert_same_run(
+        _train(tmp_path, case, one, 1, "none"), _train(tmp_path, case, two, 2, strategy)
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2-offload"])

@@ -86,7 +86,9 @@ def test_gpg_alpha_counts_samples_without_gradient():
     r = t([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # one varying group of 2 out of B = 6: M = 4, α = 3
     close(A.gpg(r, group_size=2), [1.5, -1.5, 0.0, 0.0, 0.0, 0.0])
     std = math.sqrt(0.5)  # Bessel std of [1, 0]
-    close(A.gpg(r, group_size=2, std_norm=True), [1.5 / (std + 1e-6), -1.5 / (std + 1e-6), 0, 0, 0, 0])
+    close(
+        A.gpg(r, group_size=2, std_norm=True), [1.5 / (std + 1e-6), -1.5 / (std + 1e-6), 0, 0, 0, 0]
+    )
     close(A.gpg(t([1.0, 1.0]), group_size=2), [0.0, 0.0])  # nothing varies: α = 1, A = 0
 
 
@@ -146,7 +148,10 @@ def test_dual_clip_bounds_negative_advantages():
     close(st["clipped_low"][0], [1.0, 0.0, 1.0, 0.0])
     # A > 0: exactly PPO-clip
     lp = t([[0.3, -0.4, 0.05]])
-    a, b = P.ppo_dual_clip(lp, lp * 0, t([1.5]), torch.ones(1, 3)), P.ppo_clip(lp, lp * 0, t([1.5]), torch.ones(1, 3))
+    a, b = (
+        P.ppo_dual_clip(lp, lp * 0, t([1.5]), torch.ones(1, 3)),
+        P.ppo_clip(lp, lp * 0, t([1.5]), torch.ones(1, 3)),
+    )
     assert torch.equal(a[0], b[0])
     with pytest.raises(ValueError, match="clip_c"):
         P.ppo_dual_clip(lp, lp, t([1.0]), torch.ones(1, 3), clip_c=1.0)
@@ -220,7 +225,11 @@ def test_clip_cov_and_kl_cov_losses_on_selected_tokens():
 
 
 def test_policy_loss_aliases_resolve_to_registered_names():
-    assert P.POLICY_LOSS_ALIASES == {"vanilla": "ppo_dual_clip", "gpg": "reinforce", "geo_mean": "gmpo"}
+    assert P.POLICY_LOSS_ALIASES == {
+        "vanilla": "ppo_dual_clip",
+        "gpg": "reinforce",
+        "geo_mean": "gmpo",
+    }
     assert set(P.POLICY_LOSS_ALIASES.values()) <= set(P.POLICY_LOSSES)
     declared = {n for n, e in P.POLICY_LOSSES.items() if e.select is not None}
     assert declared == {"clip_cov", "kl_cov"}
