@@ -402,6 +402,9 @@ ALGORITHM_CASES = {
     "reinforce_pp_baseline": ("fsdp2", "seq_mean_token_mean", {
         "loss": {"advantage": "reinforce_pp_baseline", "surrogate": "gmpo"},
         "kl": {"coef": 0.05, "estimator": "abs+", "placement": "loss"}}),
+    # ReMax's greedy baseline rollout under FSDP2 (every rank generates for its own prompts)
+    "remax": ("fsdp2", "seq_mean_token_sum", {
+        "loss": {"advantage": "remax", "surrogate": "sapo"}, "kl": {"coef": 0.0}}),
     "batch_mean": ("ddp", "seq_mean_token_sum_norm", {
         "loss": {"advantage": "batch_mean", "surrogate": "ppo_dual_clip", "entropy_coef": 0.01},
         "kl": {"coef": 0.0}}),

@@ -306,7 +306,7 @@ def pass_k(rewards: Tensor, *, group_size: int, std_norm: bool = True, eps: floa
     gap = top2.values[:, 0] - top2.values[:, 1]  # (n,)
     if std_norm:
         gap = gap / (r.std(dim=1) + eps)
-    first_max = torch.argmax((r == top2.values[:, :1]).to(torch.int8), dim=1)  # first maximiser
+    first_max = torch.argmax((r == top2.values[:, :1]).to(r.dtype), dim=1)  # first maximiser
     adv = torch.zeros_like(r)
     adv[torch.arange(r.shape[0]), first_max] = gap
     return adv.reshape(-1)
