@@ -174,8 +174,8 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor
     Shapes: rewards (B, T) per-token or (B,) outcome rewards (placed at the last valid token); mask
     (B, T), right-padded. Returns adv (B, T) float, 0 at padding.
     Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
-    Models", arXiv 2501.03262, §3 (token-level KL penalty in the reward, eq. 1-2; return; global
-    advantage normalisation, eq. 4); as verl's `reinforce_plus_plus` (which also whitens over the
+    Models", arXiv 2501.03262, §3 (the token-level KL penalty in the reward, the return, and
+    the global advantage normalisation equation; numbers not checked against the PDF); as verl's `reinforce_plus_plus` (which also whitens over the
     batch's valid tokens) and OpenRLHF's.
     Raises: ValueError on bad shapes or gamma outside [0, 1].
     """
@@ -202,7 +202,7 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, *, group_size: int) -> 
     the loss (k3, kl.placement "loss"), as the paper recommends for this variant.
     Batch statistics: called on the gathered batch (registry flag `batch_stats`).
     Shapes: rewards (B,) group-contiguous, mask (B, T). Returns adv (B, T), 0 at padding.
-    Source: Hu 2025, arXiv 2501.03262 (v3+), §3 "REINFORCE++-baseline" (eq. 5-6); verl
+    Source: Hu 2025, arXiv 2501.03262 (v3+), §3 "REINFORCE++-baseline" (group-mean subtraction, then global normalisation); verl
     `reinforce_plus_plus_baseline`.
     Raises: ValueError on bad shapes or group_size < 2.
     """
@@ -223,7 +223,7 @@ def remax(rewards: Tensor, *, baseline: Tensor) -> Tensor:
     perf/remax_greedy_tokens.
     Shapes: rewards, baseline (B,) float. Returns adv (B,).
     Source: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
-    Method for Aligning Large Language Models", arXiv 2310.10505, Algorithm 1 (line 5-7) / eq. 6.
+    Method for Aligning Large Language Models", arXiv 2310.10505, Algorithm 1 (the greedy baseline r(x, ŷ)).
     Raises: ValueError if shapes differ or are not 1-D.
     """
     if rewards.ndim != 1 or baseline.shape != rewards.shape:
@@ -243,7 +243,7 @@ def opo(rewards: Tensor, mask: Tensor, *, group_size: int) -> Tensor:
     (Σ|o| = 0) falls back to the plain mean.
     Shapes: rewards (B,) group-contiguous, mask (B, T) (|o_i| = Σ_t mask). Returns adv (B,).
     Source: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585,
-    §3.2 (eq. 5, the length-weighted optimal baseline); verl `opo`.
+    §3 (the length-weighted optimal baseline b* = Σ|o|r / Σ|o|); verl `opo`.
     Raises: ValueError on bad shapes or group_size < 2.
     """
     r = _groups(rewards, group_size)
@@ -267,7 +267,7 @@ def gpg(rewards: Tensor, *, group_size: int, std_norm: bool = False, eps: float 
     calls it on the gathered batch (registry flag `batch_stats`).
     Shapes: rewards (B,) group-contiguous. Returns adv (B,).
     Source: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
-    Reasoning", arXiv 2504.02546, §3.2 (eq. 8-10: α = B/(B − M), F_norm). Departure of verl's
+    Reasoning", arXiv 2504.02546, §3 (the GPG objective with α = B/(B − M) and F_norm). Departure of verl's
     `gpg` (not followed): it counts M as the samples whose *reward* is zero (α = B / #nonzero
     rewards), not those without a gradient.
     Raises: ValueError on bad shapes, group_size < 2 or eps < 0.

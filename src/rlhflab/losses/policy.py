@@ -241,7 +241,7 @@ def ppo_dual_clip(
     c·A (gradient 0 there). "clipped_low" adds those tokens (A < 0 and r > c) to PPO's lower clip.
     Shapes: as `ppo_clip`. Returns loss (B, T) (0 at padding) and stats.
     Source: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
-    Learning", arXiv 1912.09729, §3.3 eq. 5 (c = 3 in their experiments; verl's clip_ratio_c = 3).
+    Learning", arXiv 1912.09729, §3 (the dual-clip objective; c = 3 in their experiments; verl's clip_ratio_c = 3).
     Raises: ValueError on mismatched shapes, bad eps, or clip_c <= 1.
     """
     if not clip_c > 1.0:
@@ -277,8 +277,8 @@ def sapo(
     r = 1 is −2A/τ (a constant offset; only the gradient matters). "clipped_low"/"clipped_high"
     are 0 (nothing is clipped); the ratio is in stats["ratio"].
     Shapes: as `ppo_clip`. Returns loss (B, T) (0 at padding) and stats.
-    Source: Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347,
-    §3 (eq. 5-7: the soft gate and its 4/τ normalisation); defaults τ_pos = 1.0, τ_neg = 1.05
+    Source: Gao et al. (Qwen team) 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347,
+    §3 (the soft gate σ(τ(r − 1))·4/τ, τ by the sign of A); defaults τ_pos = 1.0, τ_neg = 1.05
     as in the paper's experiments.
     Raises: ValueError on mismatched shapes or non-positive temperatures.
     """
@@ -316,8 +316,8 @@ def gmpo(
     A < 0 / A > 0. stats["ratio"] is ρ_i broadcast.
     Shapes: logp, logp_old, mask (B, T); adv (B,) (a (B, T) adv uses its row mean over valid
     tokens, as verl does). Returns loss (B, T) (0 at padding) and stats. An empty row gives 0.
-    Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673, eq. 4 (the
-    objective) and §3.3 (token-level clipping in log space, range (e^−0.4, e^0.4)).
+    Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673, §3 (the
+    geometric-mean objective) and §3.3 (token-level clipping in log space, range (e^−0.4, e^0.4)).
     Raises: ValueError on mismatched shapes or eps < 0.
     """
     if not (eps_low >= 0 and eps_high >= 0):
@@ -361,7 +361,7 @@ def clip_cov_selection(
 
     Over every valid token of `mask` (the trainer passes the whole minibatch, all ranks). The
     log-probs are π_old's (see `clip_cov`). Returns (B, T) bool. Source: Cui et al. 2025,
-    arXiv 2505.22617, §4.2 eq. 11 (defaults r = 2e-4, ω_low = 1, ω_high = 5 as in the paper).
+    arXiv 2505.22617, §4 (Clip-Cov; defaults r = 2e-4, ω_low = 1, ω_high = 5 as in the paper).
     Raises: ValueError if cov_ratio is not in (0, 1] or cov_lb >= cov_ub.
     """
     if not 0 < cov_ratio <= 1:
@@ -384,7 +384,7 @@ def kl_cov_selection(
     """KL-Cov's choice: the top cov_ratio share (at least one) of valid tokens by covariance term.
 
     Ties at the k-th value are broken by position (first in row-major order). Returns (B, T)
-    bool. Source: Cui et al. 2025, arXiv 2505.22617, §4.2 eq. 12 (k = 2e-3 in the paper for
+    bool. Source: Cui et al. 2025, arXiv 2505.22617, §4 (KL-Cov; k = 2e-3 in the paper for
     Qwen2.5-7B). Raises: ValueError if cov_ratio is not in (0, 1].
     """
     if not 0 < cov_ratio <= 1:
@@ -430,7 +430,7 @@ def clip_cov(
     chooses per micro-batch and excludes tokens already clipped by PPO from the draw.
     Shapes: as `ppo_clip`. Returns loss (B, T) and stats.
     Source: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-    Language Models", arXiv 2505.22617, §4.2 eq. 11 (Clip-Cov; r = 2e-4, ω = (1, 5)).
+    Language Models", arXiv 2505.22617, §4 (Clip-Cov; r = 2e-4, ω = (1, 5)).
     Raises: ValueError as `ppo_clip` and `clip_cov_selection`, or a `selected` of another shape.
     """
     m, a = _check_inputs(logp, logp_old, adv, mask)
@@ -472,7 +472,7 @@ def kl_cov(
     Departure: the covariance uses π_old's log-probs (equal to π_θ's on the first optimizer step);
     the paper and verl use the current ones, verl per micro-batch.
     Shapes: as `ppo_clip`. Returns loss (B, T) and stats.
-    Source: Cui et al. 2025, arXiv 2505.22617, §4.2 eq. 12 (KL-Cov; β = 1, k = 2e-3).
+    Source: Cui et al. 2025, arXiv 2505.22617, §4 (KL-Cov; β = 1, k = 2e-3).
     Raises: ValueError on mismatched shapes, kl_coef < 0, or a `selected` of another shape.
     """
     if kl_coef < 0:
