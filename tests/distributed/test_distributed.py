@@ -382,6 +382,47 @@ def test_grpo_every_aggregation_two_ranks(aggregation, base_model, tmp_path):
     _assert_same_run(_train(tmp_path, "g", raw, 1, "none"), _train(tmp_path, "g", raw, 2, "ddp"))
 
 
+# Issue #29's methods with batch statistics, several per run (each run costs two torchrun starts):
+# the advantage (global whitening / counts), the surrogate (covariance token choice over the whole
+# minibatch), the rollout correction (batch-normalised IS, rejection), the entropy bonus and the
+# straight-through KL. The reference is ONE process with ONE micro-batch per optimizer step.
+ALGORITHM_CASES = {
+    "reinforce_pp": ("ddp", "token_mean", {
+        "loss": {"advantage": "reinforce_pp", "surrogate": "clip_cov",
+                 "surrogate_args": {"cov_ratio": 0.3, "cov_lb": -10.0, "cov_ub": 10.0},
+                 "entropy_coef": 0.01,
+                 "rollout_correction": {"is_level": "sequence", "batch_normalize": True,
+                                        "reject": "geometric", "reject_high": 1.5}},
+        "kl": {"coef": 0.05, "estimator": "k1", "placement": "reward_token"}}),
+    "gpg": ("fsdp2", "seq_mean_token_sum", {
+        "loss": {"advantage": "gpg", "surrogate": "kl_cov", "surrogate_args": {"cov_ratio": 0.2},
+                 "rollout_correction": {"is_level": "token", "batch_normalize": True,
+                                        "reject": "token", "reject_high": 1.5}},
+        "kl": {"coef": 0.05, "estimator": "k3+", "placement": "loss"}}),
+    "reinforce_pp_baseline": ("fsdp2", "seq_mean_token_mean", {
+        "loss": {"advantage": "reinforce_pp_baseline", "surrogate": "gmpo"},
+        "kl": {"coef": 0.05, "estimator": "abs+", "placement": "loss"}}),
+    # ReMax's greedy baseline rollout under FSDP2 (every rank generates for its own prompts)
+    "remax": ("fsdp2", "seq_mean_token_sum", {
+        "loss": {"advantage": "remax", "surrogate": "sapo"}, "kl": {"coef": 0.0}}),
+    "batch_mean": ("ddp", "seq_mean_token_sum_norm", {
+        "loss": {"advantage": "batch_mean", "surrogate": "ppo_dual_clip", "entropy_coef": 0.01},
+        "kl": {"coef": 0.0}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(ALGORITHM_CASES))
+def test_batch_statistics_two_ranks_micro_batches_equal_one_batch(case, base_model, tmp_path):
+    strategy, aggregation, parts = ALGORITHM_CASES[case]
+    raw = _grpo(base_model, aggregation, kl=parts["kl"])
+    raw["loss"].update(parts["loss"])
+    one = dict(raw, train={**raw["train"], "micro_batch_size": 64})  # one micro-batch
+    two = dict(raw, train={**raw["train"], "micro_batch_size": 3})  # 8 rows per rank: 3 + 3 + 2
+    _assert_same_run(
+        _train(tmp_path, case, one, 1, "none"), _train(tmp_path, case, two, 2, strategy)
+    )
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2-offload"])
 def test_sigkill_one_rank_then_resume_is_exact(strategy, base_model, tmp_path):
     """Rank 1 is killed mid-step 3: the job exits non-zero (no hang); --resume finishes the run

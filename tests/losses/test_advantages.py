@@ -154,26 +154,50 @@ def test_whiten():
 
 
 def test_registry_every_name_calls():
-    assert set(A.ADVANTAGES) == {"group_zscore", "group_mean", "rloo", "batch_mean", "none", "gae"}
+    assert set(A.ADVANTAGES) == {
+        "group_zscore", "group_mean", "rloo", "batch_mean", "none", "gae", "reinforce_pp",
+        "reinforce_pp_baseline", "remax", "opo", "gpg", "pass_k", "optimal_token_baseline",
+    }  # fmt: skip
     r = t([1.0, 0.0, 0.5, 0.5])
-    for name, fn in A.ADVANTAGES.items():
+    mask = torch.ones(4, 3)
+    for name, entry in A.ADVANTAGES.items():
+        kw = {"group_size": 2} if entry.needs_groups else {}
+        if entry.needs_greedy:
+            kw["baseline"] = t([0.5, 0.5, 0.0, 0.0])
+        if entry.needs_token_probs:
+            kw["logp"], kw["sum_pi_squared"] = torch.full((4, 3), -0.5), torch.full((4, 3), 0.5)
         if name == "gae":
-            adv, _ = fn(
+            adv, _ = entry(
                 r.view(2, 2), torch.zeros(2, 2, dtype=F64), torch.ones(2, 2), gamma=1.0, lam=0.95
             )
-        elif name in {"group_zscore", "group_mean", "rloo"}:
-            adv = fn(r, group_size=2)
+        elif entry.needs_mask:
+            adv = entry(r, mask, **kw)
         else:
-            adv = fn(r)
-        assert adv.numel() == 4 and torch.isfinite(adv).all(), name
+            adv = entry(r, **kw)
+        assert adv.numel() in (4, 12) and torch.isfinite(adv).all(), name
 
 
 def test_registry_declares_capabilities():
     """What the config and the trainer read instead of the signatures."""
     declared = {
         flag: {name for name, entry in A.ADVANTAGES.items() if getattr(entry, flag)}
-        for flag in ("needs_groups", "needs_values", "per_token")
+        for flag in (
+            "needs_groups", "needs_values", "per_token", "needs_mask", "batch_stats",
+            "needs_greedy", "needs_token_probs",
+        )
+    }  # fmt: skip
+    assert declared["needs_groups"] == {
+        "group_zscore", "group_mean", "rloo", "reinforce_pp_baseline", "opo", "gpg", "pass_k",
+        "optimal_token_baseline",
+    }  # fmt: skip
+    assert declared["needs_values"] == {"gae"}
+    assert declared["per_token"] == {"gae", "reinforce_pp", "optimal_token_baseline"}
+    assert declared["batch_stats"] == {"batch_mean", "reinforce_pp", "reinforce_pp_baseline", "gpg"}
+    assert declared["needs_greedy"] == {"remax"}
+    assert declared["needs_token_probs"] == {"optimal_token_baseline"}
+    assert A.ADVANTAGE_ALIASES == {  # verl's adv_estimator names
+        "grpo": "group_zscore",
+        "reinforce_plus_plus": "reinforce_pp",
+        "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
+        "grpo_passk": "pass_k",
     }
-    assert declared["needs_groups"] == {"group_zscore", "group_mean", "rloo"}
-    assert declared["needs_values"] == declared["per_token"] == {"gae"}
-    assert A.ADVANTAGE_ALIASES == {"grpo": "group_zscore"}  # verl's adv_estimator name

@@ -77,8 +77,8 @@ def test_kl_penalty_dispatch_and_errors():
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     for name, fn in kl.KL_ESTIMATORS.items():
         assert torch.equal(kl.kl_penalty(a, b, name), fn(a, b))
-    with pytest.raises(ValueError, match="k1, k2, k3"):
+    with pytest.raises(ValueError, match=r"k1, k2, k3, abs, k1\+, k3\+, abs\+"):
         kl.kl_penalty(a, b, "k4")
     with pytest.raises(ValueError, match="logp_ref"):
         kl.k3(a, b[:, :2])
-    assert set(kl.KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    assert set(kl.KL_ESTIMATORS) == {"k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"}

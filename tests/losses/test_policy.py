@@ -222,7 +222,10 @@ def test_bad_arguments_raise():
 
 
 def test_registry_every_loss_calls_with_same_signature():
-    assert set(policy.POLICY_LOSSES) == {"reinforce", "ppo_clip", "gspo", "cispo"}
+    assert set(policy.POLICY_LOSSES) == {
+        "reinforce", "ppo_clip", "gspo", "cispo", "ppo_dual_clip", "sapo", "gmpo", "clip_cov",
+        "kl_cov",
+    }  # fmt: skip
     g = torch.Generator().manual_seed(2)
     logp = torch.randn(2, 3, generator=g, requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])

@@ -27,6 +27,7 @@ def test_every_pg_preset_loads_and_cites_its_paper(path):
 def test_all_methods_have_presets():
     names = {p.stem for p in PG}
     assert {"reinforce", "rloo", "ppo", "grpo", "dr_grpo", "gspo", "cispo", "dapo"} <= names
+    assert {"reinforce_pp", "remax", "opo", "gpg", "sapo", "gmpo"} <= names  # issue #29
 
 
 @pytest.mark.parametrize(
@@ -40,7 +41,11 @@ def test_all_methods_have_presets():
             ["rollout.group_size=1", "loss.advantage=batch_mean", "loss.advantage_args={}"],
             r"dynamic_sampling",
         ),
-        ("grpo", ["kl.estimator=k4"], r"kl.estimator: unknown name 'k4'.*valid: k1, k2, k3"),
+        (
+            "grpo",
+            ["kl.estimator=k4"],
+            r"kl.estimator: unknown name 'k4'.*valid: abs, abs\+, k1, k1\+, k2, k3",
+        ),
         ("grpo", ["kl.placement=reward"], r"kl.placement"),
         ("grpo", ["kl.placement=reward_token"], r"kl.placement 'reward_token' needs a per-token"),
         ("grpo", ["kl.controller=adaptive"], r"kl.controller 'adaptive' needs kl.target"),
@@ -78,6 +83,31 @@ def test_all_methods_have_presets():
         ),
         ("grpo", ["reward.components=[]"], r"at least one component"),
         ("dapo", ["rollout.dynamic_sampling.max_rounds=0"], r"max_rounds"),
+        # issue #29
+        (
+            "grpo",
+            ["loss.tis.enabled=true", "loss.rollout_correction.is_level=token"],
+            r"loss.tis and loss.rollout_correction.is_level",
+        ),
+        ("grpo", ["loss.rollout_correction.batch_normalize=true"], r"batch_normalize needs"),
+        (
+            "grpo",
+            ["loss.rollout_correction={reject: token, reject_low: 3, reject_high: 2}"],
+            r"reject_low \(3.0\) must be <= reject_high",
+        ),
+        ("grpo", ["loss.rollout_correction.reject=tokens"], r"rollout_correction.reject"),
+        (
+            "grpo",
+            ["loss.surrogate=clip_cov", "loss.surrogate_args={selected: null}"],
+            r"loss.surrogate_args.selected: not an argument of clip_cov",
+        ),
+        (
+            "remax",
+            ["loss.advantage_args={baseline: 0}"],
+            r"loss.advantage_args.baseline: not an argument of remax",
+        ),
+        ("gpg", ["loss.entropy_coef=-1"], r"loss.entropy_coef"),
+        ("sapo", ["loss.surrogate_args={tau_pos: 1.0, tau_ne: 1.0}"], r"did you mean 'tau_neg'"),
     ],
 )
 def test_bad_input_is_a_config_error_naming_the_field(preset, overrides, match):
@@ -107,6 +137,12 @@ def test_good_variants_load():
         ("loss.aggregation=dapo", "aggregation", "token_mean"),
         # verl's algorithm.adv_estimator
         ("loss.advantage=grpo", "advantage", "group_zscore"),
+        ("loss.advantage=reinforce_plus_plus", "advantage", "reinforce_pp"),
+        ("loss.advantage=reinforce_plus_plus_baseline", "advantage", "reinforce_pp_baseline"),
+        ("loss.advantage=grpo_passk", "advantage", "pass_k"),
+        # verl's actor.policy_loss.loss_mode
+        ("loss.surrogate=vanilla", "surrogate", "ppo_dual_clip"),
+        ("loss.surrogate=geo_mean", "surrogate", "gmpo"),
     ],
 )
 def test_other_libraries_names_resolve_to_ours(tmp_path, override, field, ours):
@@ -119,6 +155,8 @@ def test_other_libraries_names_resolve_to_ours(tmp_path, override, field, ours):
 def test_kl_estimator_alias_and_our_names_unchanged():
     assert load("grpo", "kl.estimator=kl").kl.estimator == "k1"  # verl's kl_loss_type
     assert load("grpo", "kl.estimator=mse").kl.estimator == "k2"
+    assert load("grpo", "kl.estimator=kl+").kl.estimator == "k1+"  # verl's straight-through
+    assert load("gpg", "loss.surrogate=gpg").loss.surrogate == "reinforce"  # verl's loss_mode
     cfg = load("dr_grpo")
     assert (cfg.loss.advantage, cfg.loss.aggregation) == ("group_mean", "seq_mean_token_sum_norm")
     with pytest.raises(ConfigError, match=r"loss\.aggregation: unknown name 'bnpo'"):
@@ -148,6 +186,7 @@ def test_advantage_capabilities_are_declared_not_sniffed(monkeypatch):
         ("loss.aggregation=seq-mean-token-sum-norm", r"^loss\.aggregation: verl's .*num_seqs"),
         # verl's low_var_kl is a clamped k3
         ("kl.estimator=low_var_kl", r"^kl\.estimator: verl's 'low_var_kl' is k3 clamped"),
+        ("kl.estimator=low_var_kl+", r"^kl\.estimator: verl's 'low_var_kl\+' is k3 clamped"),
     ],
 )
 def test_names_that_look_like_ours_but_differ_are_refused(override, match):

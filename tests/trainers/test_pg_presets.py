@@ -135,3 +135,31 @@ def test_compare_writes_plot_table_and_results(sft_model, tmp_path):
     table = (out / "comparison.md").read_text()
     assert "| majority baseline |" in table
     assert "| grpo | group_zscore / ppo_clip / seq_mean_token_mean / none |" in table
+
+
+# Issue #29's parts that no preset uses, swapped into the GRPO preset (one process; their
+# batch statistics across ranks are in tests/distributed/test_distributed.py).
+OTHER_PARTS = {
+    "otb": ["loss.advantage=optimal_token_baseline", "loss.advantage_args={}",
+            "loss.surrogate=ppo_dual_clip",
+            "kl.coef=0.05", "kl.estimator=k1+"],
+    "pass_k_kl_cov": ["loss.advantage=grpo_passk", "loss.advantage_args={}", "loss.surrogate=kl_cov",
+                      "loss.surrogate_args={cov_ratio: 0.1}", "loss.entropy_coef=0.01",
+                      "loss.rollout_correction={is_level: sequence, reject: token}"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_PARTS))
+def test_other_parts_run(case, sft_model, tmp_path):
+    path = ROOT / "configs/pg/grpo.yaml"
+    cfg = load_config(path, [*_overrides(path, sft_model, tmp_path), *OTHER_PARTS[case]])
+    rows = [
+        json.loads(line)
+        for line in (Path(run_config(cfg)["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    rows = [r for r in rows if "policy/loss" in r]
+    assert len(rows) == 3 and all(math.isfinite(r["policy/loss"]) for r in rows)
+    if case == "pass_k_kl_cov":
+        assert cfg.loss.advantage == "pass_k"  # verl's name resolved
+        assert all(r["rollout/rc_weight_mean"] > 0 for r in rows)
+        assert all(0 < r["policy/cov_selected_frac"] <= 0.1 + 1e-9 for r in rows)

@@ -132,8 +132,42 @@ class TISConfig(Strict):
     cap: float = Field(2.0, gt=0)  # C; Yao et al. use 2, TRL's default is 3
 
 
+class RolloutCorrectionConfig(Strict):
+    """Rollout correction beside TIS (rlhflab.losses.correction): importance weights
+    π_θold / π_sampler per token or per sequence (truncated at is_cap; optionally normalised to
+    mean 1 over the global batch) and/or rejection of tokens / sequences whose ratio (token,
+    sequence, or geometric mean over the sequence) leaves [reject_low, reject_high]
+    (reject_low None: 1 / reject_high). Multiplies the policy-gradient term, not the KL."""
+
+    is_level: Literal["none", "token", "sequence"] = "none"
+    is_cap: float | None = Field(2.0, gt=0)  # None: untruncated
+    batch_normalize: bool = False
+    reject: Literal["none", "token", "sequence", "geometric"] = "none"
+    reject_low: float | None = Field(None, gt=0)
+    reject_high: float = Field(2.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.is_level != "none" or self.reject != "none"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutCorrectionConfig:
+        if self.batch_normalize and self.is_level == "none":
+            raise ValueError(
+                "loss.rollout_correction.batch_normalize needs is_level token/sequence"
+            )
+        if self.reject_low is not None and self.reject_low > self.reject_high:
+            raise ValueError(
+                f"loss.rollout_correction.reject_low ({self.reject_low}) must be <= reject_high "
+                f"({self.reject_high})"
+            )
+        return self
+
+
 class LossConfig(Strict):
-    """The named parts of the update: advantage, surrogate and aggregation (see losses/)."""
+    """The named parts of the update: advantage, surrogate and aggregation (see losses/).
+    entropy_coef c > 0 subtracts c·H(π_θ(·|o_<t)) from every token's loss (an entropy bonus,
+    reduced by the same aggregation; Williams & Peng 1991)."""
 
     advantage: str = "group_zscore"
     advantage_args: dict[str, Any] = Field(default_factory=dict)
@@ -141,7 +175,16 @@ class LossConfig(Strict):
     surrogate: str = "ppo_clip"
     surrogate_args: dict[str, Any] = Field(default_factory=dict)
     aggregation: str = "seq_mean_token_mean"
+    entropy_coef: float = Field(0.0, ge=0)
     tis: TISConfig = Field(default_factory=TISConfig)  # training–inference mismatch correction
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+
+    @field_validator("surrogate", mode="before")
+    @classmethod
+    def _surrogate_alias(cls, value: Any) -> Any:
+        from rlhflab.losses.policy import POLICY_LOSS_ALIASES  # verl's loss_mode names
+
+        return _our_name(value, POLICY_LOSS_ALIASES)
 
     @field_validator("advantage", mode="before")
     @classmethod
@@ -172,12 +215,20 @@ class LossConfig(Strict):
             "loss.advantage_args",
             advantage.fn,
             self.advantage_args,
-            {"group_size"} if advantage.needs_groups else set(),  # the trainer passes it
+            ({"group_size"} if advantage.needs_groups else set())  # the trainer passes them
+            | ({"baseline"} if advantage.needs_greedy else set())
+            | ({"logp", "sum_pi_squared"} if advantage.needs_token_probs else set()),
             required=True,
         )
         _check_kwargs(
-            "loss.surrogate_args", POLICY_LOSSES[self.surrogate], self.surrogate_args, set()
-        )
+            "loss.surrogate_args", POLICY_LOSSES[self.surrogate].fn, self.surrogate_args,
+            {"selected"},
+        )  # fmt: skip
+        if self.tis.enabled and self.rollout_correction.is_level != "none":
+            raise ValueError(
+                "loss.tis and loss.rollout_correction.is_level both weight the loss by "
+                "π_old/π_sampler; enable one"
+            )
         _check_clip_bounds("loss.surrogate_args", self.surrogate_args)
         return self
 
@@ -385,6 +436,11 @@ class PGConfig(TrainerConfig):
                 )
             if self.env is not None:
                 raise ValueError("rollout.mode 'async' does not support env (multi-turn) yet")
+            if advantage.needs_greedy:
+                raise ValueError(
+                    f"loss.advantage: {self.loss.advantage!r} (a greedy-rollout baseline) is not "
+                    "supported with rollout.mode 'async' yet"
+                )
             if self.loss.tis.enabled and self.rollout.behav_correction == "decoupled":
                 raise ValueError(
                     "loss.tis: rollout.mode 'async' with behav_correction 'decoupled' already "
@@ -396,6 +452,13 @@ class PGConfig(TrainerConfig):
         """What multi-turn episodes do not combine with (yet)."""
         if self.rollout.dynamic_sampling.enabled:
             raise ValueError("env: rollout.dynamic_sampling is not supported with an environment")
+        from rlhflab.losses.advantages import ADVANTAGES
+
+        if ADVANTAGES[self.loss.advantage].needs_greedy:
+            raise ValueError(
+                f"loss.advantage: {self.loss.advantage!r} (a greedy single-turn baseline) is not "
+                "supported with env (multi-turn episodes) yet"
+            )
         if [c.name for c in self.reward.components] != ["correctness"] or any(
             c.weight != 1.0 or c.function for c in self.reward.components
         ):

@@ -29,9 +29,16 @@ __all__ = [
     "Advantage",
     "batch_mean",
     "gae",
+    "gpg",
     "group_mean",
     "group_zscore",
     "no_baseline",
+    "opo",
+    "optimal_token_baseline",
+    "pass_k",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
     "rloo",
     "whiten",
 ]
@@ -139,6 +146,215 @@ def no_baseline(rewards: Tensor) -> Tensor:
     return _as_float(rewards)
 
 
+def _token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Per-token rewards (B, T): (B, T) as given, or a (B,) sequence reward at the last valid token."""
+    if mask.ndim != 2:
+        raise ValueError(f"mask must have shape (B, T), got {tuple(mask.shape)}")
+    m = mask.bool()
+    if rewards.shape == mask.shape:
+        return torch.where(m, _as_float(rewards), 0.0)
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(
+            f"rewards must have shape (B,) or (B, T) = {tuple(mask.shape)}, "
+            f"got {tuple(rewards.shape)}"
+        )
+    last = (m.long().cumsum(-1) == m.long().sum(-1, keepdim=True)) & m
+    return torch.where(last, _as_float(rewards)[:, None], 0.0)
+
+
+def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++: discounted return-to-go per token, whitened over all valid tokens of the batch.
+
+        G_{i,t} = Σ_{s≥t} γ^{s−t} r_{i,s}          (r_{i,s}: per-token reward, e.g. −β·KL_s plus the
+                                                     outcome reward at the last token)
+        A_{i,t} = (G_{i,t} − mean(G)) / sqrt(var(G) + 1e-8)   mean/var over every valid token
+    The normalisation is *global* (the whole batch, every rank): the trainer calls this estimator
+    on the gathered batch (registry flag `batch_stats`), so N ranks × k micro-batches give the
+    one-batch advantages. Population variance (`ops.masked_whiten`).
+    Shapes: rewards (B, T) per-token or (B,) outcome rewards (placed at the last valid token); mask
+    (B, T), right-padded. Returns adv (B, T) float, 0 at padding.
+    Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
+    Models", arXiv 2501.03262, §3 (the token-level KL penalty in the reward, the return, and
+    the global advantage normalisation equation; numbers not checked against the PDF); as verl's `reinforce_plus_plus` (which also whitens over the
+    batch's valid tokens) and OpenRLHF's.
+    Raises: ValueError on bad shapes or gamma outside [0, 1].
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    r = _token_rewards(rewards, mask)
+    m = mask.bool()
+    ret = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        running = torch.where(m[:, t], r[:, t] + gamma * running, 0.0)
+        ret[:, t] = running
+    return masked_whiten(ret, m)
+
+
+def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, *, group_size: int) -> Tensor:
+    """REINFORCE++-baseline: group-mean baseline, then global normalisation over the batch.
+
+        A'_i = r_i − mean_g(r)            (the G samples of the same prompt)
+        A_{i,t} = (A'_i − mean(A')) / sqrt(var(A') + 1e-8)   over every valid token of the batch
+    (A'_i broadcast over its completion's tokens, so long completions weigh more in the batch
+    statistics, as in the paper's token-level normalisation and verl / OpenRLHF.) Groups whose
+    rewards are all equal have A' = 0 exactly before the normalisation. The KL term belongs in
+    the loss (k3, kl.placement "loss"), as the paper recommends for this variant.
+    Batch statistics: called on the gathered batch (registry flag `batch_stats`).
+    Shapes: rewards (B,) group-contiguous, mask (B, T). Returns adv (B, T), 0 at padding.
+    Source: Hu 2025, arXiv 2501.03262 (v3+), §3 "REINFORCE++-baseline" (group-mean subtraction, then global normalisation); verl
+    `reinforce_plus_plus_baseline`.
+    Raises: ValueError on bad shapes or group_size < 2.
+    """
+    a = group_mean(rewards, group_size=group_size)  # (B,), exactly 0 in constant groups
+    if mask.shape[:1] != a.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({a.shape[0]}, T)")
+    m = mask.bool()
+    return masked_whiten(torch.where(m, a[:, None], 0.0), m)
+
+
+def remax(rewards: Tensor, *, baseline: Tensor) -> Tensor:
+    """ReMax: REINFORCE with the reward of the greedy completion of the same prompt as baseline.
+
+        A_i = r(x_i, y_i) − r(x_i, ŷ_i),   ŷ_i = argmax decoding of π_θ for prompt x_i
+    The trainer samples ŷ once per prompt with the rollout engine (greedy, same budget) and
+    scores it with the same reward components (registry flag `needs_greedy`); `baseline` holds
+    its reward repeated for every sample of the prompt. Cost logged as perf/remax_greedy_s and
+    perf/remax_greedy_tokens.
+    Shapes: rewards, baseline (B,) float. Returns adv (B,).
+    Source: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Aligning Large Language Models", arXiv 2310.10505, Algorithm 1 (the greedy baseline r(x, ŷ)).
+    Raises: ValueError if shapes differ or are not 1-D.
+    """
+    if rewards.ndim != 1 or baseline.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and baseline must share one (B,) shape, got {tuple(rewards.shape)}, "
+            f"{tuple(baseline.shape)}"
+        )
+    return _as_float(rewards) - _as_float(baseline).to(_as_float(rewards).dtype)
+
+
+def opo(rewards: Tensor, mask: Tensor, *, group_size: int) -> Tensor:
+    """OPO's optimal baseline: the length-weighted mean reward of the group.
+
+        b_g = Σ_{j∈g} |o_j|·r_j / Σ_{j∈g} |o_j|,     A_i = r_i − b_g
+    the variance-minimising baseline when the squared gradient norm of a completion is taken as
+    proportional to its length. A constant group gets exactly 0; a group of empty completions
+    (Σ|o| = 0) falls back to the plain mean.
+    Shapes: rewards (B,) group-contiguous, mask (B, T) (|o_i| = Σ_t mask). Returns adv (B,).
+    Source: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585,
+    §3 (the length-weighted optimal baseline b* = Σ|o|r / Σ|o|); verl `opo`.
+    Raises: ValueError on bad shapes or group_size < 2.
+    """
+    r = _groups(rewards, group_size)
+    if mask.ndim != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"mask must have shape ({rewards.shape[0]}, T), got {tuple(mask.shape)}")
+    lengths = mask.to(r.dtype).sum(-1).reshape(r.shape)  # (n, G)
+    total = lengths.sum(dim=1, keepdim=True)
+    weighted = (lengths * r).sum(dim=1, keepdim=True) / total.clamp(min=1)
+    b = torch.where(total > 0, weighted, r.mean(dim=1, keepdim=True))
+    return _zero_if_constant(r - b, r).reshape(-1)
+
+
+def gpg(rewards: Tensor, *, group_size: int, std_norm: bool = False, eps: float = 1e-6) -> Tensor:
+    """GPG's advantage: group-mean baseline rescaled by the share of samples that carry a gradient.
+
+        Â_i = α·(r_i − mean_g(r)) / F_norm,    α = B / (B − M)
+    M = number of samples in groups whose rewards are all equal (their advantage is 0: no
+    gradient), B the batch size; α corrects the shrinking of the batch-mean gradient by those
+    samples. F_norm = 1 (default) or, with std_norm, std_g(r) + eps (Bessel). α = 1 when every
+    group is constant (nothing to scale). Batch statistics (M over the whole batch): the trainer
+    calls it on the gathered batch (registry flag `batch_stats`).
+    Shapes: rewards (B,) group-contiguous. Returns adv (B,).
+    Source: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning", arXiv 2504.02546, §3 (the GPG objective with α = B/(B − M) and F_norm). Departure of verl's
+    `gpg` (not followed): it counts M as the samples whose *reward* is zero (α = B / #nonzero
+    rewards), not those without a gradient.
+    Raises: ValueError on bad shapes, group_size < 2 or eps < 0.
+    """
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    r = _groups(rewards, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    constant = (r == r[:, :1]).all(dim=1, keepdim=True)  # (n, 1)
+    n_total = r.numel()
+    n_valid = (~constant).sum() * group_size
+    alpha = n_total / n_valid.clamp(min=1).to(r.dtype)
+    alpha = torch.where(n_valid > 0, alpha, torch.ones_like(alpha))
+    return _zero_if_constant(alpha * adv, r).reshape(-1)
+
+
+def pass_k(rewards: Tensor, *, group_size: int, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
+    """Pass@k advantage: only the best sample of each group learns, with r_max − r_second.
+
+        A_{i*} = (r_max − r_2nd) / F,   i* = argmax_g r (the first maximiser);   A_i = 0 otherwise
+    F = std_g(r) + eps (Bessel) when std_norm (verl's default, norm_adv_by_std_in_grpo), else 1.
+    With binary rewards a group with exactly one correct sample gives it A = 1/F; groups with
+    two or more correct samples, or none, give 0 (r_max = r_2nd).
+    Shapes: rewards (B,) group-contiguous. Returns adv (B,).
+    Source: as verl's `grpo_passk` (compute_grpo_passk_outcome_advantage), which cites arXiv
+    2503.19595 for pass@k-targeted training; the paper optimises pass@k in general, this
+    estimator is verl's specific form and is documented as such.
+    Raises: ValueError on bad shapes, group_size < 2 or eps < 0.
+    """
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    r = _groups(rewards, group_size)
+    top2 = torch.topk(r, 2, dim=1)
+    gap = top2.values[:, 0] - top2.values[:, 1]  # (n,)
+    if std_norm:
+        gap = gap / (r.std(dim=1) + eps)
+    first_max = torch.argmax((r == top2.values[:, :1]).to(r.dtype), dim=1)  # first maximiser
+    adv = torch.zeros_like(r)
+    adv[torch.arange(r.shape[0]), first_max] = gap
+    return adv.reshape(-1)
+
+
+def optimal_token_baseline(
+    rewards: Tensor,
+    mask: Tensor,
+    *,
+    group_size: int,
+    logp: Tensor,
+    sum_pi_squared: Tensor,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Optimal token baseline (OTB): a per-token group baseline weighted by realised energy.
+
+        G_{i,t} = Σ_{s≥t} r_{i,s}                     (return-to-go; outcome reward at the end)
+        W_{i,t} = Σ_{s≤t} (1 − 2·π_{i,s} + Σ_v π_{i,s}(v)²)   π_{i,s} = prob. of the sampled token
+        b_{g,t} = Σ_{j∈g} W_{j,t}·G_{j,t} / (Σ_{j∈g} W_{j,t} + eps)   (over the group's valid tokens)
+        A_{i,t} = (G_{i,t} − b_{g,t})·mask_{i,t}
+    W is the logit-gradient proxy of ‖∇ log π(o_{≤t})‖²: 1 − 2π + Σπ² = ‖e_o − π‖², the squared
+    norm of the gradient of log softmax w.r.t. the logits; summed over the prefix.
+    Shapes: rewards (B,) or (B, T); mask, logp, sum_pi_squared (B, T) (logp and Σπ² of the
+    sampling policy, no gradient). Returns adv (B, T).
+    Source: verl `optimal_token_baseline` (Li et al. 2026, arXiv 2602.07078; docs/algo/otb.md):
+    B*_t = Σ_i G_t W_t / (Σ_i W_t + ε).
+    Raises: ValueError on bad shapes or group_size < 2.
+    """
+    if logp.shape != mask.shape or sum_pi_squared.shape != mask.shape:
+        raise ValueError(
+            f"logp and sum_pi_squared must have mask's shape {tuple(mask.shape)}, got "
+            f"{tuple(logp.shape)}, {tuple(sum_pi_squared.shape)}"
+        )
+    r = _token_rewards(rewards, mask)
+    _groups(r[:, 0], group_size)  # validates B % G
+    m = mask.bool()
+    g = r.flip(-1).cumsum(-1).flip(-1)
+    g = torch.where(m, g, 0.0)
+    pi = torch.exp(logp.detach().to(r.dtype))
+    energy = torch.where(m, 1.0 - 2.0 * pi + sum_pi_squared.detach().to(r.dtype), 0.0)
+    w = energy.cumsum(-1) * m
+    n, t = r.shape[0] // group_size, r.shape[1]
+    num = (w * g).reshape(n, group_size, t).sum(1, keepdim=True)
+    den = w.reshape(n, group_size, t).sum(1, keepdim=True)
+    b = (num / (den + eps)).expand(n, group_size, t).reshape(-1, t)
+    return torch.where(m, g - b, 0.0)
+
+
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
@@ -211,6 +427,15 @@ class Advantage:
     needs_values: takes (rewards (B, T), values (B, T), mask (B, T)) and returns (adv, returns),
         both (B, T); the run needs a critic (a `value:` section). Otherwise it takes rewards (B,).
     per_token: returns a per-token advantage (B, T) (so kl.placement "reward_token" fits).
+    needs_mask: takes the completion mask (B, T) as its second positional argument (lengths,
+        per-token returns); rewards may then be per token (B, T) when per_token is also set.
+    batch_stats: uses statistics of the whole batch (normalisation, counts): the trainer calls
+        it on the global batch (all ranks' rows gathered) and keeps this rank's rows, so the
+        result does not depend on the number of ranks or micro-batches.
+    needs_greedy: takes `baseline` (B,), the reward of a greedy completion of each row's prompt
+        (ReMax); the trainer samples it with the rollout engine.
+    needs_token_probs: takes `logp` and `sum_pi_squared` (B, T) of the sampling policy (OTB);
+        the trainer computes them in its no-grad pass.
     Calling the entry calls `fn`.
     """
 
@@ -218,6 +443,10 @@ class Advantage:
     needs_groups: bool = False
     needs_values: bool = False
     per_token: bool = False
+    needs_mask: bool = False
+    batch_stats: bool = False
+    needs_greedy: bool = False
+    needs_token_probs: bool = False
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -227,13 +456,34 @@ ADVANTAGES: dict[str, Advantage] = {
     "group_zscore": Advantage(group_zscore, needs_groups=True),
     "group_mean": Advantage(group_mean, needs_groups=True),
     "rloo": Advantage(rloo, needs_groups=True),
-    "batch_mean": Advantage(batch_mean),
+    "batch_mean": Advantage(batch_mean, batch_stats=True),
     "none": Advantage(no_baseline),
     "gae": Advantage(gae, needs_values=True, per_token=True),
+    "reinforce_pp": Advantage(reinforce_pp, per_token=True, needs_mask=True, batch_stats=True),
+    "reinforce_pp_baseline": Advantage(
+        reinforce_pp_baseline, needs_groups=True, needs_mask=True, batch_stats=True
+    ),
+    "remax": Advantage(remax, needs_greedy=True),
+    "opo": Advantage(opo, needs_groups=True, needs_mask=True),
+    "gpg": Advantage(gpg, needs_groups=True, batch_stats=True),
+    "pass_k": Advantage(pass_k, needs_groups=True),
+    "optimal_token_baseline": Advantage(
+        optimal_token_baseline,
+        needs_groups=True,
+        needs_mask=True,
+        needs_token_probs=True,
+        per_token=True,
+    ),
 }
 
 # Other libraries' names for the same estimators (config values that resolve to ours): verl's
 # `algorithm.adv_estimator` "grpo" is group_zscore (sample std, eps 1e-6; its
-# norm_adv_by_std_in_grpo=False is group_mean); "rloo" and "gae" are ours already. verl's
-# reinforce_plus_plus(_baseline), remax, opo and grpo_passk have no counterpart here.
-ADVANTAGE_ALIASES: dict[str, str] = {"grpo": "group_zscore"}
+# norm_adv_by_std_in_grpo=False is group_mean); "rloo", "gae", "remax", "opo",
+# "optimal_token_baseline" are ours already; "reinforce_plus_plus(_baseline)" are reinforce_pp
+# (_baseline); "grpo_passk" is pass_k. verl's "gpg" counts M differently (see `gpg`): not an alias.
+ADVANTAGE_ALIASES: dict[str, str] = {
+    "grpo": "group_zscore",
+    "reinforce_plus_plus": "reinforce_pp",
+    "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
+    "grpo_passk": "pass_k",
+}

@@ -18,6 +18,8 @@ Tensors (shapes as in `rlhflab.losses.policy`):
 Pure functions: torch only, no config, no `.item()`.
 """
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -25,8 +27,13 @@ from rlhflab.losses.kl import k3
 
 __all__ = [
     "CORRECTIONS",
+    "IS_LEVELS",
+    "REJECTION_LEVELS",
     "decoupled",
+    "importance_weights",
     "mismatch_stats",
+    "normalize_weights",
+    "rejection_mask",
     "tis",
     "truncated_importance_weights",
 ]
@@ -152,4 +159,123 @@ def decoupled(
     return loss * w.to(loss.dtype), out
 
 
-CORRECTIONS = {"tis": tis, "decoupled": decoupled}
+def importance_weights(
+    logp_old: Tensor, logp_sampler: Tensor, mask: Tensor, *, level: str, cap: float | None = 2.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Rollout importance weights π_θold / π_sampler, per token or per sequence, truncated at cap.
+
+        level "token":     w_{i,t} = min(exp(log π_old − log π_sampler)_{i,t}, C)   (= TIS's weight)
+        level "sequence":  w_i = min(exp(Σ_t (log π_old − log π_sampler)_{i,t}), C), on every token
+    The sequence weight is the unbiased correction of a sequence-level objective (the likelihood
+    ratio of the whole completion); the token weight is its per-token (biased, lower-variance)
+    approximation. cap None: untruncated. Detached.
+    Shapes: (B, T) as in the module docstring. Returns w (B, T) float, 0 at padding, and stats
+    {"capped": (B, T) 1.0 where the cap binds}.
+    Source: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training" (token TIS; the sequence-level variant and rejection in its follow-up "When speed
+    kills stability", Liu et al. 2025); verl `rollout_corr` (rollout_is: token / sequence).
+    Raises: ValueError for an unknown level, cap <= 0, or mismatched shapes.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(
+            f"unknown importance-sampling level {level!r}; valid: {', '.join(IS_LEVELS)}"
+        )
+    if cap is not None and not cap > 0:
+        raise ValueError(f"cap must be > 0 or None, got {cap}")
+    m = _check(logp_old, logp_sampler, mask)
+    log_ratio = torch.where(m, logp_old.detach() - logp_sampler.detach(), 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    w = ratio if cap is None else torch.clamp(ratio, max=cap)
+    capped = m & (ratio > cap) if cap is not None else torch.zeros_like(m)
+    return torch.where(m, w, 0.0), {"capped": capped.to(w.dtype)}
+
+
+def normalize_weights(
+    w: Tensor, mask: Tensor, *, level: str, total: Tensor | None = None, count: Tensor | None = None
+) -> Tensor:
+    """Batch-normalised importance weights: w / mean(w), so the weights average to 1 over the batch.
+
+    The mean is over valid tokens (level "token") or over sequences (level "sequence", one weight
+    per row). `total` and `count` override the local sums (Σw and the number of tokens / rows):
+    the trainer passes their all-reduced values, so the mean is that of the global batch.
+    Self-normalised IS: biased but lower variance, and it keeps the loss's scale.
+    Shapes: w, mask (B, T). Returns (B, T), 0 at padding. A zero mean leaves w unchanged.
+    Source: verl `rollout_corr` (rollout_is_batch_normalize); self-normalised importance
+    sampling (e.g. Owen 2013, "Monte Carlo theory, methods and examples", §9.2).
+    Raises: ValueError for an unknown level or mismatched shapes.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(
+            f"unknown importance-sampling level {level!r}; valid: {', '.join(IS_LEVELS)}"
+        )
+    if w.shape != mask.shape:
+        raise ValueError(f"w has shape {tuple(w.shape)}, expected mask's {tuple(mask.shape)}")
+    m = mask.bool()
+    if total is None or count is None:
+        total, count = _weight_sums(w, m, level)
+    mean = total / torch.clamp(torch.as_tensor(count, dtype=w.dtype), min=1)
+    out = torch.where(mean > 0, w / torch.where(mean > 0, mean, 1.0), w)
+    return torch.where(m, out, 0.0)
+
+
+def _weight_sums(w: Tensor, m: Tensor, level: str) -> tuple[Tensor, Tensor]:
+    """(Σ w, count) over valid tokens (token level) or rows with a valid token (sequence level)."""
+    if level == "sequence":
+        rows = m.any(-1)
+        first = torch.where(m, w, 0.0).amax(-1)  # the row's weight (all its tokens share it)
+        return torch.where(rows, first, 0.0).sum(), rows.sum().to(w.dtype)
+    return torch.where(m, w, 0.0).sum(), m.sum().to(w.dtype)
+
+
+def rejection_mask(
+    logp_old: Tensor,
+    logp_sampler: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    low: float | None = None,
+    high: float = 2.0,
+) -> Tensor:
+    """Which tokens to keep: 1 where the rollout ratio π_old/π_sampler is within [low, high].
+
+        level "token":      ρ_{i,t} = exp(log π_old − log π_sampler)_{i,t}
+        level "sequence":   ρ_i = exp(Σ_t ...)              (the whole row kept or rejected)
+        level "geometric":  ρ_i = exp((1/|o_i|) Σ_t ...)    (length-normalised; the whole row)
+    low None means 1/high (symmetric in log space). Rejected tokens keep their place in the
+    aggregation's denominators (their loss counts as 0), so the step's scale does not change
+    with the rejection rate (masked importance sampling).
+    Shapes: (B, T). Returns (B, T) float 0/1, detached, 0 at padding.
+    Source: Liu, Li, Yao et al. 2025, "When speed kills stability: demystifying RL collapse from
+    the training-inference mismatch" (masked IS, sequence and geometric rejection); verl
+    `rollout_corr` (rollout_rs: token / sequence / geometric).
+    Raises: ValueError for an unknown level, high <= 0 or low outside (0, high].
+    """
+    if level not in REJECTION_LEVELS:
+        raise ValueError(f"unknown rejection level {level!r}; valid: {', '.join(REJECTION_LEVELS)}")
+    if not high > 0:
+        raise ValueError(f"high must be > 0, got {high}")
+    low = 1.0 / high if low is None else low
+    if not 0 < low <= high:
+        raise ValueError(f"low must be in (0, high], got {low}")
+    m = _check(logp_old, logp_sampler, mask)
+    log_ratio = torch.where(m, logp_old.detach() - logp_sampler.detach(), 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    elif level == "geometric":
+        n = m.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / n).expand_as(log_ratio)
+    keep = (log_ratio >= math.log(low)) & (log_ratio <= math.log(high)) & m
+    return keep.to(logp_old.dtype)
+
+
+IS_LEVELS = ("token", "sequence")
+REJECTION_LEVELS = ("token", "sequence", "geometric")
+
+CORRECTIONS = {
+    "tis": tis,
+    "decoupled": decoupled,
+    "importance_weights": importance_weights,
+    "rejection_mask": rejection_mask,
+}

@@ -28,12 +28,14 @@ __all__ = [
     "KL_ESTIMATOR_ALIASES",
     "KL_ESTIMATOR_NEAR_MISSES",
     "KLController",
+    "abs_kl",
     "adaptive_kl_coef",
     "k1",
     "k2",
     "k3",
     "kl_in_reward",
     "kl_penalty",
+    "straight_through",
 ]
 
 
@@ -80,8 +82,43 @@ def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     return torch.expm1(log_r) - log_r
 
 
+def abs_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """|log r| = |logp − logp_ref|: the absolute log-ratio, a non-negative proxy of the KL.
+
+    Not an unbiased estimator of KL(π_θ ‖ π_ref) (E|log r| ≥ |E log r|); kept for parity with
+    verl's "abs" penalty. Its gradient is sign(logp − logp_ref)·∇logp.
+    Shapes: logp, logp_ref (...) float, same shape. Returns (...) same dtype.
+    Source: verl `kl_penalty(..., "abs")` (core_algos.py); Schulman 2020 for the k-estimators.
+    Raises: ValueError if shapes differ.
+    """
+    return _log_r(logp, logp_ref).abs()
+
+
+def straight_through(value_fn):
+    """An estimator whose *value* is `value_fn`'s and whose *gradient* is k2's.
+
+        kl_st = k2 + sg(value − k2)      (value: k1, k3 or abs)
+    As a loss term, k2's gradient (logp − logp_ref)·∇logp is the one whose expectation under
+    π_θ is ∇KL(π_θ ‖ π_ref) (see the module docstring); the value is the chosen estimator's, so
+    the logged KL is unchanged. Returns the elementwise function (logp, logp_ref) -> (...).
+    Source: verl `kl_penalty` with a "+" suffix ("low_var_kl+", "k1+", "abs+").
+    """
+
+    def fn(logp: Tensor, logp_ref: Tensor) -> Tensor:
+        grad_part = k2(logp, logp_ref)
+        return grad_part + (value_fn(logp, logp_ref) - grad_part).detach()
+
+    fn.__name__ = f"{value_fn.__name__}_straight_through"
+    fn.__doc__ = (
+        f"Value of {value_fn.__name__}, gradient of k2 (`straight_through`). Shapes: logp, "
+        "logp_ref (...) same shape; returns (...). Raises ValueError if shapes differ."
+    )
+    return fn
+
+
 def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str) -> Tensor:
-    """Per-token KL(π_θ ‖ π_ref) estimate by name: one of KL_ESTIMATORS ("k1", "k2", "k3").
+    """Per-token KL(π_θ ‖ π_ref) estimate by name: one of KL_ESTIMATORS ("k1", "k2", "k3", "abs",
+    and the straight-through "k1+", "k3+", "abs+": that value with k2's gradient).
 
     Shapes: logp, logp_ref (...) float, same shape. Returns (...) same dtype.
     Raises: ValueError for an unknown estimator name (the message lists the valid ones) or if
@@ -206,13 +243,19 @@ KL_ESTIMATORS = {
     "k1": k1,
     "k2": k2,
     "k3": k3,
+    "abs": abs_kl,
+    "k1+": straight_through(k1),
+    "k3+": straight_through(k3),
+    "abs+": straight_through(abs_kl),
 }
 
 # Other libraries' names for the same estimators (config values that resolve to ours): verl's
-# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2.
-KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2"}
+# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2 ("mse+" is k2 itself), "kl+" is k1+.
+KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "mse+": "k2", "kl+": "k1+"}
 
 # Names that look like ours but compute something else: refused with the difference.
 KL_ESTIMATOR_NEAR_MISSES: dict[str, str] = {
     "low_var_kl": "verl's 'low_var_kl' is k3 clamped to [-10, 10]; ours, 'k3', is not clamped",
+    "low_var_kl+": "verl's 'low_var_kl+' is k3 clamped to [-10, 10] (value); ours, 'k3+', is "
+    "not clamped",
 }

@@ -1,4 +1,5 @@
-"""Policy-gradient surrogates: per-token losses for REINFORCE, PPO-clip, GSPO and CISPO.
+"""Policy-gradient surrogates: per-token losses for REINFORCE, PPO-clip (and dual-clip), GSPO,
+CISPO, SAPO, GMPO, Clip-Cov and KL-Cov.
 
 Every surrogate has the same signature, so a trainer composes it with any advantage and aggregation:
 
@@ -14,16 +15,39 @@ Every surrogate has the same signature, so a trainer composes it with any advant
               the same mask: "ratio" (π_θ/π_old, or the loss's own IS ratio), "clipped_low",
               "clipped_high" (1.0 where that clip bound changes this token's gradient).
 
+`POLICY_LOSSES` maps each name to a `PolicyLoss`: the function and what it declares. Clip-Cov and
+KL-Cov choose tokens by a covariance over the whole minibatch (`select`); the trainer runs that
+choice once per optimizer step on the global minibatch and passes it as `selected`, so the result
+does not depend on ranks or micro-batches. `POLICY_LOSS_ALIASES` maps verl's names to ours.
+
 Padding positions are neutralised before any exp (the log-ratio is set to 0 there), so garbage in
 padded log-probs can produce neither inf/NaN values nor NaN gradients.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from rlhflab.ops import masked_mean
 
-__all__ = ["POLICY_LOSSES", "cispo", "gspo", "ppo_clip", "reinforce"]
+__all__ = [
+    "POLICY_LOSSES",
+    "POLICY_LOSS_ALIASES",
+    "PolicyLoss",
+    "cispo",
+    "clip_cov",
+    "clip_cov_selection",
+    "gmpo",
+    "gspo",
+    "kl_cov",
+    "kl_cov_selection",
+    "ppo_clip",
+    "ppo_dual_clip",
+    "reinforce",
+    "sapo",
+]
 
 
 def _check_inputs(
@@ -199,9 +223,314 @@ def cispo(
     return loss, _stats(ratio, low, ratio > 1.0 + eps_high, m)
 
 
-POLICY_LOSSES = {
-    "reinforce": reinforce,
-    "ppo_clip": ppo_clip,
-    "gspo": gspo,
-    "cispo": cispo,
+def ppo_dual_clip(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    clip_c: float = 3.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dual-clip PPO: PPO-clip with a lower bound c·A on the objective of negative advantages.
+
+        L^CLIP = min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A)
+        loss = −max(L^CLIP, c·A)  where A < 0;   −L^CLIP  where A >= 0
+    For A < 0 and a large ratio r > c, PPO's objective r·A is unbounded below; dual clip caps it at
+    c·A (gradient 0 there). "clipped_low" adds those tokens (A < 0 and r > c) to PPO's lower clip.
+    Shapes: as `ppo_clip`. Returns loss (B, T) (0 at padding) and stats.
+    Source: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+    Learning", arXiv 1912.09729, §3 (the dual-clip objective; c = 3 in their experiments; verl's clip_ratio_c = 3).
+    Raises: ValueError on mismatched shapes, bad eps, or clip_c <= 1.
+    """
+    if not clip_c > 1.0:
+        raise ValueError(f"clip_c must be > 1, got {clip_c}")
+    _check_eps(eps_low, eps_high)
+    m, a = _check_inputs(logp, logp_old, adv, mask)
+    ratio = torch.exp(_log_ratio(logp, logp_old, m))
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    obj = torch.minimum(ratio * a, clipped * a)
+    obj = torch.where(a < 0, torch.maximum(obj, clip_c * a), obj)
+    loss = torch.where(m, -obj, 0.0)
+    r = ratio.detach()
+    low = ((a < 0) & (r < 1.0 - eps_low)) | ((a < 0) & (r > clip_c))
+    return loss, _stats(r, low, (a > 0) & (r > 1.0 + eps_high), m)
+
+
+def sapo(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO: a soft, temperature-controlled sigmoid gate on the ratio instead of a hard clip.
+
+        f_τ(r) = σ(τ·(r − 1))·4/τ,   τ = tau_pos where A > 0, tau_neg where A <= 0
+        loss_{i,t} = −f_τ(r_{i,t})·A_{i,t},   r = π_θ/π_old
+    ∂f/∂log π = 4·σ(1 − σ)·r: the gradient weight is 1 at r = 1 (on-policy, the same as PPO's)
+    and decays smoothly as the ratio moves away (never exactly 0, never a discontinuity);
+    tau_neg > tau_pos makes the gate fall faster for negative advantages. The loss value at
+    r = 1 is −2A/τ (a constant offset; only the gradient matters). "clipped_low"/"clipped_high"
+    are 0 (nothing is clipped); the ratio is in stats["ratio"].
+    Shapes: as `ppo_clip`. Returns loss (B, T) (0 at padding) and stats.
+    Source: Gao et al. (Qwen team) 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347,
+    §3 (the soft gate σ(τ(r − 1))·4/τ, τ by the sign of A); defaults τ_pos = 1.0, τ_neg = 1.05
+    as in the paper's experiments.
+    Raises: ValueError on mismatched shapes or non-positive temperatures.
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    m, a = _check_inputs(logp, logp_old, adv, mask)
+    ratio = torch.exp(_log_ratio(logp, logp_old, m))
+    pos = torch.full_like(ratio, tau_pos)  # in the loss's dtype (a scalar where() is float32)
+    tau = torch.where(a > 0, pos, torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    loss = torch.where(m, -gate * a, 0.0)
+    zeros = torch.zeros_like(m)
+    return loss, _stats(ratio.detach(), zeros, zeros, m)
+
+
+def gmpo(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.4,
+    eps_high: float = 0.4,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO: the geometric mean of token ratios per sequence, clipped per token in log space.
+
+        ℓ_{i,t} = log r_{i,t} clipped to [−eps_low, eps_high] on the side that would increase the
+                  objective: sgn(A)·min(sgn(A)·ℓ, sgn(A)·clip(ℓ, −eps_low, eps_high))
+        ρ_i = exp( (1/|o_i|) Σ_t ℓ_{i,t} )        (geometric mean of the clipped ratios)
+        loss_{i,t} = −A_i·ρ_i       (the same value on every valid token of row i)
+    With aggregation "seq_mean_token_mean" the step loss is −(1/G)Σ_i A_i·ρ_i, the paper's
+    objective; with other aggregations each row's value is weighted by its token count.
+    The eps are in log space: the ratio range is (e^−0.4, e^0.4) by default (the paper's
+    "clipping wider" range). "clipped_low"/"clipped_high": tokens whose log-ratio is clipped with
+    A < 0 / A > 0. stats["ratio"] is ρ_i broadcast.
+    Shapes: logp, logp_old, mask (B, T); adv (B,) (a (B, T) adv uses its row mean over valid
+    tokens, as verl does). Returns loss (B, T) (0 at padding) and stats. An empty row gives 0.
+    Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673, §3 (the
+    geometric-mean objective) and §3.3 (token-level clipping in log space, range (e^−0.4, e^0.4)).
+    Raises: ValueError on mismatched shapes or eps < 0.
+    """
+    if not (eps_low >= 0 and eps_high >= 0):
+        raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low}, {eps_high}")
+    m, a = _check_inputs(logp, logp_old, adv, mask)
+    a_seq = masked_mean(a.expand_as(logp), m, dim=-1)[:, None]  # (B, 1)
+    lr = _log_ratio(logp, logp_old, m)
+    sgn = torch.sign(a_seq)
+    lr_clip = torch.clamp(lr, -eps_low, eps_high)
+    lr_min = sgn * torch.minimum(sgn * lr, sgn * lr_clip)
+    rho = torch.exp(masked_mean(lr_min, m, dim=-1))[:, None]  # (B, 1)
+    loss = torch.where(m, -(a_seq * rho).expand_as(logp), 0.0)
+    clipped = (lr.detach() != lr_clip.detach()) & m
+    return loss, _stats(
+        rho.detach().expand_as(logp), clipped & (a_seq < 0), clipped & (a_seq > 0), m
+    )
+
+
+def _cov(logp_old: Tensor, adv: Tensor, m: Tensor) -> Tensor:
+    """Per-token centred product (A − mean A)·(log π_old − mean log π_old), means over valid tokens."""
+    a = adv.expand_as(logp_old).to(logp_old.dtype)
+    lp = logp_old.detach()
+    return torch.where(
+        m, (a - masked_mean(a, m)) * (lp - masked_mean(torch.where(m, lp, 0.0), m)), 0.0
+    )
+
+
+def clip_cov_selection(
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    cov_ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+    **_: object,
+) -> Tensor:
+    """Clip-Cov's choice: a random cov_ratio share of the valid tokens whose covariance term
+    (A − Ā)(log π − mean log π) lies in (cov_lb, cov_ub) — at least one token when any qualify.
+
+    Over every valid token of `mask` (the trainer passes the whole minibatch, all ranks). The
+    log-probs are π_old's (see `clip_cov`). Returns (B, T) bool. Source: Cui et al. 2025,
+    arXiv 2505.22617, §4 (Clip-Cov; defaults r = 2e-4, ω_low = 1, ω_high = 5 as in the paper).
+    Raises: ValueError if cov_ratio is not in (0, 1] or cov_lb >= cov_ub.
+    """
+    if not 0 < cov_ratio <= 1:
+        raise ValueError(f"cov_ratio must be in (0, 1], got {cov_ratio}")
+    if not cov_lb < cov_ub:
+        raise ValueError(f"cov_lb must be < cov_ub, got {cov_lb}, {cov_ub}")
+    m = mask.bool()
+    cov = _cov(logp_old, adv if adv.ndim == 2 else adv[:, None], m)
+    cand = torch.nonzero(((cov > cov_lb) & (cov < cov_ub) & m).reshape(-1)).reshape(-1)
+    k = min(max(int(cov_ratio * int(m.sum())), 1), cand.numel())
+    chosen = cand[torch.randperm(cand.numel(), generator=generator)[:k].to(cand.device)]
+    out = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
+    out[chosen] = True
+    return out.reshape(m.shape)
+
+
+def kl_cov_selection(
+    logp_old: Tensor, adv: Tensor, mask: Tensor, *, cov_ratio: float = 2e-3, **_: object
+) -> Tensor:
+    """KL-Cov's choice: the top cov_ratio share (at least one) of valid tokens by covariance term.
+
+    Ties at the k-th value are broken by position (first in row-major order). Returns (B, T)
+    bool. Source: Cui et al. 2025, arXiv 2505.22617, §4 (KL-Cov; k = 2e-3 in the paper for
+    Qwen2.5-7B). Raises: ValueError if cov_ratio is not in (0, 1].
+    """
+    if not 0 < cov_ratio <= 1:
+        raise ValueError(f"cov_ratio must be in (0, 1], got {cov_ratio}")
+    m = mask.bool()
+    cov = _cov(logp_old, adv if adv.ndim == 2 else adv[:, None], m).reshape(-1)
+    valid = torch.nonzero(m.reshape(-1)).reshape(-1)
+    out = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
+    if valid.numel():
+        k = max(int(cov_ratio * valid.numel()), 1)
+        vals = cov[valid]
+        # stable descending order: ties keep row-major order on every device
+        order = torch.sort(vals, descending=True, stable=True).indices
+        out[valid[order[:k]]] = True
+    return out.reshape(m.shape)
+
+
+def clip_cov(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    cov_ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    selected: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov: PPO-clip whose gradient is cut on a few tokens of high covariance.
+
+        Cov_{i,t} = (A_{i,t} − Ā)·(log π(o_{i,t}) − mean log π)    over the minibatch's tokens
+        I = a random share cov_ratio of the tokens with cov_lb < Cov < cov_ub
+        loss = ppo_clip loss, detached (no gradient) on the tokens of I
+    Tokens whose log-prob and advantage move together drive the entropy collapse (the paper's
+    Theorem); removing their gradient keeps entropy up. `selected` (B, T) bool is I as chosen by
+    `clip_cov_selection` over the whole minibatch (the trainer passes it); None chooses it here
+    from this call's tokens (with torch's global RNG).
+    "clipped_high"/"clipped_low" are PPO's plus the tokens of I (by the sign of A).
+    Departures: the covariance uses π_old's log-probs (the rollout policy), which equal π_θ's on
+    the first optimizer step of a batch; the paper (and verl) use the current ones, and verl
+    chooses per micro-batch and excludes tokens already clipped by PPO from the draw.
+    Shapes: as `ppo_clip`. Returns loss (B, T) and stats.
+    Source: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models", arXiv 2505.22617, §4 (Clip-Cov; r = 2e-4, ω = (1, 5)).
+    Raises: ValueError as `ppo_clip` and `clip_cov_selection`, or a `selected` of another shape.
+    """
+    m, a = _check_inputs(logp, logp_old, adv, mask)
+    if selected is None:
+        selected = clip_cov_selection(
+            logp_old, a, m, cov_ratio=cov_ratio, cov_lb=cov_lb, cov_ub=cov_ub
+        )
+    if selected.shape != logp.shape:
+        raise ValueError(
+            f"selected has shape {tuple(selected.shape)}, expected {tuple(logp.shape)}"
+        )
+    sel = selected.bool() & m
+    loss, stats = ppo_clip(logp, logp_old, adv, mask, eps_low=eps_low, eps_high=eps_high)
+    loss = torch.where(sel, loss.detach(), loss)
+    dt = stats["ratio"].dtype
+    stats["clipped_low"] = torch.maximum(stats["clipped_low"], (sel & (a < 0)).to(dt))
+    stats["clipped_high"] = torch.maximum(stats["clipped_high"], (sel & (a >= 0)).to(dt))
+    stats["cov_selected"] = sel.to(dt)
+    return loss, stats
+
+
+def kl_cov(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    kl_coef: float = 1.0,
+    cov_ratio: float = 2e-3,
+    selected: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov: the unclipped ratio surrogate plus a KL penalty on the tokens of highest covariance.
+
+        loss_{i,t} = −r·A + kl_coef·|log r|  on the top cov_ratio share of tokens by Cov;
+        loss_{i,t} = −r·A                    elsewhere          (r = π_θ/π_old)
+    `selected` is that top share chosen over the whole minibatch by `kl_cov_selection` (the
+    trainer passes it); None chooses it from this call's tokens. "clipped_*" are 0;
+    stats["cov_selected"] marks the penalised tokens.
+    Departure: the covariance uses π_old's log-probs (equal to π_θ's on the first optimizer step);
+    the paper and verl use the current ones, verl per micro-batch.
+    Shapes: as `ppo_clip`. Returns loss (B, T) and stats.
+    Source: Cui et al. 2025, arXiv 2505.22617, §4 (KL-Cov; β = 1, k = 2e-3).
+    Raises: ValueError on mismatched shapes, kl_coef < 0, or a `selected` of another shape.
+    """
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    m, a = _check_inputs(logp, logp_old, adv, mask)
+    if selected is None:
+        selected = kl_cov_selection(logp_old, a, m, cov_ratio=cov_ratio)
+    if selected.shape != logp.shape:
+        raise ValueError(
+            f"selected has shape {tuple(selected.shape)}, expected {tuple(logp.shape)}"
+        )
+    sel = selected.bool() & m
+    lr = _log_ratio(logp, logp_old, m)
+    ratio = torch.exp(lr)
+    loss = -ratio * a + torch.where(sel, kl_coef * lr.abs(), 0.0)
+    loss = torch.where(m, loss, 0.0)
+    zeros = torch.zeros_like(m)
+    stats = _stats(ratio.detach(), zeros, zeros, m)
+    stats["cov_selected"] = sel.to(stats["ratio"].dtype)
+    return loss, stats
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registry entry: a surrogate and what it declares.
+
+    select: None, or a function (logp_old, adv, mask, *, generator, **surrogate_args) -> (B, T)
+        bool that chooses tokens from statistics of the whole minibatch; the trainer calls it
+        once per optimizer step on the global minibatch (all ranks' rows) and passes the rows'
+        part as `selected`; it needs π_old's log-probs of every row before the update.
+    Calling the entry calls `fn`.
+    """
+
+    fn: Callable
+    select: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "reinforce": PolicyLoss(reinforce),
+    "ppo_clip": PolicyLoss(ppo_clip),
+    "ppo_dual_clip": PolicyLoss(ppo_dual_clip),
+    "gspo": PolicyLoss(gspo),
+    "cispo": PolicyLoss(cispo),
+    "sapo": PolicyLoss(sapo),
+    "gmpo": PolicyLoss(gmpo),
+    "clip_cov": PolicyLoss(clip_cov, select=clip_cov_selection),
+    "kl_cov": PolicyLoss(kl_cov, select=kl_cov_selection),
+}
+
+# verl's `actor.policy_loss.loss_mode` names for the same surrogates: "vanilla" is PPO-clip with
+# dual clip (clip_ratio_c = 3; verl also clamps log r to ±20, which changes nothing below
+# r = e^20); "gpg" is −A·log π, our reinforce; "geo_mean" is GMPO. "clip_cov", "kl_cov", "gspo",
+# "sapo" are ours already (verl's clip_cov/kl_cov choose per micro-batch; see their docstrings).
+POLICY_LOSS_ALIASES: dict[str, str] = {
+    "vanilla": "ppo_dual_clip",
+    "gpg": "reinforce",
+    "geo_mean": "gmpo",
 }

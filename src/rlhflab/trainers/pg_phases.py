@@ -13,6 +13,7 @@ family's own: only `trainers/policy_gradient.py` imports it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,17 @@ import torch
 from rlhflab import distributed, faults
 from rlhflab.losses.advantages import ADVANTAGES, whiten
 from rlhflab.losses.aggregate import aggregate
-from rlhflab.losses.correction import decoupled, mismatch_stats, tis
+from rlhflab.losses.correction import (
+    decoupled,
+    importance_weights,
+    mismatch_stats,
+    normalize_weights,
+    rejection_mask,
+    tis,
+)
 from rlhflab.losses.kl import kl_in_reward, kl_penalty
 from rlhflab.losses.value import clipped_value_loss, explained_variance
+from rlhflab.ops import entropy_from_logits, position_ids_from_mask, selective_log_softmax, upcast
 from rlhflab.rollout.dynamic import ScoredBatch
 from rlhflab.rollout.sampler import completion_logps
 from rlhflab.trainers.common import grad_norm_and_clip
@@ -60,6 +69,9 @@ class StepData:
     adv: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     kl_reward_tok: torch.Tensor | None = None
+    baseline: torch.Tensor | None = None  # (B_local,) greedy rewards (ReMax)
+    sum_pi_squared: torch.Tensor | None = None  # (B_local, T) Σ_v π(v)² (OTB)
+    rc_weight: torch.Tensor | None = None  # (B_local, T) rollout-correction weight × keep mask
 
 
 @dataclass
@@ -96,6 +108,9 @@ def no_grad_passes(data: StepData, learners: Learners, reference, cfg, autocast_
     if reference is not None:
         with reference.scoring() as ref_model:
             data.logp_ref = no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
+    if ADVANTAGES[cfg.loss.advantage].needs_token_probs:
+        with distributed.gathered(model):
+            data.sum_pi_squared = no_grad_sum_pi_squared(model, rollout, cfg, autocast_dtype)
     with distributed.gathered(value_model):
         data.values_old = (
             no_grad_values(value_model, rollout, cfg, autocast_dtype)
@@ -129,12 +144,75 @@ def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> N
             shaped = kl_in_reward(shaped, torch.zeros_like(mask), mask, coef=0.0, per_token=True)
         adv, returns = advantage.fn(shaped, data.values_old, mask, **advantage_kwargs)
     else:
-        adv = advantage.fn(shaped, **advantage_kwargs)
+        kwargs = dict(advantage_kwargs)
+        if advantage.needs_greedy:
+            kwargs["baseline"] = data.baseline
+        if advantage.needs_token_probs:
+            kwargs["logp"], kwargs["sum_pi_squared"] = data.local.rollout.logp, data.sum_pi_squared
+        if advantage.batch_stats:  # statistics of the global batch: computed on it, then sliced
+            args = (distributed.gather_cat(shaped),)
+            if advantage.needs_mask:
+                args += (distributed.gather_cat(mask),)
+            kwargs = {k: distributed.gather_cat(v) if torch.is_tensor(v) else v
+                      for k, v in kwargs.items()}  # fmt: skip
+            adv = advantage.fn(*args, **kwargs)[data.r0 : data.r1]
+        else:
+            args = (shaped, mask) if advantage.needs_mask else (shaped,)
+            adv = advantage.fn(*args, **kwargs)
     if cfg.loss.whiten_advantages:  # statistics of the global batch
         adv_all = distributed.gather_cat(adv)
         mask_all = distributed.gather_cat(mask) if adv.ndim == 2 else None
         adv = whiten(adv_all, mask_all)[data.r0 : data.r1]
     data.adv, data.returns, data.kl_reward_tok = adv, returns, kl_reward_tok
+
+
+def rollout_correction(data: StepData, cfg) -> None:
+    """Phase 4b (loss.rollout_correction enabled): the per-token weight of the policy-gradient
+    term, importance weight (token or sequence level, truncated, optionally normalised to mean 1
+    over the global batch) times the rejection keep-mask, from π_old (the no-grad pass) and the
+    sampler's log-probs of this rank's rows; sets data.rc_weight (B_local, T)."""
+    rc = cfg.loss.rollout_correction
+    rollout = data.local.rollout
+    mask = rollout.mask
+    w = torch.ones_like(data.logp_old)
+    if rc.is_level != "none":
+        w, _ = importance_weights(
+            data.logp_old, rollout.logp, mask, level=rc.is_level, cap=rc.is_cap
+        )
+        if rc.batch_normalize:  # global mean: Σw and the count reduced over ranks
+            m = mask.bool()
+            if rc.is_level == "sequence":
+                rows = m.any(-1)
+                total = torch.where(rows, w.amax(-1), 0.0).sum()
+                count = rows.sum()
+            else:
+                total, count = torch.where(m, w, 0.0).sum(), m.sum()
+            sums = distributed.all_reduce_sum(
+                torch.stack([total.to(torch.float64), count.to(torch.float64)])
+            )
+            w = normalize_weights(w, mask, level=rc.is_level, total=sums[0].to(w.dtype),
+                                  count=sums[1].to(w.dtype))  # fmt: skip
+    if rc.reject != "none":
+        keep = rejection_mask(data.logp_old, rollout.logp, mask, level=rc.reject,
+                              low=rc.reject_low, high=rc.reject_high)  # fmt: skip
+        w = w * keep
+    data.rc_weight = torch.where(mask.bool(), w, 0.0).detach()
+
+
+def greedy_baseline(data: StepData, generate_and_score, group_size: int) -> dict:
+    """Phase 2b (ReMax, an advantage with `needs_greedy`): one greedy completion per prompt of
+    this rank's groups, through the rollout engine, scored by the same reward components
+    (`generate_and_score(prompt_token_lists, problems) -> (rewards (n,), completion tokens)`); sets
+    data.baseline (B_local,), each group's greedy reward on its rows. Returns the cost:
+    {"perf/remax_greedy_s", "perf/remax_greedy_tokens"} (tokens summed over ranks)."""
+    t0 = time.perf_counter()
+    ro = data.local.rollout
+    firsts = range(0, ro.prompt_ids.size(0), group_size)
+    prompts = [ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist() for i in firsts]
+    rewards, n_tokens = generate_and_score(prompts, [data.local.problems[i] for i in firsts])
+    data.baseline = rewards.to(data.local.rewards.device).repeat_interleave(group_size)
+    tokens = distributed.sum_dict({"t": float(n_tokens)})["t"]
+    return {"perf/remax_greedy_s": time.perf_counter() - t0, "perf/remax_greedy_tokens": tokens}
 
 
 def update(data: StepData, learners: Learners, guard, cfg, *, step: int, kl_coef: float,
@@ -150,21 +228,37 @@ def update(data: StepData, learners: Learners, guard, cfg, *, step: int, kl_coef
     device = data.local.rollout.mask.device
     stats = UpdateStats()
     first_step = True
+    select = getattr(surrogate_fn, "select", None)  # token choice over the whole minibatch
+    if select is not None:  # every rank holds the global π_old log-probs and advantages
+        logp_old_all = distributed.gather_cat(data.logp_old)
+        adv_all = distributed.gather_cat(data.adv)
+        mask_all = distributed.gather_cat(data.local.rollout.mask)
+    k = 0
     for _epoch in range(cfg.train.update_epochs):
         perm = torch.randperm(batch_size, generator=shuffle_rng).to(device)
         for m in range(cfg.train.minibatches):
             mb_rows = perm[m * minibatch_size : (m + 1) * minibatch_size]  # global rows
+            selected = None
+            if select is not None:  # the same on every rank: same inputs, same seed
+                gen = torch.Generator().manual_seed(hash((cfg.seed, step, k)) % 2**62)
+                chosen = select(logp_old_all[mb_rows], adv_all[mb_rows], mask_all[mb_rows],
+                                generator=gen, **cfg.loss.surrogate_args)  # fmt: skip
+                selected = torch.zeros_like(mask_all, dtype=torch.bool)
+                selected[mb_rows] = chosen
+                selected = selected[data.r0 : data.r1]  # this rank's rows
             _optimizer_step(
                 data, learners, guard, cfg, stats, mb_rows,
                 step=step, kl_coef=kl_coef, surrogate_fn=surrogate_fn, first_step=first_step,
-                autocast_dtype=autocast_dtype,
+                autocast_dtype=autocast_dtype, selected=selected,
             )  # fmt: skip
             first_step = False
+            k += 1
     return stats
 
 
 def _optimizer_step(data: StepData, learners: Learners, guard, cfg, stats: UpdateStats, mb_rows,
-                    *, step, kl_coef, surrogate_fn, first_step, autocast_dtype) -> None:  # fmt: skip
+                    *, step, kl_coef, surrogate_fn, first_step, autocast_dtype,
+                    selected=None) -> None:  # fmt: skip
     """One optimizer step of the policy (and the critic) on the minibatch `mb_rows` (global
     rows), accumulated over this rank's micro-batches."""
     model, value_model = learners.model, learners.value_model
@@ -187,17 +281,29 @@ def _optimizer_step(data: StepData, learners: Learners, guard, cfg, stats: Updat
     ):
         rows = torch.tensor(row_list, dtype=torch.long, device=device)
         micro = rollout.select(rows)
-        logp, entropy = completion_logps(
-            model,
-            micro,
-            temperature=cfg.rollout.temperature,
-            with_entropy=first_step,
-            autocast_dtype=autocast_dtype,
-        )
+        if cfg.loss.entropy_coef > 0:  # the bonus needs the entropy's gradient
+            logp, entropy_g = logps_with_entropy(model, micro, cfg.rollout.temperature,
+                                                 autocast_dtype)  # fmt: skip
+            entropy = entropy_g.detach()
+        else:
+            logp, entropy = completion_logps(
+                model,
+                micro,
+                temperature=cfg.rollout.temperature,
+                with_entropy=first_step,
+                autocast_dtype=autocast_dtype,
+            )
         old = logp.detach() if first_step else data.logp_old[rows]
+        sel_kw = {} if selected is None else {"selected": selected[rows]}
         loss_tok, tok_stats = surrogate_fn(
-            logp, old, data.adv[rows], micro.mask, **cfg.loss.surrogate_args
+            logp, old, data.adv[rows], micro.mask, **cfg.loss.surrogate_args, **sel_kw
         )
+        if data.rc_weight is not None:  # rollout correction (IS weight × rejection mask)
+            w = data.rc_weight[rows]
+            loss_tok = loss_tok * w.to(loss_tok.dtype)
+            tok_stats = {**tok_stats, "rc_weight": w}
+        if cfg.loss.entropy_coef > 0:  # entropy bonus: −c·H per token, same aggregation
+            loss_tok = loss_tok - cfg.loss.entropy_coef * entropy_g * micro.mask
         if cfg.loss.tis.enabled:  # training–inference mismatch correction
             old_trainer = logp.detach() if first_step else data.logp_old[rows]
             loss_tok, tis_stats = tis(
@@ -320,6 +426,43 @@ def no_grad_logps(model, rollout, cfg, autocast_dtype) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _logits(model, rollout, temperature, autocast_dtype) -> torch.Tensor:
+    """(B, T, V) float logits / τ of the completion positions (the unfused path)."""
+    width = rollout.completion_ids.size(1)
+    attn = rollout.attention_mask
+    with torch.autocast(rollout.input_ids.device.type, dtype=autocast_dtype,
+                        enabled=autocast_dtype is not None):  # fmt: skip
+        out = model(input_ids=rollout.input_ids, attention_mask=attn,
+                    position_ids=position_ids_from_mask(attn), use_cache=False,
+                    logits_to_keep=width + 1)  # fmt: skip
+    logits = upcast(out.logits)[:, :-1]  # position P−1+t predicts o_t
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def logps_with_entropy(model, rollout, temperature, autocast_dtype):
+    """(B, T) log-probs of the completion tokens and (B, T) entropy of π_θ(·|o_<t), both with
+    gradients (for the entropy bonus), 0 at padding. One unfused forward: the (B, T, V) logits
+    are held, unlike `completion_logps`' fused head."""
+    logits = _logits(model, rollout, temperature, autocast_dtype)
+    b, t, v = logits.shape
+    logp = selective_log_softmax(logits.reshape(b * t, v), rollout.completion_ids.reshape(-1))
+    ent = entropy_from_logits(logits.reshape(b * t, v))
+    return logp.reshape(b, t) * rollout.mask, ent.reshape(b, t) * rollout.mask
+
+
+@torch.no_grad()
+def no_grad_sum_pi_squared(model, rollout, cfg, autocast_dtype) -> torch.Tensor:
+    """(B, T) Σ_v π(v | o_<t)² of the tempered policy at each completion position (OTB's
+    realised energy), in micro-batches, 0 at padding."""
+    out = []
+    for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
+        micro = rollout.select(slice(s, s + cfg.train.micro_batch_size))
+        logits = _logits(model, micro, cfg.rollout.temperature, autocast_dtype)
+        lse = torch.logsumexp(logits, -1)
+        out.append(torch.exp(torch.logsumexp(2 * logits, -1) - 2 * lse) * micro.mask)
+    return torch.cat(out)
+
+
 @torch.no_grad()
 def no_grad_values(value_model, rollout, cfg, autocast_dtype) -> torch.Tensor:
     """(B, T) critic values of the rollout, computed in micro-batches."""
@@ -366,6 +509,11 @@ def _accumulate(sums: dict, micro, stats: dict, entropy, logp) -> None:
         add("rollout/behav_capped_frac", (stats["behav_capped"] * mask).sum())
         hi = stats["behav_ratio"].max() if mask.numel() else torch.zeros(())
         sums["rollout/behav_ratio_max"] = torch.maximum(sums.get("rollout/behav_ratio_max", hi), hi)
+    if "rc_weight" in stats:  # rollout correction: mean weight, share of rejected tokens
+        add("rollout/rc_weight_mean", (stats["rc_weight"] * mask).sum())
+        add("rollout/rc_zero_frac", ((stats["rc_weight"] == 0) * mask).sum())
+    if "cov_selected" in stats:  # Clip-Cov / KL-Cov: share of chosen tokens
+        add("policy/cov_selected_frac", (stats["cov_selected"] * mask).sum())
     if "kl" in stats:
         add("policy/kl", (stats["kl"] * mask).sum())
 

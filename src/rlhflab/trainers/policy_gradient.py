@@ -206,7 +206,12 @@ class PolicyGradient(Trainer):
             model, optimizer, scheduler, value_model, value_optimizer, value_scheduler
         )
         kl_in_reward = self.reference is not None and cfg.kl.placement != "loss"
-        self.need_logp_old = optimizer_steps_per_batch > 1 or kl_in_reward
+        self.need_logp_old = (
+            optimizer_steps_per_batch > 1
+            or kl_in_reward
+            or self.surrogate_fn.select is not None  # Clip-Cov / KL-Cov choose tokens by π_old
+            or cfg.loss.rollout_correction.enabled  # weights from π_old / π_sampler
+        )
         self.sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
         self.shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
         self.prompt_stream = ShuffledStream(
@@ -335,10 +340,17 @@ class PolicyGradient(Trainer):
             verifier_errors = self.verifier.n_errors
         data = pg_phases.local_share(batch, self.batch_size, self.group_size)  # this rank's
         t_rollout = time.perf_counter() - t0
+        greedy_stats = {}
+        if ADVANTAGES[cfg.loss.advantage].needs_greedy:  # ReMax: the greedy baseline's reward
+            greedy_stats = pg_phases.greedy_baseline(
+                data, partial(self.greedy_rewards, step=step), self.group_size
+            )
         pg_phases.no_grad_passes(data, learners, self.reference, cfg, self.autocast_dtype,
                                  self.need_logp_old)  # fmt: skip
         kl_ref = self.kl_to_reference(data)  # before the update: the rollout's own policy
         pg_phases.advantages(data, cfg, self.kl.coef, self.advantage_kwargs)
+        if cfg.loss.rollout_correction.enabled:
+            pg_phases.rollout_correction(data, cfg)
         stats = pg_phases.update(
             data, learners, self.guard, cfg, step=step, kl_coef=self.kl.coef,
             surrogate_fn=self.surrogate_fn, shuffle_rng=self.shuffle_rng,
@@ -352,6 +364,7 @@ class PolicyGradient(Trainer):
         )  # fmt: skip
         if kl_ref is not None:
             metrics["policy/kl_ref"] = kl_ref
+        metrics.update(greedy_stats)
         self.kl.update(kl_seq, n_steps=self.batch_size)  # the adaptive controller moves β
         self.last_batch = batch  # for `write_samples`
         health_inputs = {  # the global batch: every rank sees the same
@@ -399,6 +412,42 @@ class PolicyGradient(Trainer):
             group_size=self.group_size,
             pad_token_id=self.tokenizer.pad_token_id,
         )
+
+    def greedy_rewards(self, prompts: list[list[int]], problems: list, step: int
+                       ) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """ReMax's baseline: one greedy completion of each of this rank's prompts (token lists;
+        `problems` their task problems), through the rollout engine with the rollout's budget,
+        scored by the reward components. Returns (rewards (n,), completion tokens generated)."""
+        cfg, model, engine = self.cfg, self.model, self.engine
+        n = len(prompts)
+        g0 = distributed.shard_bounds(cfg.rollout.prompts_per_step)[0]
+        greedy = SamplingParams(n=1, max_new_tokens=cfg.rollout.max_new_tokens, greedy=True)
+        model.eval()
+        engine.wake()
+        with distributed.gathered(model):
+            rollout = engine.generate(
+                prompts, greedy, generator=torch.Generator(device=self.device).manual_seed(0),
+                rows=list(range(g0, g0 + n)), n_rows=cfg.rollout.prompts_per_step,
+                width=max(len(p) for p in prompts),
+            )  # fmt: skip
+        engine.sleep()
+        model.train()
+        texts = decode_completions(self.tokenizer, rollout, engine.stop_token_ids)
+        rewards, _ = score_components(
+            cfg.reward.components,
+            {
+                "texts": texts,
+                "problems": problems,
+                "verifier": self.verifier,
+                "lengths": rollout.lengths.cpu(),
+                "truncated": rollout.truncated.cpu(),
+                "max_new_tokens": cfg.rollout.max_new_tokens,
+                "rollout": rollout,
+                "parallel": cfg.parallel,
+            },
+            where=f"step {step} (greedy baseline)",
+        )
+        return rewards, int(rollout.mask.sum().item())
 
     def _generate_behind(self, step: int, model, engine) -> tuple[ScoredBatch, dict, list[int]]:
         """Phases 1-2 of `step` in the background thread (rollout.mode "async"), with the
