@@ -616,31 +616,14 @@ def completion_logps(
     return logp, entropy
 
 
-def _fused_in_forward(model, head, rollout: Rollout, temperature, with_entropy, autocast):
-    """`completion_logps` of an FSDP2-sharded model: its own forward, with the LM head's forward
-    replaced for the call by the fused, row-chunked log-softmax of the chosen tokens.
-
-    The model's forward computes `logits = lm_head(hidden)` for the kept positions and returns
-    them untouched (the architectures of `can_pack`); here lm_head returns the (B, T+1) log-probs
-    instead. FSDP2's hooks are those of an ordinary forward: the root's pre-forward hook has
-    unsharded `head.weight` (read inside the call, as nn.Linear.forward reads it), the backward
-    of the fused op accumulates the head's gradient into that unsharded parameter, which FSDP2
-    reduce-scatters after the backward as it does for the plain head, and the pre-backward hook
-    sits on the returned log-probs. Returns what `completion_logps` returns."""
-    width = rollout.completion_ids.size(1)
-    index = torch.nn.functional.pad(rollout.completion_ids, (0, 1))  # (B, T+1); last is a dummy
-    entropy: list[Tensor | None] = []
-
-    def fused_head(hidden: Tensor) -> Tensor:  # (B, T+1, H) -> (B, T+1) log-probs
-        lp, ent = linear_selective_log_softmax(
-            hidden, head.weight, index, bias=head.bias, temperature=temperature,
-            with_entropy=with_entropy,
-        )  # fmt: skip
-        entropy.append(ent)
-        return lp
-
-    attn = rollout.attention_mask
-    head.forward = fused_head
+def forward_through_head(model, head: torch.nn.Module, head_fn, rollout: Rollout, autocast):
+    """`model`'s own forward on the rollout's [prompt; completion] (T+1 kept positions: the last
+    prompt token and every completion token) with `head.forward` replaced for the call by
+    `head_fn` (hidden (B, T+1, H) → any tensor), so FSDP2's hooks gather the head and see the
+    result as the forward's output, as in an ordinary forward. Returns what `head_fn` returned
+    (the model output's `logits`). `autocast` is a context manager (a no-op one for none)."""
+    attn, width = rollout.attention_mask, rollout.completion_ids.size(1)
+    head.forward = head_fn
     try:
         with autocast:
             out = model(
@@ -652,12 +635,38 @@ def _fused_in_forward(model, head, rollout: Rollout, temperature, with_entropy, 
             )
     finally:
         del head.forward
-    if len(entropy) != 1 or out.logits.shape != index.shape:
+    return out.logits
+
+
+def _fused_in_forward(model, head, rollout: Rollout, temperature, with_entropy, autocast):
+    """`completion_logps` of an FSDP2-sharded model: its own forward, with the LM head's forward
+    replaced for the call by the fused, row-chunked log-softmax of the chosen tokens.
+
+    The model's forward computes `logits = lm_head(hidden)` for the kept positions and returns
+    them untouched (the architectures of `can_pack`); here lm_head returns the (B, T+1) log-probs
+    instead. FSDP2's hooks are those of an ordinary forward: the root's pre-forward hook has
+    unsharded `head.weight` (read inside the call, as nn.Linear.forward reads it), the backward
+    of the fused op accumulates the head's gradient into that unsharded parameter, which FSDP2
+    reduce-scatters after the backward as it does for the plain head, and the pre-backward hook
+    sits on the returned log-probs. Returns what `completion_logps` returns."""
+    index = torch.nn.functional.pad(rollout.completion_ids, (0, 1))  # (B, T+1); last is a dummy
+    entropy: list[Tensor | None] = []
+
+    def fused_head(hidden: Tensor) -> Tensor:  # (B, T+1, H) -> (B, T+1) log-probs
+        lp, ent = linear_selective_log_softmax(
+            hidden, head.weight, index, bias=head.bias, temperature=temperature,
+            with_entropy=with_entropy,
+        )  # fmt: skip
+        entropy.append(ent)
+        return lp
+
+    out = forward_through_head(model, head, fused_head, rollout, autocast)  # (B, T+1)
+    if len(entropy) != 1 or out.shape != index.shape:
         raise RuntimeError(
             f"completion_logps: {type(model).__name__}'s forward did not call its LM head once "
             "on the kept positions; it cannot be scored with the fused head"
         )
-    logp = out.logits[:, :-1] * rollout.mask
+    logp = out[:, :-1] * rollout.mask
     ent = entropy[0]
     return logp, (ent[:, :-1].detach() * rollout.mask if ent is not None else None)
 

@@ -44,7 +44,6 @@ from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.distill import DIVERGENCES, chunked_divergence
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import apply_lora
-from rlhflab.ops import position_ids_from_mask
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch
 from rlhflab.rollout.engines import SamplingParams, make_engine
@@ -53,6 +52,7 @@ from rlhflab.rollout.sampler import (
     completion_logps,
     decode_completions,
     draw_seed,
+    forward_through_head,
     left_pad,
 )
 from rlhflab.trainers.common import (
@@ -105,29 +105,15 @@ def check_same_tokenizer(student_tok, teacher_tok, student: str, teacher: str) -
 def _forward_head(model, rollout: Rollout, autocast, head_fn):
     """`model`'s own forward on [prompt; completion] with its LM head's forward replaced for the
     call by `head_fn` (hidden (B, T+1, H) of the kept positions → a tensor), so FSDP2's hooks
-    gather the head and see the result as the forward's output, as in an ordinary forward (as
-    `rollout.sampler._fused_in_forward` does). Returns what `head_fn` returned, as the model's
-    `logits`."""
+    gather the head (`rollout.sampler.forward_through_head`). Returns what `head_fn` returned.
+    Raises ConfigError for a model without a linear LM head."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ConfigError(
             f"loss.divergence: {type(model).__name__} has no linear LM head; full-distribution "
             "divergences need one (use loss.divergence reverse_kl_sampled)"
         )
-    attn, width = rollout.attention_mask, rollout.completion_ids.size(1)
-    head.forward = head_fn
-    try:
-        with autocast:
-            out = model(
-                input_ids=rollout.input_ids,
-                attention_mask=attn,
-                position_ids=position_ids_from_mask(attn),
-                use_cache=False,
-                logits_to_keep=width + 1,
-            )
-    finally:
-        del head.forward
-    return out.logits
+    return forward_through_head(model, head, head_fn, rollout, autocast)
 
 
 class Distill(Trainer):
