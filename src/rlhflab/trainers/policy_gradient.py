@@ -432,8 +432,17 @@ class PolicyGradient(Trainer):
             )  # fmt: skip
         engine.sleep()
         model.train()
+        _, rewards, _ = self.score(
+            rollout, problems, engine, where=f"step {step} (greedy baseline)"
+        )
+        return rewards, int(rollout.mask.sum().item())
+
+    def score(self, rollout, problems: list, engine, *, where: str):
+        """Decode `rollout` (stopping at `engine`'s stop ids) and score it by the reward
+        components. Returns (texts, rewards (B,), {component: (B,)})."""
+        cfg = self.cfg
         texts = decode_completions(self.tokenizer, rollout, engine.stop_token_ids)
-        rewards, _ = score_components(
+        rewards, components = score_components(
             cfg.reward.components,
             {
                 "texts": texts,
@@ -445,9 +454,9 @@ class PolicyGradient(Trainer):
                 "rollout": rollout,
                 "parallel": cfg.parallel,
             },
-            where=f"step {step} (greedy baseline)",
+            where=where,
         )
-        return rewards, int(rollout.mask.sum().item())
+        return texts, rewards, components
 
     def _generate_behind(self, step: int, model, engine) -> tuple[ScoredBatch, dict, list[int]]:
         """Phases 1-2 of `step` in the background thread (rollout.mode "async"), with the
@@ -491,21 +500,7 @@ class PolicyGradient(Trainer):
             )
         engine.sleep()
         model.train()
-        texts = decode_completions(tokenizer, rollout, engine.stop_token_ids)
-        rewards, components = score_components(
-            cfg.reward.components,
-            {
-                "texts": texts,
-                "problems": problems,
-                "verifier": self.verifier,
-                "lengths": rollout.lengths.cpu(),
-                "truncated": rollout.truncated.cpu(),
-                "max_new_tokens": cfg.rollout.max_new_tokens,
-                "rollout": rollout,
-                "parallel": cfg.parallel,
-            },
-            where=f"step {step}",
-        )
+        texts, rewards, components = self.score(rollout, problems, engine, where=f"step {step}")
         components = {k: v.to(device) for k, v in components.items()}
         local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
         return ScoredBatch.gather(local, tokenizer.pad_token_id, device)
