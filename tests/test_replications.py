@@ -80,7 +80,8 @@ def test_every_replication_config_validates(path):
     spec = read_yaml(path)
     check_experiment(importlib.import_module(module).Spec, spec["experiment"], str(path))
     for section in [k for k in spec if k != "experiment"]:
-        over = {} if section == "sft" else {"model": {"name_or_path": "x"}}
+        built = "build" in (spec[section].get("model") or {})  # a model from scratch (sft, base)
+        over = {} if built else {"model": {"name_or_path": "x"}}
         if isinstance(spec[section].get("data"), dict) and "path" in spec[section]["data"]:
             over["data"] = {"path": "x"}
         stage(spec, section, str(path), **over)
@@ -109,3 +110,32 @@ def test_mc_step_labels_drop_solutions_without_steps_and_label_by_any_right_roll
                          max_new_tokens=4, seed=0)  # fmt: skip
     assert got[0][0] is None
     assert got[0][1] == [["2+3 = 5", "5+1 = 6"], [1, 1], "<answer>6</answer>", 1]
+
+
+def test_r1_zero_base_documents_and_trend_curves():
+    # The base model's documents: plain steps + "The answer is n." (no tags), or R1's tagged form
+    # that think_format rewards 1.0 (and the plain one 0.0).
+    from rlhflab.replications.r1_zero import base_document, curves_from_metrics
+    from rlhflab.rewards.functions import think_format
+
+    plain = base_document(["2+3 = 5", "5-1 = 4"], "4", tagged=False)
+    tagged = base_document(["2+3 = 5", "5-1 = 4"], "4", tagged=True)
+    assert plain == "2+3 = 5\n5-1 = 4\nThe answer is 4."
+    assert tagged == "<think> 2+3 = 5\n5-1 = 4 </think> <answer> 4 </answer>"
+    assert think_format([None, None], [plain, tagged]) == [0.0, 1.0]
+    # The curves: the headline when logged (else eval/reward/math_verify), rows without a key skipped.
+    rows = [
+        {"step": 0, "eval/headline": 0.1, "eval/reward/math_verify": 0.1,
+         "eval/reward/think_format": 0.2},
+        {"step": 1, "rollout/response_len_mean": 30.5, "rollout/reward/think_format_mean": 0.25,
+         "rollout/reward/math_verify_mean": 0.05},
+        {"step": 2, "rollout/response_len_mean": 28.0, "eval/reward/math_verify": 0.3},
+    ]  # fmt: skip
+    got = curves_from_metrics(rows)
+    assert got["correctness"] == [(0, 0.1)]
+    assert got["format"] == [(0, 0.2)]
+    assert got["response_len"] == [(1, 30.5), (2, 28.0)]
+    assert got["train_format"] == [(1, 0.25)] and got["train_correctness"] == [(1, 0.05)]
+    no_headline = curves_from_metrics([{k: v for k, v in r.items() if k != "eval/headline"}
+                                       for r in rows])  # fmt: skip
+    assert no_headline["correctness"] == [(0, 0.1), (2, 0.3)]

@@ -51,13 +51,18 @@ def test_bad_grid_is_one_line_naming_the_item(argv, expected, tmp_path, capsys):
     assert not root.exists()
 
 
-def _fake_run(runs: Path, name: str, acc: float, before: float, kls: list[float], wall: float):
+def _fake_run(runs: Path, name: str, acc: float, before: float, kls: list[float], wall: float,
+              headline: dict | None = None, kl_refs: list[float] | None = None):  # fmt: skip
     d = runs / f"{name}-20260101-000000"
     d.mkdir(parents=True)
     res = {"status": "complete", "steps": len(kls), "heldout_accuracy": acc,
            "heldout_accuracy_before": before, "heldout_metric": "accuracy", "wall_s": wall}  # fmt: skip
+    if headline is not None:
+        res["headline"] = headline
     (d / "final_results.json").write_text(json.dumps(res))
     rows = [{"step": i + 1, "time_s": float(i), "policy/kl": k} for i, k in enumerate(kls)]
+    for row, k in zip(rows, kl_refs or [], strict=False):
+        row["policy/kl_ref"] = k
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -90,6 +95,33 @@ def test_table_is_mean_and_standard_error_over_seeds(tmp_path):
     assert "| kl.coef=0 | 0.450 (1) |" in readme and "| 1/3 |" in readme
     assert "Conclusion:" in readme and "Question:" in readme
     assert (out / "metric_vs_grid.png").stat().st_size > 0 and (out / "curves.png").is_file()
+
+
+def test_table_uses_the_named_headline_and_kl_ref(tmp_path):
+    # Runs with final_results.json's named headline (correctness 0.2, 0.4; before 0.1) beside a
+    # heldout_accuracy that is something else (a weighted reward sum, 0.9): the table is the
+    # headline, named in the header; the KL column is policy/kl_ref (logged with β = 0 too),
+    # not policy/kl. By hand: mean 0.3, s.e. sqrt(((0.1² + 0.1²) / 1) / 2) = 0.1.
+    slug = "named"
+    out = tmp_path / f"2026-01-01-{slug}"
+    points = grid_points({"kl.coef": ["0"]})
+    name = "correctness (task verifier)"
+    for s, v in enumerate([0.2, 0.4]):
+        _fake_run(out / "runs", cell_name(0, points[0], s), 0.9, 0.8, [5.0, 5.0], 1.0,
+                  headline={"name": name, "value": v, "before": 0.1},
+                  kl_refs=[0.01, 0.03])  # fmt: skip
+    run_sweep(GRPO, grid_items=["kl.coef=0"], seeds=2, root=str(tmp_path), slug=slug,
+              report_only=True, print_fn=lambda _: None)  # fmt: skip
+    res = json.loads((out / "results.json").read_text())
+    assert res["metric"] == "headline" and res["metric_name"] == name
+    pt = res["points"][0]
+    assert pt["metric"]["mean"] == pytest.approx(0.3, abs=1e-12)
+    assert pt["metric"]["se"] == pytest.approx(0.1, abs=1e-12)
+    assert pt["metric_before"]["mean"] == pytest.approx(0.1, abs=1e-12)
+    assert pt["kl_last10"]["mean"] == pytest.approx(0.02, abs=1e-12)  # mean of 0.01, 0.03
+    readme = (out / "README.md").read_text()
+    assert f"| grid point | {name} (final) | {name}, before | policy/kl_ref (per token)" in readme
+    assert "| kl.coef=0 | 0.300 ± 0.100 (2) | 0.100 ± 0.000 (2) | 0.0200 ± 0.0000 (2) |" in readme
 
 
 def _tiny_config(tmp_path: Path) -> str:

@@ -13,9 +13,11 @@ harness (`rlhflab.trainers.run_config`). Writes `<root>/YYYY-MM-DD-<slug>/`:
                    the folder's `.gitignore` keeps them out)
     README.md      the question (a placeholder line), the command and the exact overrides, one row
                    per grid point with mean ± standard error over seeds of the headline held-out
-                   metric (a key of final_results.json, named), its value before training, the KL to
-                   the reference when logged, the rollout reward and the wall-clock; plots; a
-                   "Conclusion:" line left for the user
+                   metric (default: final_results.json's named `headline`, e.g. "correctness (task
+                   verifier)"; runs from before it existed: `heldout_accuracy`; or any key of
+                   final_results.json), its value before training, the KL to the reference
+                   (`policy/kl_ref` when the run logged it, else `policy/kl`), the rollout reward
+                   and the wall-clock; plots; a "Conclusion:" line left for the user
     results.json   the same numbers, per run and per grid point
     metric_vs_grid.png   the headline metric against the (first) grid value, error bars ± s.e.
     curves.png     held-out metric, rollout reward and KL against step, mean ± s.e. over seeds
@@ -54,6 +56,11 @@ _FIXED = ("config", "overrides", "grid", "seeds", "metric")
 #: Logged metrics summarised per run: the mean over its last `_TAIL` logged values.
 _TAIL = 10
 _KL = "policy/kl"
+#: The KL to the reference (or the initial policy) measured every step when logged (β > 0, or β = 0
+#: with LoRA or `kl.track_initial`); preferred to `_KL` in the table and curves.
+_KL_REF = "policy/kl_ref"
+#: `--metric` default: final_results.json's named held-out headline.
+HEADLINE = "headline"
 _REWARD = "rollout/reward_mean"
 
 
@@ -237,7 +244,7 @@ def run_sweep(
     overrides: list[str] | None = None,
     root: str = "experiments",
     slug: str | None = None,
-    metric: str = "heldout_accuracy",
+    metric: str = HEADLINE,
     only: str | None = None,
     report_only: bool = False,
     print_fn=print,
@@ -346,16 +353,47 @@ def _curve(rows_per_seed: list[list[dict]], key: str) -> list[tuple[int, float, 
     return out
 
 
+def run_metric(result: dict, metric: str) -> tuple[str | None, float | None, float | None]:
+    """(name, value, value before training) of one run's `metric` in its final_results.json.
+
+    `metric == "headline"`: the run's named held-out headline (`{"name", "value", "before"}`,
+    e.g. name "correctness (task verifier)"); a run from before the headline existed falls back
+    to `heldout_accuracy` / `heldout_accuracy_before` (named after its `heldout_metric`). Any
+    other key: its value, `<key>_before`, and the run's `heldout_metric` as the name."""
+    if metric == HEADLINE:
+        h = result.get(HEADLINE)
+        if isinstance(h, dict):
+            return h.get("name"), h.get("value"), h.get("before")
+        return (
+            "heldout_accuracy",
+            result.get("heldout_accuracy"),
+            result.get("heldout_accuracy_before"),
+        )
+    return result.get("heldout_metric"), result.get(metric), result.get(f"{metric}_before")
+
+
+def run_kl_key(rows: list[dict]) -> str:
+    """`policy/kl_ref` when the run logged it (the KL to the reference or initial policy, β ≥ 0),
+    else `policy/kl` (logged only with a KL term, β > 0)."""
+    return _KL_REF if _series(rows, _KL_REF) else _KL
+
+
+def _eval_key(rows_per_seed: list[list[dict]], metric: str) -> str:
+    """The logged held-out curve: `eval/headline` when the headline is tabulated and logged."""
+    if metric == HEADLINE and all(_series(r, "eval/headline") for r in rows_per_seed):
+        return "eval/headline"
+    return "eval/accuracy"
+
+
 def gather(out: Path, manifest: dict, cells: list) -> dict:
     """Per run and per grid point: the headline metric (final and before training), KL and
     rollout reward over the last logged steps, wall-clock; curves over steps (mean ± s.e.)."""
     metric = manifest["metric"]
-    before_key = f"{metric}_before"
     points: list[dict] = []
     by_point: dict[int, list] = {}
     for i, p, s, name in cells:
         by_point.setdefault(i, [p, []])[1].append((s, name))
-    metric_name = None
+    metric_name, kl_keys = None, set()
     for p, members in by_point.values():
         per_run, rows_all = [], []
         for s, name in members:
@@ -365,13 +403,17 @@ def gather(out: Path, manifest: dict, cells: list) -> dict:
             res = json.loads((d / "final_results.json").read_text())
             rows = read_metrics(d / "metrics.jsonl")
             rows_all.append(rows)
-            metric_name = metric_name or res.get("heldout_metric")
+            name_, value, before = run_metric(res, metric)
+            metric_name = metric_name or name_
+            kl_key = run_kl_key(rows)
+            kl_keys.add(kl_key)
             per_run.append({
                 "seed": s,
                 "run_dir": str(d.relative_to(out)),
-                "metric": res.get(metric),
-                "metric_before": res.get(before_key),
-                "kl_last10": _tail_mean(rows, _KL),
+                "metric": value,
+                "metric_before": before,
+                "kl_key": kl_key,
+                "kl_last10": _tail_mean(rows, kl_key),
                 "reward_last10": _tail_mean(rows, _REWARD),
                 "wall_s": res.get("wall_s"),
                 "steps": res.get("steps"),
@@ -388,9 +430,9 @@ def gather(out: Path, manifest: dict, cells: list) -> dict:
             "reward_last10": _stat([r["reward_last10"] for r in per_run]),
             "wall_s": _stat([r["wall_s"] for r in per_run]),
             "curves": {
-                "eval": _curve(rows_all, "eval/accuracy"),
+                "eval": _curve(rows_all, _eval_key(rows_all, metric)),
                 "reward": _curve(rows_all, _REWARD),
-                "kl": _curve(rows_all, _KL),
+                "kl": _curve(rows_all, _KL_REF if _KL_REF in kl_keys else _KL),
             },
         })  # fmt: skip
     return {
@@ -400,6 +442,7 @@ def gather(out: Path, manifest: dict, cells: list) -> dict:
         "seeds": manifest["seeds"],
         "metric": metric,
         "metric_name": metric_name,
+        "kl_key": _KL_REF if _KL_REF in kl_keys else _KL,
         "points": points,
     }
 
@@ -417,8 +460,11 @@ def fmt_stat(stat: dict, digits: int = 3) -> str:
 def sweep_table(results: dict) -> str:
     """The markdown table: one row per grid point, mean ± s.e. over seeds."""
     m = results["metric"]
+    if m == HEADLINE and results.get("metric_name"):
+        m = f"{results['metric_name']}"
+    kl = results.get("kl_key", _KL)
     head = (
-        f"| grid point | {m} (final) | {m}_before | {_KL} (per token), last {_TAIL} steps "
+        f"| grid point | {m} (final) | {m}, before | {kl} (per token), last {_TAIL} steps "
         f"| rollout reward, last {_TAIL} steps | wall-clock s / run | seeds |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
@@ -439,15 +485,24 @@ def render_readme(results: dict, out: Path) -> str:
         f"--root {out.parent} --slug {out.name[11:]} {' '.join(results['overrides'])}"
     ).strip()
     name = results.get("metric_name")
-    metric_doc = f"`{results['metric']}` of each run's final_results.json" + (
-        f" (held-out {name}: greedy, on the task's held-out problems)" if name else ""
-    )
+    if results["metric"] == HEADLINE:
+        metric_doc = (
+            "each run's held-out headline (`headline` of final_results.json"
+            + (f": {name}" if name else "")
+            + "; `heldout_accuracy` for runs from before it existed), greedy, on the task's "
+            "held-out problems"
+        )
+    else:
+        metric_doc = f"`{results['metric']}` of each run's final_results.json" + (
+            f" (held-out {name}: greedy, on the task's held-out problems)" if name else ""
+        )
     n_runs = sum(pt["seeds_done"] for pt in results["points"])
     total = len(results["points"]) * results["seeds"]
     kl_note = (
-        "KL is `policy/kl` of metrics.jsonl: the k3 estimate of KL(π‖π_ref) per completion token, "
-        "mean of each run's last 10 logged values (logged when the run has a KL term; – when "
-        "it did not log it)."
+        f"KL is `{results.get('kl_key', _KL)}` of metrics.jsonl: the k3 estimate of KL(π‖π_ref) "
+        "per completion token, mean of each run's last 10 logged values (`policy/kl_ref` when the "
+        "run logged it — with β > 0, or β = 0 for LoRA or `kl.track_initial` — else `policy/kl`, "
+        "logged only with a KL term; – when it logged neither)."
     )
     return "\n".join([
         f"# Sweep {out.name}",
@@ -516,7 +571,8 @@ def plot_sweep(results: dict, out: Path) -> None:
     if not numeric:
         ax.set_xticks(range(len(xvals)), xvals)
     ax.set_xlabel(xkey)
-    ax.set_ylabel(f"{results['metric']} (mean ± s.e. over seeds)")
+    head_name = results.get("metric_name") if results["metric"] == HEADLINE else None
+    ax.set_ylabel(f"{head_name or results['metric']} (mean ± s.e. over seeds)")
     ax.grid(alpha=0.3)
     if len(lines) > 1:
         ax.legend(fontsize=7)
@@ -524,7 +580,12 @@ def plot_sweep(results: dict, out: Path) -> None:
     fig.savefig(out / "metric_vs_grid.png")
     plt.close(fig)
 
-    panels = [("eval", "eval/accuracy (held-out)"), ("reward", _REWARD), ("kl", _KL)]
+    head = results.get("metric_name") if results["metric"] == HEADLINE else None
+    panels = [
+        ("eval", f"held-out {head}" if head else "eval/accuracy (held-out)"),
+        ("reward", _REWARD),
+        ("kl", results.get("kl_key", _KL)),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4), dpi=100)
     cmap = plt.get_cmap("tab10" if len(results["points"]) <= 10 else "tab20")
     for i, pt in enumerate(results["points"]):

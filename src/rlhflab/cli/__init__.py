@@ -289,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=_positive_int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--root", default="experiments", help="where the campaign goes (experiments/)")
     p.add_argument("--slug", default=None, help="campaign name (default: config stem + grid keys)")
-    p.add_argument("--metric", default="heldout_accuracy",
-                   help="headline: a key of final_results.json (default heldout_accuracy)")  # fmt: skip
+    p.add_argument("--metric", default="headline",
+                   help="the tabulated metric: a key of final_results.json (default headline: "
+                        "the run's named held-out headline; heldout_accuracy for older runs)")  # fmt: skip
     p.add_argument("--only", default=None, metavar="I/N",
                    help="run only the cells j with j mod N = I (one job of many); no report")  # fmt: skip
     p.add_argument("--report", action="store_true", help="train nothing; gather finished runs")

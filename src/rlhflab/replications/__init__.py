@@ -11,6 +11,8 @@ stage, each a complete training config (`rlhflab train`'s format) that the repli
                    proxy RM trained on gold labels; gold and proxy against √KL
     prm-orm-gsm8k  PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on Monte-Carlo
                    step labels from the policy's own rollouts (Math-Shepherd, Wang et al. 2024)
+    r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness +
+                   format rewards; held-out correctness, response length, format reward over steps
     dpo-overopt    DPO over-optimisation (Rafailov et al. 2024): a β × length grid (`rlhflab
                    sweep`), gold against KL(π‖π_ref) per β
 """
@@ -33,6 +35,7 @@ REPLICATIONS = {
         "configs/replications/prm_orm_gsm8k.yaml",
     ),
     "dpo-overopt": ("rlhflab.replications.dpo_overopt", "configs/replications/dpo_overopt.yaml"),
+    "r1-zero": ("rlhflab.replications.r1_zero", "configs/replications/r1_zero.yaml"),
 }
 
 
