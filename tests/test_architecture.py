@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Cycles accepted for now (none since checkpoint/ and rundir.py import only downward).
 KNOWN_CYCLES: set[frozenset[str]] = set()
 # Private names imported across modules, in areas being rewritten (config.py → config/ package).
-KNOWN_PRIVATE_IMPORTS = {("rlhflab.compare", "rlhflab.config")}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 # trainers/common.py (shared plumbing) and trainers/loop.py (the run harness) are shared
 # infrastructure every trainer may import (and import no trainer); trainers/__init__.py is the
@@ -40,13 +40,15 @@ LAYERS: list[set[str]] = [
     {"distributed", "rundir", "health", "ops"},
     {"faults", "tracking", "losses", "runs"},
     {"models"},
-    {"data", "_autoregister"},
+    {"data", "_autoregister", "checkpoint"},
     {"rollout", "quiet"},
     {"rewards"},
     {"config"},
-    {"eval", "checkpoint", "summary", "next_steps", "envs"},
+    {"eval", "summary", "next_steps", "envs"},
     {"trainers"},
     {"pipeline", "quickstart", "compare", "prm_vs_orm", "plan"},
+    {"sweep"},
+    {"replications"},
     {"cli"},
     {"__main__"},
 ]

@@ -36,7 +36,7 @@ from rlhflab.serialize import write_json_atomic, write_text_atomic
 from rlhflab.tracking import read_metrics
 
 
-def _series(rows: list[dict], key: str) -> list[tuple[int, float, float]]:
+def metric_series(rows: list[dict], key: str) -> list[tuple[int, float, float]]:
     """(step, time_s, value) for every row that has `key`."""
     return [
         (r["step"], r.get("time_s", 0.0), r[key])
@@ -99,13 +99,7 @@ def overrides_per_preset(presets: list[str], overrides: list[str]) -> dict[str, 
     Raises:
         ConfigError: one line naming the key and the presets, when no preset has the key.
     """
-    from rlhflab.config import (
-        CONFIG_CLASSES,
-        _did_you_mean,
-        _section_class,
-        config_has_key,
-        read_yaml,
-    )
+    from rlhflab.config import CONFIG_CLASSES, config_has_key, key_hint, read_yaml
 
     classes = {}
     for p in presets:
@@ -121,12 +115,7 @@ def overrides_per_preset(presets: list[str], overrides: list[str]) -> dict[str, 
             if cls is None or "=" not in item or config_has_key(cls, key)
         ]
         if not takers:
-            parts = key.split(".")
-            hints = [
-                _did_you_mean(parts[-1], parent.model_fields)
-                for parent in (_section_class(cls, tuple(parts[:-1])) for cls in classes.values())
-                if parent is not None
-            ]
+            hints = [key_hint(cls, key) for cls in classes.values() if cls is not None]
             hint = next((h for h in hints if h), "")
             raise ConfigError(
                 f"compare: no preset has the config key '{key}' ({', '.join(presets)}){hint}"
@@ -190,9 +179,9 @@ def run_compare(
             runs.append({"result": res, "rows": rows})
         cfg0 = configs[p][0]
         own_signal = SIGNALS[cfg0.trainer][0]
-        reward = [_series(r["rows"], own_signal) for r in runs]
+        reward = [metric_series(r["rows"], own_signal) for r in runs]
         # the held-out headline (a correctness when the task has one, else the named reward)
-        acc = [_series(r["rows"], "eval/headline") or _series(r["rows"], "eval/accuracy")
+        acc = [metric_series(r["rows"], "eval/headline") or metric_series(r["rows"], "eval/accuracy")
                for r in runs]  # fmt: skip
         tail = [statistics.mean(v for _, _, v in ser[-10:]) if ser else None for ser in reward]
         results["presets"][name] = {

@@ -43,7 +43,7 @@ import statistics
 import time
 from pathlib import Path
 
-from rlhflab.compare import _series
+from rlhflab.compare import metric_series
 from rlhflab.errors import ConfigError
 from rlhflab.eval.accuracy import mean_and_stderr
 from rlhflab.rundir import is_run_of
@@ -91,13 +91,7 @@ def parse_grid(items: list[str], config_path: str | Path) -> dict[str, list[str]
         ConfigError: one line, naming the item: no `=`, an empty value, a repeated key or value,
             or a key the config does not have (with a did-you-mean hint).
     """
-    from rlhflab.config import (
-        CONFIG_CLASSES,
-        _did_you_mean,
-        _section_class,
-        config_has_key,
-        read_yaml,
-    )
+    from rlhflab.config import CONFIG_CLASSES, config_has_key, key_hint, read_yaml
 
     if not items:
         raise ConfigError("sweep: give at least one --grid key=v1,v2,...")
@@ -118,11 +112,7 @@ def parse_grid(items: list[str], config_path: str | Path) -> dict[str, list[str]
         if not key or any(not v for v in values):
             raise ConfigError(f"sweep --grid '{item}': a key and non-empty values are needed")
         if not config_has_key(cls, key):
-            parts = key.split(".")
-            parent = _section_class(cls, tuple(parts[:-1]))
-            hint = _did_you_mean(parts[-1], parent.model_fields) if parent is not None else ""
-            if not hint and parent is None:
-                hint = _did_you_mean(parts[0], cls.model_fields)
+            hint = key_hint(cls, key)
             raise ConfigError(f"sweep --grid '{item}': unknown config key '{key}'{hint}")
         if key in grid:
             raise ConfigError(f"sweep --grid: key '{key}' given twice")
@@ -326,7 +316,7 @@ def run_sweep(
 
 
 def _tail_mean(rows: list[dict], key: str) -> float | None:
-    vals = [v for _, _, v in _series(rows, key)][-_TAIL:]
+    vals = [v for _, _, v in metric_series(rows, key)][-_TAIL:]
     return statistics.mean(vals) if vals else None
 
 
@@ -341,7 +331,7 @@ def _stat(values: list[float | None]) -> dict:
 
 def _curve(rows_per_seed: list[list[dict]], key: str) -> list[tuple[int, float, float]]:
     """(step, mean, s.e.) at the steps every seed logged `key` (s.e. 0 with one seed)."""
-    series = [{s: v for s, _, v in _series(rows, key)} for rows in rows_per_seed]
+    series = [{s: v for s, _, v in metric_series(rows, key)} for rows in rows_per_seed]
     series = [s for s in series if s]
     if not series:
         return []
@@ -375,12 +365,12 @@ def run_metric(result: dict, metric: str) -> tuple[str | None, float | None, flo
 def run_kl_key(rows: list[dict]) -> str:
     """`policy/kl_ref` when the run logged it (the KL to the reference or initial policy, β ≥ 0),
     else `policy/kl` (logged only with a KL term, β > 0)."""
-    return _KL_REF if _series(rows, _KL_REF) else _KL
+    return _KL_REF if metric_series(rows, _KL_REF) else _KL
 
 
 def _eval_key(rows_per_seed: list[list[dict]], metric: str) -> str:
     """The logged held-out curve: `eval/headline` when the headline is tabulated and logged."""
-    if metric == HEADLINE and all(_series(r, "eval/headline") for r in rows_per_seed):
+    if metric == HEADLINE and all(metric_series(r, "eval/headline") for r in rows_per_seed):
         return "eval/headline"
     return "eval/accuracy"
 

@@ -83,7 +83,7 @@ def test_eval_command_passes_the_instruction(monkeypatch):
         seen.update(kw)
         return {"accuracy": 0.5, "accuracy_stderr": 0.1, "n": len(rows)}
 
-    monkeypatch.setattr(cli, "_load_and_evaluate", fake)
+    monkeypatch.setattr(cli, "load_and_evaluate", fake)
     kw = dict(task="chain_sum", task_config=TASK["config"], n=16, n_train_exclude=6, seed=0, k=0,
               temperature=1.0, max_new_tokens=4, reward="binary", batch_size=8,
               print_fn=lambda line: None)  # fmt: skip

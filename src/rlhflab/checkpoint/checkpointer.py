@@ -29,11 +29,11 @@ from rlhflab.checkpoint.format import (
     Checkpoint,
     _fsync,
     _remove,
-    _step_of,
     _versions,
     committed_checkpoints,
     drop_later_checkpoints,
     sha256_file,
+    step_of,
 )
 from rlhflab.checkpoint.hf_files import write_hf_files
 from rlhflab.checkpoint.resume import version_note
@@ -360,7 +360,7 @@ class Checkpointer:
         committed = committed_checkpoints(self.run_dir)
         # Checkpoints of later steps than the one just written belong to a timeline abandoned by
         # resuming from an older checkpoint: metrics.jsonl no longer matches them.
-        stale = [p for p in committed if _step_of(p) > _step_of(newest)]
+        stale = [p for p in committed if step_of(p) > step_of(newest)]
         for p in stale:
             _remove(p)
         committed = [p for p in committed if p not in stale]

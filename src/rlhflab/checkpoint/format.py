@@ -77,7 +77,7 @@ class Checkpoint:
         return self.path.parent.parent
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
     name = path.name
     if not name.startswith(_PREFIX):
         return None
@@ -92,8 +92,8 @@ def committed_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _step_of(p) is not None and (p / COMMITTED).is_file()]
-    return sorted(found, key=lambda p: _step_of(p))
+    found = [p for p in root.iterdir() if step_of(p) is not None and (p / COMMITTED).is_file()]
+    return sorted(found, key=lambda p: step_of(p))
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -152,7 +152,7 @@ def drop_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
     older checkpoint abandons their timeline, and the logs no longer match them. Done on resume,
     before any new step, so a later plain `--resume` follows the resumed timeline. Returns the
     deleted paths."""
-    later = [p for p in committed_checkpoints(run_dir) if _step_of(p) > step]
+    later = [p for p in committed_checkpoints(run_dir) if step_of(p) > step]
     for p in later:
         _remove(p)
     return later

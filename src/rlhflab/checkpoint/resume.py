@@ -7,10 +7,10 @@ from pathlib import Path
 from rlhflab.checkpoint.format import (
     CHECKPOINTS,
     Checkpoint,
-    _step_of,
     _versions,
     committed_checkpoints,
     load_checkpoint,
+    step_of,
 )
 from rlhflab.errors import ConfigError
 from rlhflab.rundir import is_run_of
@@ -61,7 +61,7 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
                 if run.is_dir() and is_run_of(run.name, name):
                     _inside(run, root_p, "run.resume")
                     for ck in committed_checkpoints(run):
-                        candidates.append((ck.stat().st_mtime, _step_of(ck), ck))
+                        candidates.append((ck.stat().st_mtime, step_of(ck), ck))
         if not candidates:
             if resume == "latest":
                 raise ConfigError(
@@ -73,7 +73,7 @@ def find_resume_checkpoint(resume: str | None, root: str, name: str) -> Checkpoi
     if not path.exists():
         raise ConfigError(f"run.resume: {resume} does not exist")
     path = _inside(path, root_p, "run.resume")
-    if _step_of(path) is not None and path.parent.name == CHECKPOINTS:
+    if step_of(path) is not None and path.parent.name == CHECKPOINTS:
         return load_checkpoint(path)
     found = committed_checkpoints(path)
     if not found:

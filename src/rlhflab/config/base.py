@@ -52,7 +52,8 @@ def _check_micro(batch: int, micro: int, section: str) -> None:
         )
 
 
-def _did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
+def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
+    """ " (did you mean 'x'?)" for the closest of `choices` to `name` (difflib), "" for none."""
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
@@ -60,7 +61,7 @@ def _did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
 def _check_name(field: str, name: str, registry: dict) -> None:
     if name not in registry:
         raise ValueError(
-            f"{field}: unknown name '{name}'{_did_you_mean(name, registry)}; "
+            f"{field}: unknown name '{name}'{did_you_mean(name, registry)}; "
             f"valid: {', '.join(sorted(registry))}"
         )
 
@@ -78,7 +79,7 @@ def _check_kwargs(
         if key not in valid:
             choices = ", ".join(sorted(valid)) or "none"
             raise ValueError(
-                f"{field}.{key}: not an argument of {fn.__name__}{_did_you_mean(key, valid)}; "
+                f"{field}.{key}: not an argument of {fn.__name__}{did_you_mean(key, valid)}; "
                 f"valid: {choices}"
             )
     if required:

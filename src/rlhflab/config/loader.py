@@ -16,7 +16,7 @@ from typing import Annotated, Any, Union
 import yaml
 from pydantic import BaseModel, Discriminator, Tag, TypeAdapter, ValidationError
 
-from rlhflab.config.base import _did_you_mean
+from rlhflab.config.base import did_you_mean
 from rlhflab.config.direct_alignment import DPOConfig
 from rlhflab.config.distill import DistillConfig
 from rlhflab.config.policy_gradient import PGConfig
@@ -78,6 +78,17 @@ def _section_class(cls: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     return cls
 
 
+def key_hint(cls: type[BaseModel], key: str) -> str:
+    """A did-you-mean hint for a dotted config key `key` that the config class `cls` does not
+    have: the closest field of the section `key` names (of the top level when that section does
+    not exist), as " (did you mean 'x'?)"-style text; "" when nothing is close."""
+    parts = key.split(".")
+    parent = _section_class(cls, tuple(parts[:-1]))
+    if parent is not None:
+        return did_you_mean(parts[-1], parent.model_fields)
+    return did_you_mean(parts[0], cls.model_fields)
+
+
 def config_has_key(cls: type[BaseModel], dotted: str) -> bool:
     """Whether the config class `cls` has the key `dotted` (`rollout.group_size`): every part
     names a field of the section before it; below a free-form dict field (`task.config`,
@@ -108,7 +119,7 @@ def _format_error(cls: type[BaseModel], err: ValidationError) -> str:
     dotted = ".".join(str(p) for p in loc)
     if first["type"] == "extra_forbidden":
         parent = _section_class(cls, loc[:-1])
-        hint = _did_you_mean(str(loc[-1]), parent.model_fields) if parent else ""
+        hint = did_you_mean(str(loc[-1]), parent.model_fields) if parent else ""
         return f"unknown config key '{dotted}'{hint}"
     if first["type"] == "missing":
         return f"missing config key '{dotted}'"
@@ -177,7 +188,7 @@ def config_from_dict(raw: dict, *, source: str = "config") -> AnyConfig:
     if not isinstance(trainer, str) or trainer not in CONFIG_CLASSES:
         raise ConfigError(
             f"{source}: 'trainer' must be one of {', '.join(CONFIG_CLASSES)} "
-            f"(got {trainer!r}){_did_you_mean(str(trainer), CONFIG_CLASSES)}"
+            f"(got {trainer!r}){did_you_mean(str(trainer), CONFIG_CLASSES)}"
         )
     cls = CONFIG_CLASSES[trainer]
     try:

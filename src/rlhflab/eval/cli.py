@@ -7,9 +7,8 @@ import torch
 
 from rlhflab.data.formatting import answer_instruction
 from rlhflab.data.tasks import make_splits
-from rlhflab.eval.accuracy import evaluate, majority_baseline
-from rlhflab.eval.common import reward_components_from_specs
-from rlhflab.models.loading import load_model, load_tokenizer
+from rlhflab.eval.accuracy import majority_baseline
+from rlhflab.eval.common import load_and_evaluate, reward_components_from_specs
 from rlhflab.rewards.verifier import Verifier
 
 
@@ -108,7 +107,7 @@ def run_eval_command(
     prompt_instruction = answer_instruction(instruction, answer_format, extractor=extractor)
     splits = make_splits(task, config=task_config, n_train=n_train_exclude, n_heldout=n, seed=seed)
     verifier = Verifier(answer_format=answer_format, reward=reward, extractor=extractor)
-    res = _load_and_evaluate(
+    res = load_and_evaluate(
         model_path,
         splits.heldout,
         verifier,
@@ -205,7 +204,7 @@ def run_prompt_eval_command(
     )
     rows = load_prompt_source(cfg, seed=seed).train
     rows = rows[:n] if n else rows
-    res = _load_and_evaluate(
+    res = load_and_evaluate(
         model_path,
         rows,
         TextRewardScorer(components),
@@ -226,20 +225,3 @@ def run_prompt_eval_command(
         "metric": "accuracy" if "accuracy" in res else "reward",
         **res,
     }
-
-
-def _load_and_evaluate(
-    model_path: str, rows: list, scorer, *, gguf_file=None, engine: str = "hf", **kw
-) -> dict:
-    """Load the model and tokenizer at `model_path` (a GGUF file inside it when `gguf_file`) on
-    the GPU when there is one, else the CPU, and `evaluate` it on `rows` (keywords: evaluate's),
-    sampling with the rollout engine `engine` ("hf" or "vllm", default settings of
-    `rollout.vllm`). Raises ConfigError when the engine cannot run here."""
-    from rlhflab.config import RolloutConfig
-    from rlhflab.rollout.engines import make_engine
-
-    tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(model_path, device=device, gguf_file=gguf_file)
-    sampler = make_engine(RolloutConfig(engine=engine), model, tokenizer)
-    return evaluate(model, tokenizer, rows, scorer, engine=sampler, **kw)

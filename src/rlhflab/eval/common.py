@@ -31,3 +31,24 @@ def reward_components_from_specs(specs: list[str]) -> list:
             msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
             raise ConfigError(f"--reward-fn {spec!r}: {msg}") from None
     return components
+
+
+def load_and_evaluate(
+    model_path: str, rows: list, scorer, *, gguf_file=None, engine: str = "hf", **kw
+) -> dict:
+    """Load the model and tokenizer at `model_path` (a GGUF file inside it when `gguf_file`) on
+    the GPU when there is one, else the CPU, and `evaluate` it on `rows` (keywords: evaluate's),
+    sampling with the rollout engine `engine` ("hf" or "vllm", default settings of
+    `rollout.vllm`). Raises ConfigError when the engine cannot run here."""
+    import torch
+
+    from rlhflab.config import RolloutConfig
+    from rlhflab.eval.accuracy import evaluate
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.rollout.engines import make_engine
+
+    tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(model_path, device=device, gguf_file=gguf_file)
+    sampler = make_engine(RolloutConfig(engine=engine), model, tokenizer)
+    return evaluate(model, tokenizer, rows, scorer, engine=sampler, **kw)

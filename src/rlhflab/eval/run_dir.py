@@ -77,9 +77,9 @@ def initial_model(cfg, run_dir: Path) -> str:
 
 def _evaluate(path: str, held: dict, *, ks, n_samples, temperature, max_new_tokens, batch_size,
               seed, engine) -> dict:  # fmt: skip
-    from rlhflab.eval.cli import _load_and_evaluate
+    from rlhflab.eval.common import load_and_evaluate
 
-    res = _load_and_evaluate(
+    res = load_and_evaluate(
         path,
         held["rows"],
         held["scorer"],
@@ -195,7 +195,7 @@ def checkpoint_curve(
     "headline_stderr", "reward/<name>"...}]}) and checkpoints.png.
     Raises ConfigError: not a PG run, nothing to evaluate, or a sharded (fsdp2) checkpoint,
     which is not a `from_pretrained` directory."""
-    from rlhflab.checkpoint.format import _step_of, committed_checkpoints
+    from rlhflab.checkpoint.format import committed_checkpoints, step_of
 
     run_dir = Path(run_dir)
     held = run_heldout(run_dir)
@@ -209,7 +209,7 @@ def checkpoint_curve(
                 f"eval {run_dir}: checkpoint {ckpt.name} is sharded (fsdp2); consolidate it "
                 "with rlhflab.checkpoint.read_tensors first"
             )
-        models.append((_step_of(ckpt), str(ckpt)))
+        models.append((step_of(ckpt), str(ckpt)))
     final = run_dir / "model"
     results = run_dir / "final_results.json"
     if final.is_dir() and results.is_file():

@@ -93,11 +93,11 @@ def run_replication(name: str, config: str | None, out: str, overrides: list[str
     import importlib
 
     from rlhflab.config import apply_overrides, read_yaml
-    from rlhflab.config.base import _did_you_mean
+    from rlhflab.config.base import did_you_mean
 
     if name not in REPLICATIONS:
         raise ConfigError(
-            f"replicate: unknown replication '{name}'{_did_you_mean(name, REPLICATIONS)}; "
+            f"replicate: unknown replication '{name}'{did_you_mean(name, REPLICATIONS)}; "
             f"valid: {', '.join(REPLICATIONS)}"
         )
     module, default = REPLICATIONS[name]
