@@ -41,10 +41,28 @@ def test_sequence_reward_lands_on_the_last_model_token():
 
 
 def test_every_sequence_estimator_runs_per_trajectory():
-    """Sequence-level estimators take one reward per trajectory (B,), whatever its turns."""
+    """Sequence-level estimators take one reward per trajectory (B,), whatever its turns; those
+    that read the mask (lengths, per-token returns) get the trajectory's loss mask, and a
+    per-token result is zero on environment tokens."""
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0], dtype=torch.float64)
+    mask = torch.tensor(
+        [[1, 1, 0, 0, 1, 0], [1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 1, 0], [1, 0, 1, 1, 0, 0]],
+        dtype=torch.float64,
+    )
     for name, entry in ADVANTAGES.items():
         if entry.needs_values:
             continue
+        args = (rewards, mask) if entry.needs_mask else (rewards,)
         kwargs = {"group_size": 2} if entry.needs_groups else {}
-        assert entry.fn(rewards, **kwargs).shape == (4,), name
+        if entry.needs_greedy:
+            kwargs["baseline"] = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
+        if entry.needs_token_probs:
+            kwargs["logp"] = torch.full_like(mask, -1.0) * mask
+            kwargs["sum_pi_squared"] = torch.full_like(mask, 0.5) * mask
+        adv = entry.fn(*args, **kwargs)
+        if entry.per_token or entry.needs_mask:  # may broadcast a sequence value over its tokens
+            assert adv.shape in {(4,), tuple(mask.shape)}, name
+        else:
+            assert adv.shape == (4,), name
+        if adv.ndim == 2:
+            assert adv[mask == 0].abs().sum() == 0, name
