@@ -70,13 +70,9 @@ def truncated_importance_weights(
     Raises:
         ValueError: mismatched shapes or cap <= 0.
     """
-    if not cap > 0:
+    if cap is None or not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    m = _check(logp_old, logp_sampler, mask)
-    log_ratio = torch.where(m, logp_old.detach() - logp_sampler.detach(), 0.0)
-    ratio = torch.exp(log_ratio)
-    w = torch.where(m, torch.clamp(ratio, max=cap), 0.0)
-    return w, {"capped": (m & (ratio > cap)).to(w.dtype)}
+    return importance_weights(logp_old, logp_sampler, mask, level="token", cap=cap)
 
 
 def tis(
@@ -153,8 +149,7 @@ def decoupled(
     if loss.shape != logp_prox.shape:
         raise ValueError(f"loss has shape {tuple(loss.shape)}, expected {tuple(logp_prox.shape)}")
     w, stats = truncated_importance_weights(logp_prox, logp_behav, mask, cap=cap)
-    m = mask.bool()
-    ratio = torch.where(m, torch.exp(torch.where(m, logp_prox - logp_behav, 0.0)), 0.0).detach()
+    ratio, _ = importance_weights(logp_prox, logp_behav, mask, level="token", cap=None)
     out = {"behav_weight": w, "behav_ratio": ratio, "behav_capped": stats["capped"]}
     return loss * w.to(loss.dtype), out
 
