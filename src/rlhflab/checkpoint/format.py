@@ -78,6 +78,8 @@ class Checkpoint:
 
 
 def step_of(path: Path) -> int | None:
+    """The optimizer step of a checkpoint directory named `step-<n>` (e.g. `step-000120` → 120);
+    None for any other name. Reads only the name, never the directory."""
     name = path.name
     if not name.startswith(_PREFIX):
         return None
