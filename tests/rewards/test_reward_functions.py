@@ -68,6 +68,16 @@ def test_exact_match_and_think_format():
             [{"role": "assistant", "content": "<think>x</think><answer>2</answer>"}],
         ],
     ) == [1.0, 0.0, 0.0, 1.0]
+    # exactly one block of each: repeated or nested blocks are not the format
+    assert think_format(
+        [],
+        [
+            "<think>a</think><answer>1</answer><answer>2</answer>",
+            "<think>a</think><think>b</think><answer>1</answer>",
+            "<think>a<answer>1</answer></think><answer>1</answer>",
+            "<think>a</think>\n<answer>x < y, 1</answer>\n",
+        ],
+    ) == [0.0, 0.0, 0.0, 1.0]
 
 
 def _user_file(tmp_path, body):

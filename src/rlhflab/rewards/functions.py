@@ -35,7 +35,10 @@ from typing import Any
 from rlhflab.errors import ConfigError
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_THINK_ANSWER = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+_NO_TAG = r"(?:(?!</?(?:think|answer)>).)*"  # text without a think/answer tag in it
+_THINK_ANSWER = re.compile(
+    rf"^\s*<think>{_NO_TAG}</think>\s*<answer>{_NO_TAG}</answer>\s*$", re.DOTALL
+)
 
 
 def completion_text(completion: Any) -> str:
@@ -119,7 +122,9 @@ def exact_match(
 
 def think_format(prompts: list, completions: list, **columns) -> list[float]:
     """1.0 iff the completion is exactly `<think>…</think><answer>…</answer>` (whitespace around
-    allowed), else 0.0 — R1-Zero's format reward (arXiv 2501.12948 §2.2.2)."""
+    allowed), else 0.0 — R1-Zero's format reward (arXiv 2501.12948 §2.2.2). Exactly one block of
+    each: a block whose text contains a think/answer tag (repeated or nested blocks, e.g.
+    `…</answer><answer>…</answer>`) gets 0.0."""
     return [float(bool(_THINK_ANSWER.match(completion_text(c)))) for c in completions]
 
 
