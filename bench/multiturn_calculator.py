@@ -163,9 +163,9 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--tool-share", type=float, default=0.7)
-    ap.add_argument("--sft-steps", type=int, default=250)
-    ap.add_argument("--grpo-steps", type=int, default=60)
+    ap.add_argument("--tool-share", type=float, default=0.4)
+    ap.add_argument("--sft-steps", type=int, default=1500)
+    ap.add_argument("--grpo-steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("bench/multiturn_results"))
     ap.add_argument(
@@ -196,9 +196,19 @@ def write_summary(results: list[dict], args) -> None:
     for key in ("success_before", "success_after"):
         m, se = mean_se([r[key] for r in results])
         summary[key] = {"mean": m, "se": se}
+    m, se = mean_se([r["success_after"] - r["success_before"] for r in results])
+    summary["success_gain_paired"] = {"mean": m, "se": se}
     for when, idx in (("before", 0), ("after", -1)):
         m, se = mean_se([r["evals"][idx]["tool_calls"] for r in results])
         summary[f"tool_calls_{when}"] = {"mean": m, "se": se}
+    # sampled episodes (T = 1): mean of the first and of the last 10 GRPO steps, over seeds
+    for key in ("tool_calls", "success"):
+        for when, part in (("first10", slice(0, 10)), ("last10", slice(-10, None))):
+            per_seed = [
+                sum(c[key] for c in r["curve"][part]) / len(r["curve"][part]) for r in results
+            ]
+            m, se = mean_se(per_seed)
+            summary[f"rollout_{key}_{when}"] = {"mean": m, "se": se}
     (args.out / "results.json").write_text(json.dumps(summary, indent=1))
     plot(results, args.out / "multiturn_calculator.png")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("seeds", "args")}))
