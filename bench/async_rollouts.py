@@ -10,8 +10,13 @@ mean step time. The two modes alternate run by run (seed 0: sync then async, see
 sync, ...), so a change in the machine's load hits both alike; every run is its own subprocess.
 
     python -m bench.async_rollouts --seeds 0 1 2 --steps 200
+    python -m bench.async_rollouts --seeds 0 1 2 3 4 --steps 600 --async-steps 700 \
+        --eval-every 100 --plot docs/async_heldout_vs_wallclock.png
 
-Writes bench/async_results.json (or --out) and prints the markdown table of bench/RESULTS.md.
+`--async-steps` lets the async runs spend the wall-clock they save on more steps (the constant LR
+after warm-up makes their first `--steps` steps the same run); `--eval-every` records the held-out
+curve with the run's clock, `--plot` draws it. Writes bench/async_results.json (or --out) and
+prints the markdown table of bench/RESULTS.md with the async − sync differences.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ def sft_model() -> Path:
     return Path(res["model_dir"])
 
 
-def run_grpo(sft: str, mode: str, seed: int, steps: int) -> dict:
-    """One GRPO run of the quickstart's settings (in this process)."""
+def run_grpo(sft: str, mode: str, seed: int, steps: int, eval_every: int | None = None) -> dict:
+    """One GRPO run of the quickstart's settings (in this process); held-out evaluation every
+    `eval_every` steps (default: only before and after)."""
     from rlhflab.quickstart import build_configs
     from rlhflab.trainers import run_config
 
@@ -59,7 +65,7 @@ def run_grpo(sft: str, mode: str, seed: int, steps: int) -> dict:
         overrides=[
             f"grpo.seed={seed}",
             f"grpo.train.steps={steps}",
-            f"grpo.eval.every={steps}",
+            f"grpo.eval.every={eval_every or steps}",
             f"grpo.rollout.mode={mode}",
             "grpo.tracking.console=false",
             f"grpo.run.name=async_{mode}_s{seed}",
@@ -83,6 +89,12 @@ def run_grpo(sft: str, mode: str, seed: int, steps: int) -> dict:
         "wall_s": wall,
         "step_s_mean": statistics.fmean(r["perf/step_s"] for r in steps_rows),
         "rollout_wait_s_mean": statistics.fmean(r["perf/rollout_s"] for r in steps_rows),
+        # held-out greedy accuracy at every evaluation, with the run's clock (metrics time_s)
+        "heldout_curve": [
+            {"step": r["step"], "time_s": r["time_s"], "accuracy": r["eval/accuracy"]}
+            for r in rows
+            if "eval/accuracy" in r
+        ],
     }
     if mode == "async":
         out["staleness_mean"] = statistics.fmean(r["rollout/staleness"] for r in steps_rows)
@@ -101,9 +113,9 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| mode | seeds | held-out acc. before | held-out acc. after (mean ± s.e.) | "
+        "| mode | seeds | steps | held-out acc. before | held-out acc. after (mean ± s.e.) | "
         "wall-clock s (mean ± s.e.) | s/step | behaviour ratio mean / max |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode in ("sync", "async"):
         rs = [r for r in results if r["mode"] == mode]
@@ -120,22 +132,87 @@ def table(results: list[dict]) -> str:
             else "—"
         )
         lines.append(
-            f"| {mode} | {len(rs)} | {before:.3f} | {acc:.3f} ± {acc_se:.3f} | "
+            f"| {mode} | {len(rs)} | {rs[0]['steps']} | {before:.3f} | {acc:.3f} ± {acc_se:.3f} | "
             f"{wall:.0f} ± {wall_se:.0f} | {step:.3f} | {ratio} |"
         )
+    lines += ["", comparison(results)]
     return "\n".join(lines)
+
+
+def comparison(results: list[dict]) -> str:
+    """Async − sync held-out accuracy at the end of each run and, from the held-out curves, at
+    the sync run's step count (mean over seeds ± the s.e. of the difference of the two means),
+    and the wall-clock ratio."""
+    sync = [r for r in results if r["mode"] == "sync"]
+    asy = [r for r in results if r["mode"] == "async"]
+    if len(sync) < 2 or len(asy) < 2:
+        return ""
+
+    def diff(a: list[float], b: list[float]) -> str:
+        (ma, sa), (mb, sb) = _mean_se(a), _mean_se(b)
+        return f"{ma - mb:+.3f} (s.e. of the difference {math.hypot(sa, sb):.3f})"
+
+    n_sync = sync[0]["steps"]
+    acc_sync = [r["heldout_accuracy"] for r in sync]
+    acc_async = [r["heldout_accuracy"] for r in asy]
+    wall = statistics.fmean(r["wall_s"] for r in asy) / statistics.fmean(r["wall_s"] for r in sync)
+    out = [
+        f"- end of run: async − sync accuracy {diff(acc_async, acc_sync)}; "
+        f"async/sync wall-clock {wall:.2f}"
+    ]
+    at_n = [[c["accuracy"] for c in r["heldout_curve"] if c["step"] == n_sync] for r in asy]
+    if all(at_n) and asy[0]["steps"] != n_sync:
+        out.append(
+            f"- at step {n_sync} (both): async − sync accuracy "
+            f"{diff([a[0] for a in at_n], acc_sync)}"
+        )
+    return "\n".join(out)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Held-out accuracy against the run's wall-clock (metrics time_s), every run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for r in results:
+        c = r.get("heldout_curve") or []
+        ax.plot(
+            [p["time_s"] for p in c],
+            [p["accuracy"] for p in c],
+            color="tab:blue" if r["mode"] == "sync" else "tab:orange",
+            marker="o",
+            ms=3,
+            alpha=0.8,
+            label=f"{r['mode']} ({r['steps']} steps)",
+        )
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles, strict=True))
+    ax.legend(uniq.values(), uniq.keys())
+    ax.set(xlabel="wall-clock of the GRPO run (s)", ylabel="held-out greedy accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument(
+        "--async-steps", type=int, default=None,
+        help="steps of the async runs (default --steps): async may spend its saved wall-clock "
+        "on more steps; the constant LR after warm-up makes the first --steps identical",
+    )  # fmt: skip
+    ap.add_argument("--eval-every", type=int, default=None, help="held-out curve (default: end)")
+    ap.add_argument("--plot", type=Path, default=None, help="held-out accuracy vs wall-clock PNG")
     ap.add_argument("--out", type=Path, default=OUT, help="results JSON (default %(default)s)")
     ap.add_argument("--one", nargs=3, metavar=("SFT", "MODE", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # a single run, in this subprocess
         sft, mode, seed = args.one
-        print(json.dumps(run_grpo(sft, mode, int(seed), args.steps)))
+        print(json.dumps(run_grpo(sft, mode, int(seed), args.steps, args.eval_every)))
         return
     common.setup()
     sft = str(sft_model())
@@ -143,8 +220,11 @@ def main() -> None:
     for i, seed in enumerate(args.seeds):
         order = ("sync", "async") if i % 2 == 0 else ("async", "sync")
         for mode in order:
-            cmd = [sys.executable, "-m", "bench.async_rollouts", "--steps", str(args.steps),
+            steps = args.async_steps if mode == "async" and args.async_steps else args.steps
+            cmd = [sys.executable, "-m", "bench.async_rollouts", "--steps", str(steps),
                    "--one", sft, mode, str(seed)]  # fmt: skip
+            if args.eval_every:
+                cmd += ["--eval-every", str(args.eval_every)]
             out = subprocess.run(
                 cmd, capture_output=True, text=True, cwd=str(common.BENCH_DIR.parent)
             )
@@ -152,8 +232,16 @@ def main() -> None:
                 raise RuntimeError(out.stderr[-3000:])
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), flush=True)
-            args.out.write_text(json.dumps({"steps": args.steps, "runs": results}, indent=1) + "\n")
+            args.out.write_text(
+                json.dumps(
+                    {"steps": args.steps, "async_steps": args.async_steps, "runs": results},
+                    indent=1,
+                )
+                + "\n"
+            )
     print(table(results))
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
