@@ -6,28 +6,13 @@ import json
 
 import pytest
 import torch
+from fixtures_envs import OBS, ScriptEnv
 
 from rlhflab.envs.episodes import EpisodeLimits, observation_ids, run_episodes
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.policy import POLICY_LOSSES
 from rlhflab.rollout.engines import SamplingParams, make_engine
 from rlhflab.rollout.sampler import completion_logps
-
-OBS = "tool said 123"
-
-
-class ScriptEnv:
-    """Two observations, then done with reward 1 on the third turn (whatever the model says)."""
-
-    def reset(self, problem):
-        self.n = 0
-        return [{"role": "user", "content": f"question {problem}"}]
-
-    def step(self, messages, turn):
-        self.n += 1
-        if self.n < 3:
-            return OBS, 0.0, False, {"tool_call": 1}
-        return None, 1.0, True, {"success": 1.0}
 
 
 def _episodes(model, tokenizer, n=4, seed=0):
