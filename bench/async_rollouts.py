@@ -53,9 +53,12 @@ def sft_model() -> Path:
     return Path(res["model_dir"])
 
 
-def run_grpo(sft: str, mode: str, seed: int, steps: int, eval_every: int | None = None) -> dict:
+def run_grpo(
+    sft: str, mode: str, seed: int, steps: int, eval_every: int | None = None, extra=()
+) -> dict:
     """One GRPO run of the quickstart's settings (in this process); held-out evaluation every
-    `eval_every` steps (default: only before and after)."""
+    `eval_every` steps (default: only before and after); `extra`: more dotted overrides of the
+    GRPO stage (e.g. `rollout.max_staleness=2`)."""
     from rlhflab.quickstart import build_configs
     from rlhflab.trainers import run_config
 
@@ -70,6 +73,7 @@ def run_grpo(sft: str, mode: str, seed: int, steps: int, eval_every: int | None 
             "grpo.tracking.console=false",
             f"grpo.run.name=async_{mode}_s{seed}",
             "grpo.run.save_model=false",
+            *(f"grpo.{o}" for o in extra),
         ],
     )
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": sft})})
@@ -207,12 +211,18 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--eval-every", type=int, default=None, help="held-out curve (default: end)")
     ap.add_argument("--plot", type=Path, default=None, help="held-out accuracy vs wall-clock PNG")
+    ap.add_argument(
+        "--async-set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="overrides of the async runs' GRPO stage (ablations: rollout.max_staleness=2, "
+        "rollout.behav_correction=none)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=OUT, help="results JSON (default %(default)s)")
     ap.add_argument("--one", nargs=3, metavar=("SFT", "MODE", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # a single run, in this subprocess
         sft, mode, seed = args.one
-        print(json.dumps(run_grpo(sft, mode, int(seed), args.steps, args.eval_every)))
+        extra = args.async_set if mode == "async" else []
+        print(json.dumps(run_grpo(sft, mode, int(seed), args.steps, args.eval_every, extra)))
         return
     common.setup()
     sft = str(sft_model())
@@ -225,6 +235,8 @@ def main() -> None:
                    "--one", sft, mode, str(seed)]  # fmt: skip
             if args.eval_every:
                 cmd += ["--eval-every", str(args.eval_every)]
+            if args.async_set:
+                cmd += ["--async-set", *args.async_set]
             out = subprocess.run(
                 cmd, capture_output=True, text=True, cwd=str(common.BENCH_DIR.parent)
             )
@@ -234,7 +246,12 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
             args.out.write_text(
                 json.dumps(
-                    {"steps": args.steps, "async_steps": args.async_steps, "runs": results},
+                    {
+                        "steps": args.steps,
+                        "async_steps": args.async_steps,
+                        "async_set": args.async_set,
+                        "runs": results,
+                    },
                     indent=1,
                 )
                 + "\n"
