@@ -246,16 +246,13 @@ def ppo_dual_clip(
     """
     if not clip_c > 1.0:
         raise ValueError(f"clip_c must be > 1, got {clip_c}")
-    _check_eps(eps_low, eps_high)
+    loss, stats = ppo_clip(logp, logp_old, adv, mask, eps_low=eps_low, eps_high=eps_high)
     m, a = _check_inputs(logp, logp_old, adv, mask)
-    ratio = torch.exp(_log_ratio(logp, logp_old, m))
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    obj = torch.minimum(ratio * a, clipped * a)
-    obj = torch.where(a < 0, torch.maximum(obj, clip_c * a), obj)
-    loss = torch.where(m, -obj, 0.0)
-    r = ratio.detach()
-    low = ((a < 0) & (r < 1.0 - eps_low)) | ((a < 0) & (r > clip_c))
-    return loss, _stats(r, low, (a > 0) & (r > 1.0 + eps_high), m)
+    # −max(L^CLIP, c·A) = min(−L^CLIP, −c·A) on the valid tokens with A < 0
+    loss = torch.where(m & (a < 0), torch.minimum(loss, -(clip_c * a)), loss)
+    dual = (a < 0) & (stats["ratio"] > clip_c) & m
+    stats["clipped_low"] = torch.maximum(stats["clipped_low"], dual.to(stats["ratio"].dtype))
+    return loss, stats
 
 
 def sapo(
@@ -343,6 +340,16 @@ def _cov(logp_old: Tensor, adv: Tensor, m: Tensor) -> Tensor:
     return torch.where(
         m, (a - masked_mean(a, m)) * (lp - masked_mean(torch.where(m, lp, 0.0), m)), 0.0
     )
+
+
+def _selected_tokens(selected: Tensor, logp: Tensor, m: Tensor) -> Tensor:
+    """`selected` (B, T) as a bool mask restricted to the valid tokens `m`; ValueError if its
+    shape is not logp's."""
+    if selected.shape != logp.shape:
+        raise ValueError(
+            f"selected has shape {tuple(selected.shape)}, expected {tuple(logp.shape)}"
+        )
+    return selected.bool() & m
 
 
 def clip_cov_selection(
@@ -438,11 +445,7 @@ def clip_cov(
         selected = clip_cov_selection(
             logp_old, a, m, cov_ratio=cov_ratio, cov_lb=cov_lb, cov_ub=cov_ub
         )
-    if selected.shape != logp.shape:
-        raise ValueError(
-            f"selected has shape {tuple(selected.shape)}, expected {tuple(logp.shape)}"
-        )
-    sel = selected.bool() & m
+    sel = _selected_tokens(selected, logp, m)
     loss, stats = ppo_clip(logp, logp_old, adv, mask, eps_low=eps_low, eps_high=eps_high)
     loss = torch.where(sel, loss.detach(), loss)
     dt = stats["ratio"].dtype
@@ -480,11 +483,7 @@ def kl_cov(
     m, a = _check_inputs(logp, logp_old, adv, mask)
     if selected is None:
         selected = kl_cov_selection(logp_old, a, m, cov_ratio=cov_ratio)
-    if selected.shape != logp.shape:
-        raise ValueError(
-            f"selected has shape {tuple(selected.shape)}, expected {tuple(logp.shape)}"
-        )
-    sel = selected.bool() & m
+    sel = _selected_tokens(selected, logp, m)
     lr = _log_ratio(logp, logp_old, m)
     ratio = torch.exp(lr)
     loss = -ratio * a + torch.where(sel, kl_coef * lr.abs(), 0.0)
