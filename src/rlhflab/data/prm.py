@@ -34,8 +34,10 @@ import ast
 import os
 import random
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import partial
 from typing import Any
 
 from rlhflab.data.formatting import encode_completion, encode_prompt, render_prompt
@@ -375,6 +377,39 @@ def load_rows(source: str, *, split: str = "train", name: str | None = None) -> 
         raise DataError(f"data.path: cannot load {source!r} (split {split!r}): {msg}") from exc
 
 
+def _parsed_rows(
+    source: str,
+    split: str,
+    parse: Callable[[Any], tuple],
+    on_invalid: str,
+    drops: dict[str, int],
+    limit: int | None,
+) -> Iterator[tuple]:
+    """`parse(row)` of each row of `source` (`load_rows`), at most `limit` of them. A row that
+    raises RowError stops with a DataError naming the row (from 0) when `on_invalid` is "error";
+    with "drop" it is counted in `drops[reason]` and skipped.
+
+    Raises:
+        ConfigError: `on_invalid` is neither "error" nor "drop".
+        DataError: an invalid row with on_invalid "error", or an unreadable source.
+    """
+    if on_invalid not in ("error", "drop"):
+        raise ConfigError(f"data.on_invalid: must be 'error' or 'drop', got {on_invalid!r}")
+    kept = 0
+    for i, row in enumerate(load_rows(source, split=split)):
+        if limit is not None and kept >= limit:
+            return
+        try:
+            parsed = parse(row)
+        except RowError as err:
+            if on_invalid == "error":
+                raise DataError(f"data.path: {source} row {i}: {err}") from None
+            drops[err.reason] += 1
+            continue
+        kept += 1
+        yield parsed
+
+
 def load_prm800k(
     source: str,
     tokenizer: Any,
@@ -394,20 +429,11 @@ def load_prm800k(
     Raises:
         DataError: with on_invalid "error", naming the row (from 0) and field; no valid rows.
     """
-    if on_invalid not in ("error", "drop"):
-        raise ConfigError(f"data.on_invalid: must be 'error' or 'drop', got {on_invalid!r}")
     drops = dict.fromkeys(PRM800K_DROP_REASONS, 0)
     out: list[PRMExample] = []
-    for i, row in enumerate(load_rows(source, split=split)):
-        if limit is not None and len(out) >= limit:
-            break
-        try:
-            problem, steps, ratings, answer = _prm800k_row(row)
-        except RowError as err:
-            if on_invalid == "error":
-                raise DataError(f"data.path: {source} row {i}: {err}") from None
-            drops[err.reason] += 1
-            continue
+    for problem, steps, ratings, answer in _parsed_rows(
+        source, split, _prm800k_row, on_invalid, drops, limit
+    ):
         steps = [" ".join(s.replace(sep, " ").split()) for s in steps]
         out.append(
             PRMExample(
@@ -482,21 +508,13 @@ def load_step_labelled(
     Raises:
         DataError: with on_invalid "error", naming the row (from 0) and field; no valid rows.
     """
-    if on_invalid not in ("error", "drop"):
-        raise ConfigError(f"data.on_invalid: must be 'error' or 'drop', got {on_invalid!r}")
     drops = dict.fromkeys(STEP_LABELLED_DROP_REASONS, 0)
     out: list[PRMExample] = []
     outcomes: list[float] = []
-    for i, row in enumerate(load_rows(source, split=split)):
-        if limit is not None and len(out) >= limit:
-            break
-        try:
-            prompt, steps, ratings, final, outcome = _step_labelled_row(row, sep)
-        except RowError as err:
-            if on_invalid == "error":
-                raise DataError(f"data.path: {source} row {i}: {err}") from None
-            drops[err.reason] += 1
-            continue
+    parse = partial(_step_labelled_row, sep=sep)
+    for prompt, steps, ratings, final, outcome in _parsed_rows(
+        source, split, parse, on_invalid, drops, limit
+    ):
         out.append(PRMExample(render_prompt(tokenizer, prompt, system=system), steps, ratings,
                               final))  # fmt: skip
         outcomes.append(outcome)
