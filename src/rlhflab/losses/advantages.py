@@ -312,6 +312,16 @@ def pass_k(rewards: Tensor, *, group_size: int, std_norm: bool = True, eps: floa
     return adv.reshape(-1)
 
 
+def sum_pi_squared(logits: Tensor) -> Tensor:
+    """Σ_v π(v)² of π = softmax(logits) over the last dimension, computed as
+    exp(logsumexp(2·z) − 2·logsumexp(z)) (no (…, V) probabilities held).
+
+    Shapes: logits (..., V) float; returns (...) in logits' dtype, in (0, 1]. The Σπ² term of
+    `optimal_token_baseline`'s realised energy (its source).
+    """
+    return torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1))
+
+
 def optimal_token_baseline(
     rewards: Tensor,
     mask: Tensor,

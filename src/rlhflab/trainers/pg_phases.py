@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlhflab import distributed, faults
-from rlhflab.losses.advantages import ADVANTAGES, whiten
+from rlhflab.losses.advantages import ADVANTAGES, sum_pi_squared, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.correction import (
     decoupled,
@@ -458,8 +458,7 @@ def no_grad_sum_pi_squared(model, rollout, cfg, autocast_dtype) -> torch.Tensor:
     for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
         micro = rollout.select(slice(s, s + cfg.train.micro_batch_size))
         logits = _logits(model, micro, cfg.rollout.temperature, autocast_dtype)
-        lse = torch.logsumexp(logits, -1)
-        out.append(torch.exp(torch.logsumexp(2 * logits, -1) - 2 * lse) * micro.mask)
+        out.append(sum_pi_squared(logits) * micro.mask)
     return torch.cat(out)
 
 
