@@ -148,6 +148,7 @@ class RolloutCorrectionConfig(Strict):
 
     @property
     def enabled(self) -> bool:
+        """True when an importance-sampling level or a rejection rule is set."""
         return self.is_level != "none" or self.reject != "none"
 
     @model_validator(mode="after")

@@ -34,7 +34,9 @@ class Trajectory(Rollout):
     attend: Tensor | None = None
 
     @property
-    def attention_mask(self) -> Tensor:  # (B, P+T)
+    def attention_mask(self) -> Tensor:
+        """(B, P+T) long: the prompt's mask, then `attend` (every real trajectory token, model's
+        and environment's), unlike `mask`, which is the model's tokens only."""
         return torch.cat([self.prompt_mask, self.attend.long()], dim=1)
 
     def to(self, device: torch.device | str) -> Trajectory:
