@@ -314,7 +314,7 @@ def pass_k(rewards: Tensor, *, group_size: int, std_norm: bool = True, eps: floa
 
 def sum_pi_squared(logits: Tensor) -> Tensor:
     """Σ_v π(v)² of π = softmax(logits) over the last dimension, computed as
-    exp(logsumexp(2·z) − 2·logsumexp(z)) (no (…, V) probabilities held).
+    exp(logsumexp(2·z) − 2·logsumexp(z)), stable for large logits (no softmax formed).
 
     Shapes: logits (..., V) float; returns (...) in logits' dtype, in (0, 1]. The Σπ² term of
     `optimal_token_baseline`'s realised energy (its source).
