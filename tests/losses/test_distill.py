@@ -171,15 +171,44 @@ def test_topk_tail_bucket_by_hand():
     # the tail is log(1 − Σ top-K p), the book's formula
     assert bs[0, 1].item() == pytest.approx(math.log(1 - 0.5), abs=1e-12)
     fwd = kl_by_hand([0.2, 0.8], [0.5, 0.5])  # KL(teacher ‖ student) over the buckets
-    rev = kl_by_hand([0.5, 0.5], [0.2, 0.8])
-    assert topk_kl(s, t, top_k=1).item() == pytest.approx(fwd, abs=1e-12)
+    rev = kl_by_hand([0.5, 0.5], [0.2, 0.8])  # KL(student ‖ teacher): the default
+    assert topk_kl(s, t, top_k=1).item() == pytest.approx(rev, abs=1e-12)
     assert topk_kl(s, t, top_k=1, direction="reverse").item() == pytest.approx(rev, abs=1e-12)
+    assert topk_kl(s, t, top_k=1, direction="forward").item() == pytest.approx(fwd, abs=1e-12)
     # K = 2: {0, 1, tail = token 2}: all tokens are their own bucket, so the exact KL
-    assert topk_kl(s, t, top_k=2).item() == pytest.approx(kl_by_hand(Q, P), abs=1e-12)
+    assert topk_kl(s, t, top_k=2).item() == pytest.approx(kl_by_hand(P, Q), abs=1e-12)
+
+
+def test_topk_default_is_the_books_direction_student_teacher():
+    # One position, V = 4, K = 2. The book (rlhf-book code/distillation/loss.py) computes
+    # F.kl_div(t_logp, s_logp, log_target=True), and PyTorch's kl_div(input, target) is
+    # Σ target (log target − input): KL(student ‖ teacher). Buckets from the definition, by a naive
+    # loop: the student's top-2 tokens are 0 and 1 (logits 2 > 1 > 0 > −1); the tail holds 2 and 3.
+    zs, zt = [2.0, 1.0, 0.0, -1.0], [0.0, 1.0, 2.0, -1.0]
+
+    def probs(z):
+        e = [math.exp(x) for x in z]
+        return [x / sum(e) for x in e]
+
+    p, q = probs(zs), probs(zt)
+    p_b, q_b = [p[0], p[1], p[2] + p[3]], [q[0], q[1], q[2] + q[3]]
+    student_teacher = sum(a * math.log(a / b) for a, b in zip(p_b, q_b, strict=True))
+    teacher_student = sum(b * math.log(b / a) for a, b in zip(p_b, q_b, strict=True))
+    assert student_teacher == pytest.approx(1.0810, abs=1e-4)  # the number
+    assert teacher_student == pytest.approx(0.9987, abs=1e-4)
+    s, t = torch.tensor([zs], dtype=D), torch.tensor([zt], dtype=D)
+    assert topk_kl(s, t, top_k=2).item() == pytest.approx(student_teacher, abs=1e-12)
+    assert topk_kl(s, t, top_k=2, direction="reverse").item() == pytest.approx(
+        student_teacher, abs=1e-12
+    )
+    assert topk_kl(s, t, top_k=2, direction="forward").item() == pytest.approx(
+        teacher_student, abs=1e-12
+    )
 
 
 def test_topk_equals_the_books_add_tail_form():
-    # the book: log_sum = logsumexp(top-K log p).clamp(max=-1e-7); tail = log(-expm1(log_sum))
+    # the book: log_sum = logsumexp(top-K log p).clamp(max=-1e-7); tail = log(-expm1(log_sum));
+    # kl = F.kl_div(t_logp, s_logp, reduction="none", log_target=True).sum(-1)
     g = torch.Generator().manual_seed(3)
     s, t = torch.randn(5, 12, generator=g, dtype=D), torch.randn(5, 12, generator=g, dtype=D)
     k = 4
@@ -191,7 +220,7 @@ def test_topk_equals_the_books_add_tail_form():
         return torch.cat([lp, tail], -1)
 
     bs, bt = add_tail(ls.gather(-1, idx)), add_tail(lt.gather(-1, idx))
-    book = F.kl_div(bs, bt, reduction="none", log_target=True).sum(-1)
+    book = F.kl_div(bt, bs, reduction="none", log_target=True).sum(-1)  # (input=t, target=s)
     torch.testing.assert_close(topk_kl(s, t, top_k=k), book, rtol=1e-10, atol=1e-12)
 
 

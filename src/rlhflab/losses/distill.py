@@ -15,10 +15,13 @@ returns the per-position divergence (N,) in nats. With p = softmax(z):
     topk_kl          the book's SDPO loss (rlhf-book code/distillation/loss.py): the K tokens of
                      the student's top-K at each position plus one tail bucket holding the rest of
                      the mass, log p_tail = log(1 − Σ_{top-K} p), for student and teacher alike;
-                     the KL of the two (K+1)-bucket distributions. `direction` "forward" is
-                     KL(teacher ‖ student), as the book computes it (`F.kl_div(s, t)`);
-                     "reverse" is KL(student ‖ teacher), as issue #28 words it. With K = V the
-                     tail is empty and this is the exact forward / reverse KL.
+                     the KL of the two (K+1)-bucket distributions. `direction` "reverse" (the
+                     default) is KL(student ‖ teacher), as the book computes it:
+                     `F.kl_div(t_logp, s_logp, log_target=True)`, and PyTorch's
+                     `kl_div(input, target)` is Σ target (log target − input), so the student is
+                     the target (the book's comment: "Reverse KL = KL(student || teacher)").
+                     "forward" is KL(teacher ‖ student). With K = V the tail is empty and this
+                     is the exact reverse / forward KL.
 
 The sampled-token form of on-policy distillation (Agarwal et al. 2024; Thinking Machines,
 "On-Policy Distillation", 2025) needs only the log-probs of the sampled tokens x_t ~ p_s:
@@ -97,23 +100,25 @@ def topk_buckets(logp: Tensor, index: Tensor) -> Tensor:
 
 
 def topk_kl(
-    student_logits: Tensor, teacher_logits: Tensor, *, top_k: int = 20, direction: str = "forward"
+    student_logits: Tensor, teacher_logits: Tensor, *, top_k: int = 20, direction: str = "reverse"
 ) -> Tensor:
     """The book's SDPO divergence per position (module doc): (N, V), (N, V) → (N,) nats. The
     buckets are the student's top-K tokens (chosen without gradient) plus the tail.
+    `direction`: "reverse" = KL(student ‖ teacher) over the buckets, the book's (default);
+    "forward" = KL(teacher ‖ student).
 
     Raises:
-        ValueError: top_k < 1 or direction not "forward" / "reverse".
+        ValueError: top_k < 1 or direction not "reverse" / "forward".
     """
     if top_k < 1:
         raise ValueError(f"topk_kl: top_k must be >= 1, got {top_k}")
-    if direction not in ("forward", "reverse"):
-        raise ValueError(f"topk_kl: direction must be 'forward' or 'reverse', got {direction!r}")
+    if direction not in ("reverse", "forward"):
+        raise ValueError(f"topk_kl: direction must be 'reverse' or 'forward', got {direction!r}")
     ls, lt = _logp(student_logits), _logp(teacher_logits)
     k = min(top_k, ls.size(-1))
     index = ls.detach().topk(k, dim=-1).indices
     bs, bt = topk_buckets(ls, index), topk_buckets(lt, index)
-    return _kl(bt, bs) if direction == "forward" else _kl(bs, bt)
+    return _kl(bs, bt) if direction == "reverse" else _kl(bt, bs)
 
 
 def reverse_kl_sampled(logp_student: Tensor, logp_teacher: Tensor) -> tuple[Tensor, Tensor]:
