@@ -23,10 +23,11 @@ def close(a, b, tol=1e-12):
 
 
 def _whiten_loop(values: list[list[float]]) -> list[list[float]]:
-    """Population whitening over every element of a ragged list of rows (plain Python)."""
+    """Whitening over every element of a ragged list of rows (plain Python), with the unbiased
+    variance Σ(v − mean)²/(n − 1), as verl's masked_whiten (Bessel's correction)."""
     flat = [v for row in values for v in row]
     mean = sum(flat) / len(flat)
-    var = sum((v - mean) ** 2 for v in flat) / len(flat)
+    var = sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)
     return [[(v - mean) / math.sqrt(var + 1e-8) for v in row] for row in values]
 
 
@@ -66,6 +67,66 @@ def test_reinforce_pp_baseline_group_mean_then_token_whitening():
     want = _whiten_loop([[0.5, 0.5], [-0.5], [0.0, 0.0, 0.0], [0.0]])
     for got, w in zip(_ragged(adv, LENGTHS), want, strict=True):
         assert got == pytest.approx(w, abs=1e-12)
+
+
+def _verl_masked_whiten(values, mask):
+    """verl/utils/torch_functional.py masked_mean / masked_var(unbiased=True) / masked_whiten,
+    re-typed (verl is not installed here)."""
+
+    def masked_mean(v, m):
+        return (v * m).sum() / (m.sum() + 1e-8)
+
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    n = mask.sum()
+    var = var * (n / (n - 1))
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def _verl_reinforce_plus_plus(token_level_rewards, response_mask, gamma):
+    """verl core_algos.compute_reinforce_plus_plus_outcome_advantage, re-typed."""
+    returns = torch.zeros_like(token_level_rewards)
+    running_return = 0
+    for t_ in reversed(range(token_level_rewards.shape[1])):
+        running_return = token_level_rewards[:, t_] + gamma * running_return
+        returns[:, t_] = running_return
+        running_return = running_return * response_mask[:, t_]
+    return _verl_masked_whiten(returns, response_mask) * response_mask
+
+
+def _verl_reinforce_plus_plus_baseline(token_level_rewards, response_mask, index):
+    """verl core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage, re-typed."""
+    scores = token_level_rewards.sum(dim=-1)
+    groups = {}
+    for i, g in enumerate(index):
+        groups.setdefault(g, []).append(scores[i])
+    means = {g: torch.mean(torch.stack(v)) for g, v in groups.items()}
+    scores = torch.stack([scores[i] - means[g] for i, g in enumerate(index)])
+    scores = scores.unsqueeze(-1).tile([1, token_level_rewards.shape[-1]]) * response_mask
+    return _verl_masked_whiten(scores, response_mask) * response_mask
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_aliases_give_verls_values(gamma):
+    # ADVANTAGE_ALIASES maps verl's "reinforce_plus_plus(_baseline)" to ours: same numbers, float32
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]] * 2)
+    outcome = torch.rand(8, generator=g)
+    last = mask.sum(-1) - 1
+    tok = torch.zeros(8, 5)
+    tok[torch.arange(8), last] = outcome
+    tok = tok + 0.1 * torch.randn(8, 5, generator=g) * mask  # a per-token KL-like term
+    ours = A.reinforce_pp(tok, mask, gamma=gamma)
+    torch.testing.assert_close(ours, _verl_reinforce_plus_plus(tok, mask.float(), gamma))
+    ours_b = A.reinforce_pp_baseline(outcome, mask, group_size=2)
+    outcome_tok = torch.zeros(8, 5)
+    outcome_tok[torch.arange(8), last] = outcome
+    theirs_b = _verl_reinforce_plus_plus_baseline(
+        outcome_tok, mask.float(), [0, 0, 1, 1, 2, 2, 3, 3]
+    )
+    torch.testing.assert_close(ours_b, theirs_b)
+    assert A.ADVANTAGE_ALIASES["reinforce_plus_plus"] == "reinforce_pp"
+    assert A.ADVANTAGE_ALIASES["reinforce_plus_plus_baseline"] == "reinforce_pp_baseline"
 
 
 def test_remax_subtracts_greedy_reward():
@@ -180,6 +241,24 @@ def test_gmpo_geometric_mean_clipped_in_log_space():
     rho = math.exp((-0.4 + 0.1) / 2)  # A < 0: the low side (−0.6) is clipped to −0.4
     close(loss, [rho, rho, 0.0])
     close(g, [0.0, rho, 0.0])
+    # A < 0 and a log-ratio above eps_high: not clipped (the objective pushes it down), so it keeps
+    # its gradient and is counted in neither clip stat
+    loss, g, st = _grad(P.gmpo, [0.6, 0.1], -1.0)
+    rho = math.exp((0.6 + 0.1) / 2)
+    close(g, [rho, rho])  # 2 token losses of −A·ρ, each ∂/∂logp_t = −A·ρ/2
+    close(st["clipped_low"] + st["clipped_high"], [[0.0, 0.0]])
+
+
+def test_gmpo_per_token_advantage_clips_by_the_row_means_sign():
+    # the difference from verl's geo_mean documented in `gmpo`: A = [+1, −3] (row mean −1),
+    # log-ratios [0.5, 0.5], eps 0.4. Here the clip side follows sgn(Ā) = −1: the objective
+    # −Ā·ρ = ρ is not raised by a larger ratio, so nothing is clipped: ρ = e^0.5, loss = e^0.5.
+    # verl's code clips token 0 (its A > 0) on the high side: ρ = e^((0.4 + 0.5)/2).
+    lp = t([[0.5, 0.5]])
+    loss, st = P.gmpo(lp, lp * 0, t([[1.0, -3.0]]), torch.ones(1, 2))
+    close(loss, [[math.exp(0.5), math.exp(0.5)]])
+    close(st["ratio"], [[math.exp(0.5), math.exp(0.5)]])
+    close(st["clipped_high"] + st["clipped_low"], [[0.0, 0.0]])
 
 
 def _cov_loop(logp_old, adv, mask):

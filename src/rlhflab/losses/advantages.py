@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlhflab.ops import masked_whiten
+from rlhflab.ops import masked_mean, masked_var, masked_whiten
 
 __all__ = [
     "ADVANTAGES",
@@ -162,21 +162,36 @@ def _token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     return torch.where(last, _as_float(rewards)[:, None], 0.0)
 
 
+def _whiten_tokens(x: Tensor, m: Tensor) -> Tensor:
+    """verl's `masked_whiten` (verl/utils/torch_functional.py) over every valid token:
+    (x − μ)·rsqrt(σ² + 1e-8), μ the masked mean, σ² the masked variance with Bessel's correction
+    (Σ(x − μ)²/(n − 1), n valid tokens); 0 at padding. Departures: verl raises for n = 1 (here the
+    one token gets 0), and verl's means divide by n + 1e-8 (the same number in float32)."""
+    mean = masked_mean(x, m)
+    var = masked_var(x, m, unbiased=True)
+    return torch.where(m, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
+
+
 def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
     """REINFORCE++: discounted return-to-go per token, whitened over all valid tokens of the batch.
 
         G_{i,t} = Σ_{s≥t} γ^{s−t} r_{i,s}          (r_{i,s}: per-token reward, e.g. −β·KL_s plus the
                                                      outcome reward at the last token)
         A_{i,t} = (G_{i,t} − mean(G)) / sqrt(var(G) + 1e-8)   mean/var over every valid token
+    var is the unbiased variance, Σ(G − mean)²/(n − 1) over the n valid tokens, as in verl's
+    `reinforce_plus_plus` (compute_reinforce_plus_plus_outcome_advantage, `verl_F.masked_whiten`
+    with Bessel's correction); this estimator gives verl's values (tested against its code,
+    re-typed). OpenRLHF's REINFORCE++ (advantage estimator "reinforce") whitens the same returns
+    with the population variance, clamped: rsqrt(max(var, 1e-8)); the two differ by a factor
+    √((n − 1)/n), negligible over a batch of tokens. The paper writes only "std".
     The normalisation is *global* (the whole batch, every rank): the trainer calls this estimator
     on the gathered batch (registry flag `batch_stats`), so N ranks × k micro-batches give the
-    one-batch advantages. Population variance (`ops.masked_whiten`).
+    one-batch advantages.
     Shapes: rewards (B, T) per-token or (B,) outcome rewards (placed at the last valid token); mask
     (B, T), right-padded. Returns adv (B, T) float, 0 at padding.
     Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
     Models", arXiv 2501.03262, §3 (the token-level KL penalty in the reward, the return, and
-    the global advantage normalisation equation; numbers not checked against the PDF); as verl's `reinforce_plus_plus` (which also whitens over the
-    batch's valid tokens) and OpenRLHF's.
+    the global advantage normalisation equation; numbers not checked against the PDF).
     Raises: ValueError on bad shapes or gamma outside [0, 1].
     """
     if not 0.0 <= gamma <= 1.0:
@@ -188,7 +203,7 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor
     for t in reversed(range(r.shape[1])):
         running = torch.where(m[:, t], r[:, t] + gamma * running, 0.0)
         ret[:, t] = running
-    return masked_whiten(ret, m)
+    return _whiten_tokens(ret, m)
 
 
 def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, *, group_size: int) -> Tensor:
@@ -197,20 +212,26 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, *, group_size: int) -> 
         A'_i = r_i − mean_g(r)            (the G samples of the same prompt)
         A_{i,t} = (A'_i − mean(A')) / sqrt(var(A') + 1e-8)   over every valid token of the batch
     (A'_i broadcast over its completion's tokens, so long completions weigh more in the batch
-    statistics, as in the paper's token-level normalisation and verl / OpenRLHF.) Groups whose
-    rewards are all equal have A' = 0 exactly before the normalisation. The KL term belongs in
-    the loss (k3, kl.placement "loss"), as the paper recommends for this variant.
+    statistics, as the token-level normalisation of verl's and OpenRLHF's code does.) var is the
+    unbiased variance over the valid tokens, as in verl's `reinforce_plus_plus_baseline`
+    (compute_reinforce_plus_plus_baseline_outcome_advantage: group mean, then
+    `verl_F.masked_whiten`), whose values this gives (tested against its code, re-typed);
+    OpenRLHF's "reinforce_baseline" uses the population variance, clamped at 1e-8 (see
+    `reinforce_pp`). Departures from verl: groups whose rewards are all equal have A' = 0 exactly
+    (verl: r − mean, which can be rounding noise for non-dyadic rewards, then amplified by the
+    whitening), and a group of one sample is refused (verl uses the baseline 0). The KL term
+    belongs in the loss (k3, kl.placement "loss"), as the paper recommends for this variant.
     Batch statistics: called on the gathered batch (registry flag `batch_stats`).
     Shapes: rewards (B,) group-contiguous, mask (B, T). Returns adv (B, T), 0 at padding.
-    Source: Hu 2025, arXiv 2501.03262 (v3+), §3 "REINFORCE++-baseline" (group-mean subtraction, then global normalisation); verl
-    `reinforce_plus_plus_baseline`.
+    Source: Hu 2025, arXiv 2501.03262 (v3+), §3 "REINFORCE++-baseline" (group-mean subtraction,
+    then global normalisation).
     Raises: ValueError on bad shapes or group_size < 2.
     """
     a = group_mean(rewards, group_size=group_size)  # (B,), exactly 0 in constant groups
     if mask.shape[:1] != a.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({a.shape[0]}, T)")
     m = mask.bool()
-    return masked_whiten(torch.where(m, a[:, None], 0.0), m)
+    return _whiten_tokens(torch.where(m, a[:, None], 0.0), m)
 
 
 def remax(rewards: Tensor, *, baseline: Tensor) -> Tensor:
@@ -220,7 +241,9 @@ def remax(rewards: Tensor, *, baseline: Tensor) -> Tensor:
     The trainer samples ŷ once per prompt with the rollout engine (greedy, same budget) and
     scores it with the same reward components (registry flag `needs_greedy`); `baseline` holds
     its reward repeated for every sample of the prompt. Cost logged as perf/remax_greedy_s and
-    perf/remax_greedy_tokens.
+    perf/remax_greedy_tokens. verl's `remax` subtracts the same baseline from the return-to-go of
+    per-token rewards, the same number when the reward is the outcome alone; a per-token KL in the
+    reward enters its return from token t on, here (sequence placement) the whole sum.
     Shapes: rewards, baseline (B,) float. Returns adv (B,).
     Source: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
     Method for Aligning Large Language Models", arXiv 2310.10505, Algorithm 1 (the greedy baseline r(x, ŷ)).
@@ -243,7 +266,8 @@ def opo(rewards: Tensor, mask: Tensor, *, group_size: int) -> Tensor:
     (Σ|o| = 0) falls back to the plain mean.
     Shapes: rewards (B,) group-contiguous, mask (B, T) (|o_i| = Σ_t mask). Returns adv (B,).
     Source: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585,
-    §3 (the length-weighted optimal baseline b* = Σ|o|r / Σ|o|); verl `opo`.
+    §3 (the length-weighted optimal baseline b* = Σ|o|r / Σ|o|); verl's `opo` computes the same
+    baseline (its group of empty completions divides 0 by 0).
     Raises: ValueError on bad shapes or group_size < 2.
     """
     r = _groups(rewards, group_size)
@@ -342,7 +366,9 @@ def optimal_token_baseline(
     Shapes: rewards (B,) or (B, T); mask, logp, sum_pi_squared (B, T) (logp and Σπ² of the
     sampling policy, no gradient). Returns adv (B, T).
     Source: verl `optimal_token_baseline` (Li et al. 2026, arXiv 2602.07078; docs/algo/otb.md):
-    B*_t = Σ_i G_t W_t / (Σ_i W_t + ε).
+    B*_t = Σ_i G_t W_t / (Σ_i W_t + ε). Where verl's code differs: with rollout correction on it
+    scales each token's energy by the squared importance weight ρ̄², and `handle_zero_tail`
+    (off by default) zeroes the baseline past the second-longest completion; neither is done here.
     Raises: ValueError on bad shapes or group_size < 2.
     """
     if logp.shape != mask.shape or sum_pi_squared.shape != mask.shape:
@@ -416,8 +442,9 @@ def gae(
 def whiten(adv: Tensor, mask: Tensor | None = None, *, shift_mean: bool = True) -> Tensor:
     """Whiten advantages: (A − mean)/sqrt(var + 1e-8) over all valid elements (see ops.masked_whiten).
 
-    With shift_mean=False the mean is kept (rescale only). Population variance, as in
-    lm-human-preferences (Ziegler et al. 2019, arXiv 1909.08593) and PPO implementations.
+    With shift_mean=False the mean is kept (rescale only). Population variance, as
+    lm-human-preferences' `whiten` (Ziegler et al. 2019, arXiv 1909.08593: tf.nn.moments); TRL's
+    PPO and verl's `masked_whiten` use the unbiased variance (a factor √((n − 1)/n) apart).
     Shapes: adv (B,) or (B, T); mask same shape or None (all valid). Returns adv's shape; 0 at
     padding.
     Raises: ValueError if mask's shape differs from adv's.
@@ -486,11 +513,15 @@ ADVANTAGES: dict[str, Advantage] = {
     ),
 }
 
-# Other libraries' names for the same estimators (config values that resolve to ours): verl's
-# `algorithm.adv_estimator` "grpo" is group_zscore (sample std, eps 1e-6; its
-# norm_adv_by_std_in_grpo=False is group_mean); "rloo", "gae", "remax", "opo",
-# "optimal_token_baseline" are ours already; "reinforce_plus_plus(_baseline)" are reinforce_pp
-# (_baseline); "grpo_passk" is pass_k. verl's "gpg" counts M differently (see `gpg`): not an alias.
+# Other libraries' names for the same estimators (config values that resolve to ours), checked
+# against verl's code (verl/trainer/ppo/core_algos.py): verl's `algorithm.adv_estimator` "grpo"
+# is group_zscore (torch.std with Bessel's correction, eps 1e-6; its norm_adv_by_std_in_grpo=False
+# is group_mean); "reinforce_plus_plus(_baseline)" are reinforce_pp(_baseline) (unbiased token
+# whitening, verl's `masked_whiten`); "grpo_passk" is pass_k; "rloo", "gae", "remax", "opo",
+# "optimal_token_baseline" are ours already. Where they differ, for every name: verl gives a
+# group of one sample the baseline 0 (and std 1), ours refuse group_size < 2; a group whose
+# rewards are all equal gets exactly 0 here, r − mean (possibly rounding noise) in verl. verl's
+# "gpg" counts M differently (see `gpg`): not an alias.
 ADVANTAGE_ALIASES: dict[str, str] = {
     "grpo": "group_zscore",
     "reinforce_plus_plus": "reinforce_pp",

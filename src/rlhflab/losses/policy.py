@@ -309,10 +309,19 @@ def gmpo(
     With aggregation "seq_mean_token_mean" the step loss is −(1/G)Σ_i A_i·ρ_i, the paper's
     objective; with other aggregations each row's value is weighted by its token count.
     The eps are in log space: the ratio range is (e^−0.4, e^0.4) by default (the paper's
-    "clipping wider" range). "clipped_low"/"clipped_high": tokens whose log-ratio is clipped with
-    A < 0 / A > 0. stats["ratio"] is ρ_i broadcast.
-    Shapes: logp, logp_old, mask (B, T); adv (B,) (a (B, T) adv uses its row mean over valid
-    tokens, as verl does). Returns loss (B, T) (0 at padding) and stats. An empty row gives 0.
+    "clipping wider" range). "clipped_low"/"clipped_high": tokens whose clip binds (ℓ replaced by
+    −eps_low with Ā < 0 / by eps_high with Ā > 0: those tokens get no gradient); a token outside
+    the range on the side the objective does not push is not clipped and not counted (verl's
+    clipfrac counts every token outside the range). stats["ratio"] is ρ_i broadcast.
+    Shapes: logp, logp_old, mask (B, T); adv (B,) (a (B, T) adv is replaced by its row mean Ā_i
+    over valid tokens, in the objective and in the clip side). Returns loss (B, T) (0 at padding)
+    and stats. An empty row gives 0.
+    verl's `geo_mean` (compute_policy_loss_geo_mean) gives the same values for a (B,) advantage
+    (with `seq_mean_token_mean`, its fixed reduction). With a (B, T) advantage it also puts the
+    row mean Ā_i in the objective, but picks each token's clip side by the sign of that token's
+    A_{i,t}, and counts clipped tokens by it: a token whose sign differs from its row's is clipped
+    on the other side there. Here the side follows sgn(Ā_i), the sign of the objective −Ā_i·ρ_i
+    that is optimised (the paper defines GMPO for a sequence advantage only).
     Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673, §3 (the
     geometric-mean objective) and §3.3 (token-level clipping in log space, range (e^−0.4, e^0.4)).
     Raises: ValueError on mismatched shapes or eps < 0.
@@ -327,7 +336,7 @@ def gmpo(
     lr_min = sgn * torch.minimum(sgn * lr, sgn * lr_clip)
     rho = torch.exp(masked_mean(lr_min, m, dim=-1))[:, None]  # (B, 1)
     loss = torch.where(m, -(a_seq * rho).expand_as(logp), 0.0)
-    clipped = (lr.detach() != lr_clip.detach()) & m
+    clipped = (lr_min.detach() != lr.detach()) & m  # the clipped value was chosen
     return loss, _stats(
         rho.detach().expand_as(logp), clipped & (a_seq < 0), clipped & (a_seq > 0), m
     )
@@ -524,10 +533,15 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "kl_cov": PolicyLoss(kl_cov, select=kl_cov_selection),
 }
 
-# verl's `actor.policy_loss.loss_mode` names for the same surrogates: "vanilla" is PPO-clip with
-# dual clip (clip_ratio_c = 3; verl also clamps log r to ±20, which changes nothing below
-# r = e^20); "gpg" is −A·log π, our reinforce; "geo_mean" is GMPO. "clip_cov", "kl_cov", "gspo",
-# "sapo" are ours already (verl's clip_cov/kl_cov choose per micro-batch; see their docstrings).
+# verl's `actor.policy_loss.loss_mode` names for the same surrogates (checked against
+# verl/trainer/ppo/core_algos.py): "vanilla" is PPO-clip with dual clip (clip_ratio_c = 3; verl
+# also clamps log r to ±20, which changes nothing while |log r| ≤ 20); "gpg" is −A·log π, our
+# reinforce; "geo_mean" is GMPO (the same for a per-sequence advantage; with a per-token one verl
+# picks the clip side by each token's sign, ours by the row mean's: see `gmpo`). "clip_cov",
+# "kl_cov", "gspo", "sapo" are ours already, with these differences in verl: clip_cov/kl_cov
+# choose per micro-batch from the current log-probs (see their docstrings); verl's gspo and sapo
+# always reduce with "seq-mean-token-mean" whatever loss_agg_mode says (ours follow
+# loss.aggregation) and clamp the log-ratio (gspo's sequence log-ratio at 10, sapo's at ±20).
 POLICY_LOSS_ALIASES: dict[str, str] = {
     "vanilla": "ppo_dual_clip",
     "gpg": "reinforce",
