@@ -9,7 +9,9 @@ Each step reads top to bottom (`Distill.step`):
     2. teacher    the teacher's view of each completion: the same prompt (a teacher model), or
                   the question with a correct sibling completion as a demonstration (SDPO: the
                   student itself, no gradient; a row whose only correct sibling is itself has no
-                  demonstration and is left out of the loss, as in the book)
+                  demonstration and is left out of the loss, as in the book's earlier
+                  LiveCodeBench rollout.py; its current version gives every row the group's first
+                  correct completion, its own included)
     3. update     one optimizer step on `loss.divergence` (rlhflab.losses.distill.DIVERGENCES),
                   the mean over the batch's completion tokens, accumulated over micro-batches:
                   full-distribution divergences from both models' hidden states in row-chunks
@@ -374,7 +376,8 @@ class Distill(Trainer):
 
     def sibling_rollout(self, batch: ScoredBatch) -> tuple[Rollout, torch.Tensor]:
         """SDPO's teacher rollout: each row's prompt with the question followed by the first other
-        correct completion of its group as a demonstration (the book's reprompt), and the same
+        correct completion of its group as a demonstration (the book's reprompt; the "other"
+        sibling rule of its earlier LiveCodeBench rollout.py, see the module doc), and the same
         completion tokens; `keep` (B,) is 0 for rows with no such sibling."""
         g, rows, keep = self.group_size, [], []
         correct = (batch.rewards >= 1.0).tolist()
