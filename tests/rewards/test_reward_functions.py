@@ -126,6 +126,23 @@ def test_user_function_by_module_path(tmp_path, monkeypatch):
     assert fn(None, ["1a", "a1"]) == [1.0, 0.0]
 
 
+def test_trl_style_function_without_prompts_is_called_by_keyword(tmp_path):
+    # TRL calls reward_func(prompts=..., completions=..., completion_ids=..., **columns), so its
+    # docs' functions often take only `completions` and **kwargs; a positional call would hand
+    # them the prompts as completions (here: a TypeError for two positional arguments)
+    path = _user_file(
+        tmp_path,
+        """
+        def reward_len(completions, **kwargs):
+            return [-abs(5 - len(c)) for c in completions]
+        """,
+    )
+    comps = [RewardComponentConfig(function=f"{path}:reward_len", weight=1.0)]
+    rows = [PromptRow("a long prompt", {}), PromptRow("q", {})]
+    total, _ = score_components(comps, {"texts": ["abcde", "ab"], "problems": rows}, where="t")
+    assert total.tolist() == [0.0, -3.0]
+
+
 def test_conversational_rows_get_message_completions(tmp_path):
     path = _user_file(
         tmp_path,

@@ -1,7 +1,10 @@
 """Reward functions in TRL's calling convention, by name or by import path.
 
-    fn(prompts, completions, **columns) -> list[float | None]
+    fn(prompts=..., completions=..., **columns) -> list[float | None]
 
+Called by keyword, as TRL's GRPOTrainer does (`_calculate_rewards`). TRL also passes
+`completion_ids`, `trainer_state`, `log_extra` and `log_metric` (and `environments`); rlhflab
+does not, so a function that reads them fails with a one-line RewardError.
 `prompts` and `completions` hold one entry per completion (a prompt repeated group_size times):
 strings for standard prompts; for conversational prompts, `prompts[i]` is the message list and
 `completions[i]` is `[{"role": "assistant", "content": text}]`, as TRL passes them. `columns` are

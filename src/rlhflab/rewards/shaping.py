@@ -161,7 +161,9 @@ def component_function(comp):
 
 
 def call_reward_function(fn, comp, rows: list, texts: list[str], *, where: str) -> Tensor:
-    """Call `fn(prompts, completions, **columns, **comp.args)` for prompt rows and completions.
+    """Call `fn(prompts=prompts, completions=completions, **columns, **comp.args)` for prompt
+    rows and completions: by keyword, as TRL's GRPOTrainer calls reward functions, so a function
+    written for TRL as `f(completions, **kwargs)` works.
 
     Conversational rows (prompt = messages) get completions as `[{"role": "assistant",
     "content": text}]`, as in TRL. Columns missing from a row are None in its list.
@@ -183,7 +185,7 @@ def call_reward_function(fn, comp, rows: list, texts: list[str], *, where: str) 
     columns = {k: [getattr(r, "columns", {}).get(k) for r in rows] for k in keys}
     kwargs = call_kwargs(fn, {**columns, **comp.args})
     try:
-        out = fn(prompts, completions, **kwargs)
+        out = fn(prompts=prompts, completions=completions, **kwargs)
     except Exception as exc:
         msg = " ".join(str(exc).split())[:200]
         raise RewardError(
