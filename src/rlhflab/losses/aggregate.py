@@ -145,9 +145,13 @@ DENOMINATORS: dict[str, tuple[str, ...]] = {
 # Other libraries' names for the same reductions (config values that resolve to ours):
 # - verl's `actor.loss_agg_mode`: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 #   "seq-mean-token-sum-norm" (verl divides the last by its padded response length and not by the
-#   number of sequences; ours by num_seqs · max_len, Dr. GRPO's constant);
+#   number of sequences; ours by num_seqs · max_len, Dr. GRPO's constant). verl's seq-mean modes,
+#   when they count the sequences themselves, count only those with a valid token; ours count
+#   every completion of the step (the same unless a completion is empty);
 # - TRL's GRPOConfig `loss_type` (a reduction): "grpo" (per-sequence token mean), "dr_grpo"
-#   (Σ / (B · max_completion_length)), "dapo" (Σ / the tokens of the whole accumulated batch).
+#   (Σ / (B · max_completion_length)), "dapo" (Σ / the tokens of the whole accumulated batch);
+#   TRL's "grpo" and "dr_grpo" average over each device's micro-batch and divide by the
+#   accumulation steps, the same as ours when the micro-batches have equal sizes.
 #   TRL's "bnpo" normalises by the tokens of each local micro-batch: no counterpart here.
 AGGREGATION_ALIASES: dict[str, str] = {
     "token-mean": "token_mean",

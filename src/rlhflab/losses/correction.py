@@ -53,8 +53,10 @@ def truncated_importance_weights(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token TIS weights w = min(exp(logp_old − logp_sampler), C), detached.
 
-    Yao et al. 2025 (token-level TIS; the same as TRL's `vllm_importance_sampling_correction` with
-    `vllm_importance_sampling_mode="token_truncate"` and verl's `tis_imp_ratio_cap`). Only the upper
+    Yao et al. 2025 (token-level TIS; the same weight as TRL's `vllm_importance_sampling_correction`
+    with `vllm_importance_sampling_mode="token_truncate"` and no `vllm_importance_sampling_clip_min`,
+    and as verl's `rollout_is: token` with `rollout_is_threshold` C, which also clamps the
+    log-ratio to ±20 before the exp; verl's older name was `tis_imp_ratio_cap`). Only the upper
     side is truncated: a weight below 1 (the sampler over-weights the token) is kept as is. The
     weight uses π_θold, the trainer's policy at sampling time — not π_θ, whose ratio to π_θold the
     surrogate already handles — so it is constant across the update epochs of a batch.
@@ -116,8 +118,11 @@ def decoupled(
     """The decoupled PPO objective for stale (asynchronous) rollouts: loss_t · min(π_prox / π_behav, C).
 
     Hilton, Cobbe, Schulman 2022, "Batch size-invariance for policy optimization" (arXiv
-    2110.00641), their decoupled PPO objective; the form AReaL uses for asynchronous RL (Fu et
-    al. 2025, arXiv 2505.24298, `behav_imp_weight_cap`). Three policies: π_behav sampled the
+    2110.00641), their decoupled PPO objective, which AReaL uses for asynchronous RL (Fu et al.
+    2025, arXiv 2505.24298; `use_decoupled_loss`). The cap differs from AReaL's
+    `behav_imp_weight_cap`: AReaL *drops* a token whose weight exceeds its cap (weight 0, still
+    counted in the token-mean's denominator; no cap by default), here the weight is truncated to C
+    (as TIS does). Three policies: π_behav sampled the
     tokens (the behaviour policy, some updates old), π_prox is the *proximal* policy — the
     trainer's policy at the start of this update, against which the surrogate's ratio
     π_θ / π_prox is clipped — and π_θ carries the gradient. Per token, for a surrogate ℓ_t(π_θ,
@@ -197,8 +202,9 @@ def normalize_weights(
     the trainer passes their all-reduced values, so the mean is that of the global batch.
     Self-normalised IS: biased but lower variance, and it keeps the loss's scale.
     Shapes: w, mask (B, T). Returns (B, T), 0 at padding. A zero mean leaves w unchanged.
-    Source: verl `rollout_corr` (rollout_is_batch_normalize); self-normalised importance
-    sampling (e.g. Owen 2013, "Monte Carlo theory, methods and examples", §9.2).
+    Source: verl `rollout_corr` (rollout_is_batch_normalize: the same means, token or sequence;
+    verl skips the division when the mean is ≤ 1e-8); self-normalised importance sampling (e.g.
+    Owen 2013, "Monte Carlo theory, methods and examples", §9.2).
     Raises: ValueError for an unknown level or mismatched shapes.
     """
     if level not in IS_LEVELS:
@@ -243,8 +249,11 @@ def rejection_mask(
     with the rejection rate (masked importance sampling).
     Shapes: (B, T). Returns (B, T) float 0/1, detached, 0 at padding.
     Source: Liu, Li, Yao et al. 2025, "When speed kills stability: demystifying RL collapse from
-    the training-inference mismatch" (masked IS, sequence and geometric rejection); verl
-    `rollout_corr` (rollout_rs: token / sequence / geometric).
+    the training-inference mismatch" (masked IS, sequence and geometric rejection). verl's
+    `rollout_corr` calls these filters `rollout_rs` "token_k1", "seq_sum_k1" and "seq_mean_k1",
+    with bounds on k1 = log(π_sampler/π_old) (the inverse ratio; the same sets when low = 1/high,
+    our default), and removes rejected tokens from the response mask, so they also leave its
+    loss denominators (here they stay in them).
     Raises: ValueError for an unknown level, high <= 0 or low outside (0, high].
     """
     if level not in REJECTION_LEVELS:

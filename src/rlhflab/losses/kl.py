@@ -101,7 +101,10 @@ def straight_through(value_fn):
     As a loss term, k2's gradient (logp − logp_ref)·∇logp is the one whose expectation under
     π_θ is ∇KL(π_θ ‖ π_ref) (see the module docstring); the value is the chosen estimator's, so
     the logged KL is unchanged. Returns the elementwise function (logp, logp_ref) -> (...).
-    Source: verl `kl_penalty` with a "+" suffix ("low_var_kl+", "k1+", "abs+").
+    Source: verl's documented "+" suffix of `kl_loss_type` ("k1+", "k3+", "abs+"; docs/algo/ppo.md)
+    and the straight-through line of its `kl_penalty` (k2 − sg(k2) + sg(value)); in the verl code
+    read (core_algos.py, early 2026) `kl_penalty_forward` does not strip the "+", so verl itself
+    raises NotImplementedError for every "+" name.
     """
 
     def fn(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -250,7 +253,9 @@ KL_ESTIMATORS = {
 }
 
 # Other libraries' names for the same estimators (config values that resolve to ours): verl's
-# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2 ("mse+" is k2 itself), "kl+" is k1+.
+# `kl_loss_type` / `kl_penalty` "kl" is k1, "mse" is k2 ("mse+" is k2 itself), "kl+" is k1+
+# (verl's "+" names as documented; see `straight_through`). verl's own "k3" is its clamped
+# "low_var_kl": our "k3" is the unclamped estimator (the same name, values differ beyond ±10).
 KL_ESTIMATOR_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "mse+": "k2", "kl+": "k1+"}
 
 # Names that look like ours but compute something else: refused with the difference.

@@ -433,7 +433,8 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 #: Δ_l/|y_l|)), as `dpo_norm`. TRL's "hinge", "ipo", "apo_zero", "apo_down" (and CPO's "simpo")
 #: are our names already (TRL's "ipo" averages log-probs over tokens, ours sums: see `ipo`).
 #: Not aliases: TRL's "robust" is robust DPO (Chowdhury et al. 2024, arXiv 2403.00409), not
-#: `cdpo` (TRL's cDPO is "sigmoid" with label_smoothing); "exo_pair", "nca_pair", "bco_pair",
+#: `cdpo` (TRL before v0.29 gave cDPO as "sigmoid" with label_smoothing; since its DPO refactor
+#: "sigmoid" ignores label_smoothing and TRL has no cDPO); "exo_pair", "nca_pair", "bco_pair",
 #: "sppo_hard", "aot", "aot_unpaired", "discopop" and "sft" are not implemented here.
 PREFERENCE_ALIASES: dict[str, str] = {"sigmoid": "dpo", "sigmoid_norm": "dpo_norm"}
 

@@ -21,8 +21,10 @@ the current policy, which also becomes the reference for that round (Xu et al. 2
 arXiv 2312.16682; Yuan et al. 2024, arXiv 2401.10020).
 
 KTO: every labelled completion gets, once at data preparation, a fixed mismatched completion of
-another prompt; z₀ is the mean reference-normalised log-ratio of the mismatched pairs of the
-micro-batch (as TRL per device batch), so with KTO micro-batching changes z₀ slightly; for every
+another prompt; z₀ is the mean reference-normalised log-ratio of the mismatched pairs of this
+rank's micro-batch, so with KTO micro-batching changes z₀ slightly (TRL's KTOTrainer takes each
+device's micro-batch mean too, but then averages it over the processes before the clamp, so
+under data parallelism its z₀ is the mean over every rank's micro-batch); for every
 other loss k micro-batches give exactly the gradient of one batch (tested).
 Sampled completions are decoded and re-encoded with `encode_completion` (eos appended), exactly as
 SFT targets are, so a sample cut at max_new_tokens is trained as if it had ended there.
