@@ -275,8 +275,9 @@ def sapo(
     are 0 (nothing is clipped); the ratio is in stats["ratio"].
     Shapes: as `ppo_clip`. Returns loss (B, T) (0 at padding) and stats.
     Source: Gao et al. (Qwen team) 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347,
-    §3 (the soft gate σ(τ(r − 1))·4/τ, τ by the sign of A); defaults τ_pos = 1.0, τ_neg = 1.05
-    as in the paper's experiments.
+    §3 (the soft gate σ(τ(r − 1))·4/τ, τ by the sign of A); defaults τ_pos = 1.0, τ_neg = 1.05,
+    verl's defaults (actor.yaml) and the values the paper recommends as secondary sources report
+    them (its PDF not checked here).
     Raises: ValueError on mismatched shapes or non-positive temperatures.
     """
     if not (tau_pos > 0 and tau_neg > 0):
