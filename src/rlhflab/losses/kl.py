@@ -8,7 +8,10 @@ With x ~ π_θ and r = π_ref(x)/π_θ(x), i.e. log r = logp_ref − logp:
 E_{π_θ}[k1] = E_{π_θ}[k3] = KL(π_θ ‖ π_ref) exactly.
 
 Direction: the samples come from π_θ (the policy being trained), so r is π_ref/π_θ. The rlhf-book's
-code had r = π_θ/π_ref for k1/k3, which estimates the other direction (or nothing); not repeated.
+code (code/policy_gradients/loss.py, `approx_kl1` / `approx_kl3`) puts r' = π_θ/π_ref in their
+place: its k1 = −log r' has expectation −KL(π_θ ‖ π_ref) (the sign flipped) and its
+k3 = (r' − 1) − log r' is not an unbiased estimate of either KL under samples of π_θ (its k2 is
+the same as ours, the square does not see the sign); not repeated.
 
 As a reward penalty (PPO, RLOO: reward −= coef·k per token) any estimator works. As a loss term
 (GRPO's β·D_KL) note what the gradient is when the samples are held fixed: ∇k1 = ∇logp has zero
