@@ -30,7 +30,8 @@ def run_heldout(run_dir: str | Path) -> dict:
 
     Returns:
         {"cfg", "rows" (held-out problems or prompt rows, the first eval.n), "scorer" (the task
-        Verifier or the prompt dataset's TextRewardScorer), "system", "instruction"}.
+        Verifier or the prompt dataset's TextRewardScorer), "system", "instruction", "env" (the
+        run's `env` section: its held-out set is evaluated by episodes; None without one)}.
     Raises:
         ConfigError: the run is not a policy-gradient run, or has no held-out set.
     """
@@ -61,6 +62,7 @@ def run_heldout(run_dir: str | Path) -> dict:
         "scorer": scorer,
         "system": t.system if task else cfg.data.system,
         "instruction": task_instruction(t) if task else None,
+        "env": cfg.env,
     }
 
 
@@ -79,6 +81,14 @@ def _evaluate(path: str, held: dict, *, ks, n_samples, temperature, max_new_toke
               seed, engine) -> dict:  # fmt: skip
     from rlhflab.eval.common import load_and_evaluate
 
+    if held["env"] is not None:  # greedy episodes with the run's environment, as it evaluated
+        from rlhflab.eval.episodes import load_and_run_episodes
+
+        res = load_and_run_episodes(
+            path, held["rows"], held["env"], engine=engine, batch_size=batch_size,
+            rollout_max_new_tokens=held["cfg"].rollout.max_new_tokens,
+        )  # fmt: skip
+        return {"model": path, **res}
     res = load_and_evaluate(
         path,
         held["rows"],
@@ -115,6 +125,12 @@ def passk_before_after(
     run_dir = Path(run_dir)
     held = run_heldout(run_dir)
     cfg = held["cfg"]
+    if held["env"] is not None:
+        raise ConfigError(
+            f"eval {run_dir} --passk: the run has an environment ({held['env'].class_}); its "
+            "held-out evaluation is greedy episodes (--checkpoints), pass@k of episodes is not "
+            "implemented"
+        )
     final = run_dir / "model"
     if not final.is_dir():
         raise ConfigError(f"eval {run_dir}: no final model ({final}); the run did not finish")
