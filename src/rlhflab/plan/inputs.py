@@ -138,6 +138,10 @@ class PlanSetting:
     activation_checkpointing: bool = False
     reference_dtype: str | None = None
 
+    def gives_micro_batch(self, extra: list[str] | tuple[str, ...] = ()) -> bool:
+        """Whether the user's overrides (then `extra`) set the micro-batch."""
+        return _given_micro_batch([*self.overrides, *extra])
+
     def load(self, extra: list[str]):
         """The run's config with the user's overrides, then `extra`."""
         from rlhflab.config import apply_overrides, config_from_dict, load_config
@@ -175,7 +179,7 @@ class PlanSetting:
         valid = micro_batches(cfg)
         if valid is not None:  # the largest allowed one at or below the largest that fits
             best = max((m for m in valid if m <= best), default=0)
-        searched = not _given_micro_batch([*self.overrides, *extra])
+        searched = not self.gives_micro_batch(extra)
         if searched:
             p.micro_batch = max(1, best)
         out = estimate(self.shape, p)

@@ -139,10 +139,8 @@ def fit_suggestions(setting, base: dict) -> dict:
         each entry as `_try` returns it, so `plan(..., gpus=e["gpus"],
         overrides=[*user_overrides, *e["overrides"]])["per_gpu_gib"] == e["per_gpu_gib"]`.
     """
-    from rlhflab.plan.inputs import _given_micro_batch
-
     gpus, inputs = setting.gpus, base["inputs"]
-    user_mb = _given_micro_batch(setting.overrides)
+    user_mb = setting.gives_micro_batch()
     pool = [c for c in CHANGES if _applies(c, inputs, gpus)]
     if user_mb and base["max_micro_batch"] < inputs["micro_batch"]:
         pool.insert(0, MICRO_BATCH)
