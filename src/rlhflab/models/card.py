@@ -37,8 +37,8 @@ def _base_model(cfg) -> tuple[str, str | None]:
             None,
         )
     path = m.name_or_path
-    local = os.path.exists(os.path.expanduser(path))
-    if local:  # a directory of this machine: no Hub link; its own name (the run's, if any)
+    hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if os.path.exists(os.path.expanduser(path)) or not hub_like:  # a path of this machine
         return f"`{path}` (a local directory)", None
     return f"[{path}](https://huggingface.co/{path})", path
 
