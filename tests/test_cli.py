@@ -285,13 +285,16 @@ def test_prompt_dataset_errors_are_one_line_before_the_run(tmp_path, capsys):
 def test_best_of_n_and_eval_read_answers_the_same_way_by_default():
     # issue 23: best-of-n defaulted to tags, eval and the trainers to plain
     from rlhflab.config import TaskConfig
+    from rlhflab.eval.training_run import default_settings
 
     bon = parse_args(["best-of-n", "p", "--rm", "x:orm", "--task", "t"]).answer_format
-    ev = parse_args(["eval", "p", "--task", "t"]).answer_format
+    # eval: not given is None (the training run's when found, else the default)
+    assert parse_args(["eval", "p", "--task", "t"]).answer_format is None
+    ev = default_settings()["answer_format"]
     assert bon == ev == TaskConfig().answer_format == "plain"
 
 
-@pytest.mark.parametrize("command", ["best-of-n", "eval"])
+@pytest.mark.parametrize("command", ["best-of-n"])  # eval: tests/eval/test_eval_training_run.py
 def test_a_policy_trained_with_another_answer_format_is_warned_about(command, tmp_path, capsys):
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)

@@ -426,3 +426,117 @@ def test_docs_tables_are_what_the_planner_says(shape, monkeypatch):
         cells = [plan_tables.cell(shape, job, gpus, mem) for job in plan_tables.JOBS]
         params = BUILTIN_SHAPES[shape].params() / 1e9
         assert f"| {shape} ({params:.2f} B) | " + " | ".join(cells) + " |" in doc
+
+
+# -- issue #36: a plan that does not fit says what makes it fit; hub ids; the micro-batch search
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_SHAPES))
+def test_hub_ids_of_the_builtin_shapes_resolve_to_them(name):
+    from rlhflab.plan import HUB_IDS
+
+    hub = [h for h, n in HUB_IDS.items() if n == name]
+    assert len(hub) == 1  # every built-in shape has its Hub id
+    _, model = hub[0].split("/")
+    assert model.lower() == name  # the Hub's name of the same model
+    for spelled in (hub[0], hub[0].lower(), hub[0].upper()):
+        assert resolve_shape(spelled) is BUILTIN_SHAPES[name]
+    over = ["train.micro_batch_size=2"]
+    by_hub = plan(hub[0], gpus=1, gpu_memory_gib=80, overrides=over, suggest=False)
+    assert by_hub["per_gpu_gib"] == plan(name, gpus=1, gpu_memory_gib=80, overrides=over,
+                                         suggest=False)["per_gpu_gib"]  # fmt: skip
+
+
+def test_a_local_directory_named_like_a_hub_id_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    d = Path("Qwen/Qwen3-8B")
+    d.mkdir(parents=True)
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 100, "model_type": "qwen3"}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert resolve_shape("Qwen/Qwen3-8B").hidden_size == 64
+
+
+def test_without_a_micro_batch_the_run_is_judged_at_the_largest_that_fits():
+    # GRPO preset (its micro-batch is a CPU value), Qwen3-0.6B on one 48 GB card
+    kw = dict(gpus=1, gpu_memory_gib=48, config=GRPO, prompt_len=256, suggest=False)
+    r = plan("qwen3-0.6b", overrides=["rollout.max_new_tokens=512"], **kw)
+    m, limit = r["inputs"]["micro_batch"], r["micro_batch_limit"]
+    assert r["micro_batch_searched"] and 1 < m < limit  # a real search, not a bound
+    assert m != r["config_micro_batch"] and r["fits"]
+    at = lambda mb: plan("qwen3-0.6b", overrides=["rollout.max_new_tokens=512",  # noqa: E731
+                                                  f"train.micro_batch_size={mb}"], **kw)  # fmt: skip
+    assert at(m)["fits"] and not at(m + 1)["fits"]
+    assert at(m)["per_gpu_gib"] == r["per_gpu_gib"]
+    assert not at(m)["micro_batch_searched"]  # a given micro-batch is judged as given
+
+
+def _replan(e: dict, over: list[str], **kw) -> dict:
+    """The plan with a suggestion's change applied, recomputed from scratch."""
+    return plan("qwen3-8b", overrides=[*over, *e["overrides"]], suggest=False,
+                **{**kw, "gpus": e["gpus"]})  # fmt: skip
+
+
+def test_each_suggestion_is_the_plan_recomputed_with_its_change_cheapest_first():
+    from rlhflab.plan.suggest import CHANGES
+
+    over = ["rollout.max_new_tokens=768", "kl.coef=0.04"]
+    kw = dict(gpu_memory_gib=48, config=GRPO, prompt_len=256, gpus=4)
+    r = plan("qwen3-8b", overrides=over, **kw)
+    assert not r["fits"]
+    sug = r["suggestions"]
+    each = sug["each"]
+    names = [e["change"] for e in each]
+    # every change that applies on 4 GPUs, alone, in the documented order, then more GPUs
+    assert names[:5] == [c.name for c in CHANGES]
+    # more GPUs: 8 and 16 (the preset's 16 prompts per step split over at most 16 ranks); 16
+    # is the largest tried, and the fp32 policy gathered for rollout still does not fit
+    more = each[5]
+    assert names[5].startswith("more GPUs: 16 + ") and more["gpus"] == 16 and not more["fits"]
+    exact = ["model.gradient_checkpointing=true", "parallel.strategy=fsdp2"]
+    assert not plan("qwen3-8b", overrides=[*over, *exact], suggest=False, **{**kw, "gpus": 8})[
+        "fits"
+    ]
+    for e in [*each, sug["cheapest"]]:
+        again = _replan(e, over, **kw)
+        assert again["per_gpu_gib"] == e["per_gpu_gib"]
+        assert (again["fits"] and again["load_fits"]) == e["fits"]
+        assert again["inputs"]["micro_batch"] == e["micro_batch"]
+    # the cheapest combination fits, and no combination of lower cost (Σ 2^rank) does
+    best = sug["cheapest"]
+    assert best["fits"]
+    rank = {c.name: c.rank for c in CHANGES}
+    cost = sum(2 ** rank[n] for n in best["changes"])
+    import itertools
+
+    for k in range(1, 6):
+        for cs in itertools.combinations(CHANGES, k):
+            if sum(2**c.rank for c in cs) < cost:
+                extra = list(dict.fromkeys(o for c in cs for o in c.overrides))
+                p = plan("qwen3-8b", overrides=[*over, *extra], suggest=False, **kw)
+                assert not (p["fits"] and p["load_fits"]), [c.name for c in cs]
+
+
+def test_a_given_micro_batch_that_does_not_fit_is_the_first_suggestion():
+    over = ["trainer=sft", "train.max_len=1024", "train.batch_size=64",
+            "train.micro_batch_size=64"]  # fmt: skip
+    r = plan("qwen3-0.6b", gpus=1, gpu_memory_gib=24, overrides=over)
+    assert not r["fits"] and 0 < r["max_micro_batch"] < 64
+    first = r["suggestions"]["each"][0]
+    assert first["change"] == "micro-batch" and first["fits"]
+    assert first["micro_batch"] == r["max_micro_batch"]
+    assert first["per_gpu_gib"] == plan("qwen3-0.6b", gpus=1, gpu_memory_gib=24, overrides=[
+        *over, f"train.micro_batch_size={r['max_micro_batch']}"])["per_gpu_gib"]  # fmt: skip
+    assert r["suggestions"]["cheapest"]["changes"] == ["micro-batch"]
+
+
+def test_cli_prints_what_makes_it_fit(capsys):
+    argv = ["plan", "--model", "Qwen/Qwen3-8B", "--gpus", "1", "--gpu-memory", "80"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "What makes it fit, each change alone, cheapest first" in out
+    assert "The cheapest combination that fits:" in out and "model.lora.r=16" in out
+    assert main([*argv, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["suggestions"]["cheapest"]["fits"] and res["model"]["name"] == "qwen3-8b"

@@ -92,7 +92,8 @@ def next_command(cfg: Any, results: dict) -> str | None:
     """The next useful command after `rlhflab train` with `cfg` returned `results`, or None.
 
     SFT on a task: GRPO (or DPO) from its model. Policy-gradient or DPO on a task: pass@k of its
-    model on the same held-out split (`rlhflab eval --k 8`). A reward model trained from a policy
+    model on the same held-out split (`rlhflab eval --k 8`); with an environment (`env:`),
+    `rlhflab eval MODEL`, which runs the held-out episodes with the run's environment. A reward model trained from a policy
     on task samples: best-of-N with it. None when no model was saved or the data is not a task.
     """
     model_dir = results.get("model_dir")
@@ -108,6 +109,11 @@ def next_command(cfg: Any, results: dict) -> str | None:
             "# or configs/dpo/dpo.yaml for DPO"
         )
     if trainer == "policy_gradient" and cfg.data.source == "task":
+        if getattr(cfg, "env", None) is not None:  # eval reads the env from the run's config
+            return (
+                f"next: rlhflab eval {shlex.quote(model_dir)}   # held-out episodes with the "
+                "run's environment, as the run evaluated them"
+            )
         return f"next: {_eval_command(cfg, model_dir)}   # pass@8 on the same held-out split"
     if trainer == "direct_alignment" and cfg.prompts.source == "task":
         return f"next: {_eval_command(cfg, model_dir)}   # pass@8 on the same held-out split"

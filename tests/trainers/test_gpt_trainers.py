@@ -109,6 +109,9 @@ def test_eval_command_reads_the_gpt(gpt_sft):
         threads=1, show=2, print_fn=printed.append,
     )  # fmt: skip
     assert res["n"] >= 1 and 0.0 <= res["accuracy"] <= 1.0
+    # the settings that differ from the SFT run's held-out evaluation are named first
+    assert printed[0].startswith("warning: not the run's own held-out evaluation")
+    printed = printed[1:]
     assert len(printed) == 3 and printed[0].count("completion:") == 1
     assert "majority-answer baseline" in printed[-1]
     assert res["majority_answer"] is not None and 0.0 <= res["majority_accuracy"] <= 1.0

@@ -149,13 +149,23 @@ def build_parser() -> argparse.ArgumentParser:
         "eval",
         help="held-out accuracy (greedy) and pass@k of a model on a task, or its mean reward on a "
         "prompt dataset",
+        description="With --task (or neither --task nor --data), a model saved by an rlhflab run "
+        "(RUN/model, RUN/checkpoints/STEP) is evaluated as the run evaluated it: every task "
+        "setting not given (task, --task-config, --seed, --exclude-train, --n, --answer-format, "
+        "--instruction, --system, --reward, --max-new-tokens) is read from RUN/config.yaml, a "
+        "given one that differs is named in a warning, and a run with an environment (env:) is "
+        "evaluated by greedy episodes with it. The defaults shown below apply to other models.",
     )
     p.add_argument(
         "model",
         help="hub id or local directory of a causal LM (a run directory with --passk "
         "or --checkpoints)",
     )
-    p.add_argument("--task", default=None, help="reasoning_gym dataset name")
+    p.add_argument(
+        "--task",
+        default=None,
+        help="reasoning_gym dataset name (default: the task of the run that trained MODEL)",
+    )
     p.add_argument(
         "--data",
         default=None,
@@ -179,14 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task-config", default=None, type=_json_object, help="the dataset's kwargs as JSON"
     )
-    p.add_argument("--n", type=_positive_int, default=500, help="held-out problems (default 500)")
+    p.add_argument("--n", type=_positive_int, default=None, help="held-out problems (default 500)")
     p.add_argument(
         "--exclude-train",
         type=int,
-        default=20000,
+        default=None,
         help="drop held-out questions that appear among the first N training items (default 20000)",
     )
-    p.add_argument("--seed", type=int, default=0, help="task seed used for training (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="task seed used for training (default 0)")
     p.add_argument(
         "--k",
         type=_k_arg,
@@ -212,22 +222,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="MODEL is a run directory: the held-out headline of every saved checkpoint (and "
         "the initial and final model); writes RUN_DIR/eval/checkpoints.json and .png",
     )
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=None, help="pass@k sampling (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="(default 32)")
     p.add_argument(
         "--answer-format",
         choices=["plain", "tags", "last_number", "last_line", "boxed"],
-        default="plain",
+        default=None,
         help="how the answer is read from a completion (default plain: the whole text)",
     )
     p.add_argument("--extractor", default=None, help="user extractor 'module:function'")
     p.add_argument(
         "--instruction",
-        default="auto",
+        default=None,
         help="answer-format instruction after each task question, as task.instruction: auto "
-        "(the --answer-format's sentence; none for plain or --extractor), none, or a text",
+        "(the default: the --answer-format's sentence; none for plain or --extractor), none, "
+        "or a text",
     )
-    p.add_argument("--reward", choices=["binary", "partial"], default="binary")
+    p.add_argument("--reward", choices=["binary", "partial"], default=None, help="(default binary)")
     p.add_argument("--batch-size", type=_positive_int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--show", type=int, default=0, help="print N completions with their scores")

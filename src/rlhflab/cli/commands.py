@@ -87,7 +87,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
 
     sampling = bool(args.k) or args.passk
-    if sampling and args.temperature <= 0:
+    if sampling and args.temperature is not None and args.temperature <= 0:
         raise ConfigError(
             f"eval --temperature {args.temperature}: pass@k sampling needs a temperature > 0 "
             "(greedy accuracy is always reported; use --k 0 for greedy only)"
@@ -95,11 +95,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.passk or args.checkpoints:
         return _eval_run_dir(args)
 
-    if (args.task is None) == (args.data is None):
+    if args.task is not None and args.data is not None:
         raise ConfigError("eval: give exactly one of --task NAME and --data PATH")
-    if args.task is not None and args.extractor is None:
-        _warn_answer_format(args.model, args.answer_format)
     if args.data is not None:
+        given = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                 "seed": args.seed}  # fmt: skip
         results = run_prompt_eval_command(
             args.model,
             data=args.data,
@@ -110,21 +110,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             template=args.template,
             system=args.system,
             rewards=args.reward_fn,
-            n=args.n,
+            n=500 if args.n is None else args.n,
             k=args.k,
             n_samples=args.n_samples,
-            temperature=args.temperature,
-            max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
-            seed=args.seed,
             engine=args.engine,
+            **{k: v for k, v in given.items() if v is not None},
         )
         print(_dumps(results))
         return 0
     results = run_eval_command(
         args.model,
         task=args.task,
-        task_config=args.task_config or {},
+        task_config=args.task_config,
         n=args.n,
         n_train_exclude=args.exclude_train,
         seed=args.seed,

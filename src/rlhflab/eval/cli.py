@@ -59,20 +59,20 @@ def answer_format_warning(model_path: str, answer_format: str) -> str | None:
 def run_eval_command(
     model_path: str,
     *,
-    task: str,
-    task_config: dict,
-    n: int,
-    n_train_exclude: int,
-    seed: int,
-    k: int | list[int],
-    temperature: float,
-    max_new_tokens: int,
-    answer_format: str,
-    reward: str,
-    batch_size: int,
+    task: str | None = None,
+    task_config: dict | None = None,
+    n: int | None = None,
+    n_train_exclude: int | None = None,
+    seed: int | None = None,
+    k: int | list[int] = 0,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    answer_format: str | None = None,
+    reward: str | None = None,
+    batch_size: int = 256,
     system: str | None = None,
     extractor: str | None = None,
-    instruction: str = "auto",
+    instruction: str | None = None,
     threads: int | None = None,
     show: int = 0,
     gguf_file: str | None = None,
@@ -86,7 +86,17 @@ def run_eval_command(
     and questions that appear among the first `n_train_exclude` training items are dropped, so a
     model trained with task.n_train <= n_train_exclude is scored only on problems it never saw.
 
+    Every setting left None is taken from the run that trained `model_path` when its
+    config.yaml is found (`rlhflab.eval.training_run`: the run's task kwargs, held-out seed and
+    size, answer format, instruction, system prompt, reward, prompt template and
+    eval.max_new_tokens; the kwargs, seed and size only when `task` is the run's task or None),
+    else from the `task` / `eval` sections' defaults. Each given value that differs from the
+    run's is named in a one-line warning (`print_fn`). A run with an environment (`env:`) is
+    evaluated as it evaluated itself: one greedy episode per held-out problem with its
+    environment (`rlhflab.eval.episodes`).
+
     Args (beyond the task and sampling settings):
+        task: reasoning_gym task name; None: the training run's.
         system: system prompt rendered into every question (as `task.system` in training).
         extractor: "module:function" user extractor (overrides answer_format).
         instruction: the answer-format instruction after each question, as `task.instruction`
@@ -100,50 +110,109 @@ def run_eval_command(
     Returns:
         accuracy, accuracy_stderr, n (and pass@k), the majority-answer baseline (the most common
         training answer given to every held-out problem: majority_answer, majority_accuracy,
-        majority_accuracy_stderr), heldout_overlap_dropped, verifier_errors.
+        majority_accuracy_stderr), heldout_overlap_dropped, verifier_errors, "settings" (every
+        setting used) and "training_config" (the run's config.yaml, or None); for episodes
+        also turns, tool_calls, truncated and env.
+    Raises:
+        ConfigError: no task given and none found; pass@k or --show asked of episodes.
     """
+    from rlhflab.data.prompts import apply_template, rows_from_problems
+    from rlhflab.errors import ConfigError
+    from rlhflab.eval.training_run import find_training_run, resolve_settings
+
     if threads:
         torch.set_num_threads(threads)
-    prompt_instruction = answer_instruction(instruction, answer_format, extractor=extractor)
-    splits = make_splits(task, config=task_config, n_train=n_train_exclude, n_heldout=n, seed=seed)
-    verifier = Verifier(answer_format=answer_format, reward=reward, extractor=extractor)
-    res = load_and_evaluate(
-        model_path,
-        splits.heldout,
-        verifier,
-        gguf_file=gguf_file,
-        engine=engine,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        k=k,
-        n_samples=n_samples,
-        temperature=temperature,
-        seed=seed,
-        system=system,
-        instruction=prompt_instruction,
-        return_completions=show > 0,
+    try:
+        run = find_training_run(model_path)
+    except ConfigError as exc:
+        run = None
+        print_fn(f"warning: the training run's settings are not used: {exc}")
+    given = {
+        "task": task, "task_config": task_config, "seed": seed, "n_train_exclude": n_train_exclude,
+        "n": n, "answer_format": answer_format, "extractor": extractor, "reward": reward,
+        "system": system, "instruction": instruction, "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+    }  # fmt: skip
+    sampling = bool(k) or n_samples > 0
+    env = run.env if run is not None else None
+    if env is not None and sampling:
+        raise ConfigError(
+            f"eval --k: {model_path} was trained with an environment ({env.class_}); its "
+            "held-out evaluation is greedy episodes, pass@k of episodes is not implemented"
+        )
+    if env is not None and show:
+        raise ConfigError(f"eval --show: not available for episodes ({env.class_})")
+    s, lines = resolve_settings(given, run, sampling=sampling)
+    for line in lines:
+        print_fn(line)
+    same_task = run is not None and s["task"] == run.settings["task"]
+    # the run's held-out rows are the first eval.n of a draw of task.n_heldout (make_splits keeps
+    # draws in order, so a larger draw starts with the same rows)
+    draw = max(run.n_heldout, s["n"]) if same_task else s["n"]
+    splits = make_splits(
+        s["task"], config=s["task_config"], n_train=s["n_train_exclude"], n_heldout=draw,
+        seed=s["seed"],
+    )  # fmt: skip
+    rows = rows_from_problems(splits.heldout[: s["n"]])
+    if run is not None and run.template is not None:
+        rows = apply_template(rows, run.template)
+    verifier = Verifier(
+        answer_format=s["answer_format"], reward=s["reward"], extractor=s["extractor"]
     )
+    if env is not None:
+        from rlhflab.eval.episodes import load_and_run_episodes
+
+        print_fn(
+            f"note: held-out episodes with the run's environment ({env.class_}, up to "
+            f"{env.max_turns} turns), greedy, as the run evaluated itself"
+        )
+        res = load_and_run_episodes(
+            model_path, rows, env, rollout_max_new_tokens=run.rollout_max_new_tokens,
+            batch_size=batch_size, engine=engine, gguf_file=gguf_file,
+        )  # fmt: skip
+    else:
+        res = load_and_evaluate(
+            model_path,
+            rows,
+            verifier,
+            gguf_file=gguf_file,
+            engine=engine,
+            batch_size=batch_size,
+            max_new_tokens=s["max_new_tokens"],
+            k=k,
+            n_samples=n_samples,
+            temperature=s["temperature"],
+            seed=s["seed"],
+            system=s["system"],
+            instruction=answer_instruction(
+                s["instruction"], s["answer_format"], extractor=s["extractor"]
+            ),
+            return_completions=show > 0,
+        )
     completions = res.pop("completions", [])
-    for p, text in list(zip(splits.heldout, completions, strict=False))[:show]:
+    for p, text in list(zip(rows, completions, strict=False))[:show]:
         answer = verifier.extract(text)
         score = verifier.score(text, p)
         print_fn(
             f"--- {p.question!r}\n    completion: {text!r}\n    extracted: {answer!r}  "
             f"gold: {p.answer!r}  score: {score}"
         )
-    base = majority_baseline(splits.train, splits.heldout, verifier)
+    base = majority_baseline(splits.train, rows, verifier)
     print_fn(
-        f"accuracy {res['accuracy']:.3f} ± {res['accuracy_stderr']:.3f} (n = {res['n']}); "
+        f"{'success' if env is not None else 'accuracy'} {res['accuracy']:.3f} ± "
+        f"{res['accuracy_stderr']:.3f} (n = {res['n']}); "
         f"majority-answer baseline {base['majority_accuracy']:.3f} ± "
         f"{base['majority_accuracy_stderr']:.3f} (answering {base['majority_answer']!r} to all)"
     )
     return {
         "model": model_path,
-        "task": task,
+        "task": s["task"],
         **res,
         **base,
         "heldout_overlap_dropped": splits.n_heldout_overlap_dropped,
         "verifier_errors": verifier.n_errors,
+        "settings": s,
+        "training_config": str(run.config_path) if run is not None else None,
     }
 
 

@@ -30,7 +30,8 @@ def run_heldout(run_dir: str | Path) -> dict:
 
     Returns:
         {"cfg", "rows" (held-out problems or prompt rows, the first eval.n), "scorer" (the task
-        Verifier or the prompt dataset's TextRewardScorer), "system", "instruction"}.
+        Verifier or the prompt dataset's TextRewardScorer), "system", "instruction", "env" (the
+        run's `env` section: its held-out set is evaluated by episodes; None without one)}.
     Raises:
         ConfigError: the run is not a policy-gradient run, or has no held-out set.
     """
@@ -61,6 +62,7 @@ def run_heldout(run_dir: str | Path) -> dict:
         "scorer": scorer,
         "system": t.system if task else cfg.data.system,
         "instruction": task_instruction(t) if task else None,
+        "env": cfg.env,
     }
 
 
@@ -79,6 +81,14 @@ def _evaluate(path: str, held: dict, *, ks, n_samples, temperature, max_new_toke
               seed, engine) -> dict:  # fmt: skip
     from rlhflab.eval.common import load_and_evaluate
 
+    if held["env"] is not None:  # greedy episodes with the run's environment, as it evaluated
+        from rlhflab.eval.episodes import load_and_run_episodes
+
+        res = load_and_run_episodes(
+            path, held["rows"], held["env"], engine=engine, batch_size=batch_size,
+            rollout_max_new_tokens=held["cfg"].rollout.max_new_tokens,
+        )  # fmt: skip
+        return {"model": path, **res}
     res = load_and_evaluate(
         path,
         held["rows"],
@@ -115,6 +125,12 @@ def passk_before_after(
     run_dir = Path(run_dir)
     held = run_heldout(run_dir)
     cfg = held["cfg"]
+    if held["env"] is not None:
+        raise ConfigError(
+            f"eval {run_dir} --passk: the run has an environment ({held['env'].class_}); its "
+            "held-out evaluation is greedy episodes (--checkpoints), pass@k of episodes is not "
+            "implemented"
+        )
     final = run_dir / "model"
     if not final.is_dir():
         raise ConfigError(f"eval {run_dir}: no final model ({final}); the run did not finish")
@@ -192,7 +208,9 @@ def checkpoint_curve(
     """The held-out headline (greedy) of the initial model (when saved), every committed
     checkpoint of the run and its final model, against the step. Writes
     RUN_DIR/eval/checkpoints.json ({"headline_name", "points": [{"step", "model", "headline",
-    "headline_stderr", "reward/<name>"...}]}) and checkpoints.png.
+    "headline_stderr", "reward/<name>"...}], "pruned_steps" (checkpoints deleted by
+    checkpoint.keep_last), "logged" (the run's own evaluations, `logged_evals`), "note"}) and
+    checkpoints.png; the note (why the curve has few points) is printed and drawn too.
     Raises ConfigError: not a PG run, nothing to evaluate, or a sharded (fsdp2) checkpoint,
     which is not a `from_pretrained` directory."""
     from rlhflab.checkpoint.format import committed_checkpoints, step_of
@@ -235,15 +253,76 @@ def checkpoint_curve(
         print_fn(f"step {step}: {res['headline_name']} {res['headline']:.3f} ({path})")
     folder = run_dir / "eval"
     folder.mkdir(exist_ok=True)
-    out = {"headline_name": points[0]["headline_name"], "n": len(held["rows"]), "points": points}
+    last = max(s for s, _ in models)
+    kept = [s for s, _ in models if s > 0]
+    out = {
+        "headline_name": points[0]["headline_name"],
+        "n": len(held["rows"]),
+        "points": points,
+        "pruned_steps": pruned_steps(cfg, last, kept),
+        "logged": logged_evals(run_dir),
+    }
+    out["note"] = curve_note(cfg, out)
+    if out["note"]:
+        print_fn(f"note: {out['note']}")
     out["json"], out["png"] = str(folder / "checkpoints.json"), str(folder / "checkpoints.png")
     Path(out["json"]).write_text(json.dumps(out, indent=2, default=str) + "\n")
     plot_checkpoints(out, Path(out["png"]))
     return out
 
 
+def pruned_steps(cfg, last: int, kept: list[int]) -> list[int]:
+    """The steps whose checkpoint the run wrote and then deleted (`checkpoint.keep_last`): every
+    multiple of `checkpoint.every` up to `last` (the run's last step), minus the steps still
+    evaluated (`kept`: committed checkpoints and the final model). Empty when every checkpoint
+    was kept or none was written (`every` 0)."""
+    every = cfg.checkpoint.every
+    if not every or cfg.checkpoint.keep_last is None:
+        return []
+    return [s for s in range(every, last + 1, every) if s not in set(kept)]
+
+
+def logged_evals(run_dir: Path) -> list[dict]:
+    """The run's own held-out evaluations from metrics.jsonl, [{"step", "headline",
+    "headline_stderr"}] (the headline, or for episodes the success rate `eval/accuracy`): the
+    same rows, prompts and greedy decoding as a checkpoint's re-evaluation, at every
+    `eval.every` step, whether or not its checkpoint was kept."""
+    from rlhflab.tracking import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    out = {}
+    for row in read_metrics(path) if path.is_file() else []:
+        key = "eval/headline" if "eval/headline" in row else "eval/accuracy"
+        if isinstance(row.get(key), int | float) and isinstance(row.get("step"), int):
+            se = row.get(f"{key}_stderr")
+            out[row["step"]] = {"step": row["step"], "headline": row[key], "headline_stderr": se}
+    return [out[s] for s in sorted(out)]  # a resumed run's repeated step: its last row
+
+
+def curve_note(cfg, out: dict) -> str | None:
+    """The line that says why the curve has few points (deleted checkpoints) and what stands in
+    for them (the run's logged evaluations), or None when no checkpoint was deleted."""
+    pruned = out["pruned_steps"]
+    if not pruned:
+        return None
+    kept = len([p for p in out["points"] if p["step"] > 0])
+    shown = ", ".join(map(str, pruned[:3])) + (f", … {pruned[-1]}" if len(pruned) > 3 else "")
+    logged = [r["step"] for r in out["logged"]]
+    note = (
+        f"{len(pruned)} checkpoints (steps {shown}) were deleted during the run "
+        f"(checkpoint.keep_last {cfg.checkpoint.keep_last}): {kept} saved models are evaluated"
+    )
+    if logged:
+        note += (
+            f"; the run's own held-out evaluations ({len(logged)}, metrics.jsonl) are drawn hollow"
+        )
+    return note + "; keep every checkpoint with checkpoint.keep_last: null"
+
+
 def plot_checkpoints(out: dict, path: Path) -> None:
-    """The headline (±1 standard error) and each reward component against the step."""
+    """The headline (±1 standard error) and each reward component against the step; the run's
+    own logged evaluations (`logged`) as hollow markers, and `note` (deleted checkpoints)
+    under the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -258,8 +337,17 @@ def plot_checkpoints(out: dict, path: Path) -> None:
     names = sorted({k for p in pts for k in p if k.startswith("reward/")} - {"reward/"})
     for key in (k for k in names if not k.endswith("_stderr")):
         ax.plot(steps, [p.get(key) for p in pts], ls="--", marker=".", label=key)
+    logged = out.get("logged") or []
+    if logged and out.get("pruned_steps"):
+        ax.plot([r["step"] for r in logged], [r["headline"] for r in logged], ls=":", marker="o",
+                ms=4, mfc="none", color="tab:gray", label="logged during the run (metrics.jsonl)")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_title(f"held-out, saved checkpoints ({out['n']} problems)")
+    if out.get("note"):
+        kept = len([p for p in pts if p["step"] > 0])
+        ax.text(0.01, 0.01, f"{len(out['pruned_steps'])} checkpoints deleted by "
+                f"checkpoint.keep_last; {kept} kept", transform=ax.transAxes, fontsize=7,
+                va="bottom", color="tab:red")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

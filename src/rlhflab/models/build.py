@@ -156,24 +156,41 @@ def save_pretrained(
     write_model_card(path, model.config, auto_class="AutoModelForCausalLM")
 
 
-def write_model_card(path: str | os.PathLike[str], config, *, auto_class: str) -> None:
+def write_model_card(
+    path: str | os.PathLike[str],
+    config,
+    *,
+    auto_class: str,
+    training: dict[str, str] | None = None,
+    tags: list[str] | tuple[str, ...] = (),
+    base_model: str | None = None,
+) -> None:
     """Write `<path>/README.md`: what the directory holds and how to load it with plain
     transformers (`auto_class`, e.g. "AutoModelForCausalLM"). For rlhflab's own GPT
     (`model_type` "rlhflab_gpt") it says that `import rlhflab` must come first: that import
-    registers the architecture with transformers' Auto classes (`rlhflab._autoregister`)."""
+    registers the architecture with transformers' Auto classes (`rlhflab._autoregister`).
+
+    training: {field: text} of the run that trained it (`rlhflab.models.card.card_fields`),
+    written as a "Training" list before the loading section; tags: added after "rlhflab" in
+    the YAML header; base_model: a Hub id for the header's `base_model` (as TRL's cards)."""
     from rlhflab import __version__
 
     model_type = getattr(config, "model_type", "?")
     arch = ", ".join(getattr(config, "architectures", None) or []) or model_type
-    lines = [
-        "---",
-        "library_name: transformers",
-        "tags: [rlhflab]",
+    lines = ["---", "library_name: transformers"]
+    if base_model:
+        lines.append(f"base_model: {base_model}")
+    lines += [
+        f"tags: [{', '.join(['rlhflab', *tags])}]",
         "---",
         "",
         f"# {arch} saved by rlhflab {__version__}",
         "",
     ]
+    if training:
+        lines += ["## Training", ""]
+        lines += [f"- **{k}**: {v}" for k, v in training.items()]
+        lines += ["", "## Loading", ""]
     load = [
         "```python",
         f"from transformers import AutoTokenizer, {auto_class}",

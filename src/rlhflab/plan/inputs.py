@@ -104,6 +104,95 @@ def inputs_from_config(
     return p, limit
 
 
+MICRO_BATCH_KEY = "train.micro_batch_size"
+
+
+def micro_batches(cfg) -> list[int] | None:
+    """The micro-batch sizes a config allows, ascending: the divisors of `train.batch_size`
+    (SFT, DPO, reward models: their configs refuse any other); None: any size (the policy
+    gradient splits its rollout batch into micro-batches of at most the size)."""
+    if cfg.trainer == "policy_gradient":
+        return None
+    batch = cfg.train.batch_size
+    return [d for d in range(1, batch + 1) if batch % d == 0]
+
+
+def _given_micro_batch(overrides: list[str]) -> bool:
+    """Whether the overrides set the micro-batch (`train.micro_batch_size=N`)."""
+    return any(o.split("=", 1)[0].strip() == MICRO_BATCH_KEY for o in overrides)
+
+
+@dataclasses.dataclass
+class PlanSetting:
+    """Everything `plan` was asked, to re-plan the run with extra overrides or another GPU count
+    (`at`; `rlhflab.plan.suggest` asks for each change it tries)."""
+
+    model: str
+    shape: ModelShape
+    gpus: int
+    gpu_memory_gib: float
+    config: str | None = None
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    prompt_len: int | None = None
+    completion_len: int | None = None
+    activation_checkpointing: bool = False
+    reference_dtype: str | None = None
+
+    def gives_micro_batch(self, extra: list[str] | tuple[str, ...] = ()) -> bool:
+        """Whether the user's overrides (then `extra`) set the micro-batch."""
+        return _given_micro_batch([*self.overrides, *extra])
+
+    def load(self, extra: list[str]):
+        """The run's config with the user's overrides, then `extra`."""
+        from rlhflab.config import apply_overrides, config_from_dict, load_config
+
+        over = [*self.overrides, *extra]
+        if self.config is not None:
+            return load_config(self.config, over)
+        raw = apply_overrides({"trainer": "policy_gradient"}, over)
+        raw.setdefault("model", {})
+        if isinstance(raw["model"], dict) and "build" not in raw["model"]:
+            raw["model"].setdefault("name_or_path", self.model)
+        return config_from_dict(raw, source="plan")
+
+    def at(self, extra: list[str] | None = None, gpus: int | None = None) -> dict:
+        """The plan with `extra` overrides after the user's, on `gpus` GPUs (default the
+        user's): `estimate`'s dict plus "inputs", "max_micro_batch" (the largest in 1..limit
+        that fits and the config allows, `micro_batches`; 0: none), "micro_batch_limit",
+        "micro_batch_searched" and "config_micro_batch". The micro-batch is the one the
+        overrides set; when they set none it is the largest that fits (1 when none does), not
+        the config's (the presets' are CPU values).
+
+        Raises:
+            ConfigError: a bad override or config; ValueError: an estimate's own check.
+        """
+        extra = list(extra or [])
+        gpus = self.gpus if gpus is None else gpus
+        cfg = self.load(extra)
+        p, limit = inputs_from_config(
+            cfg, self.shape, gpus=gpus, gpu_memory_gib=self.gpu_memory_gib,
+            prompt_len=self.prompt_len, completion_len=self.completion_len,
+            activation_checkpointing=self.activation_checkpointing,
+            reference_dtype=self.reference_dtype,
+        )  # fmt: skip
+        best = max_micro_batch(self.shape, p, limit)
+        valid = micro_batches(cfg)
+        if valid is not None:  # the largest allowed one at or below the largest that fits
+            best = max((m for m in valid if m <= best), default=0)
+        searched = not self.gives_micro_batch(extra)
+        if searched:
+            p.micro_batch = max(1, best)
+        out = estimate(self.shape, p)
+        out["max_micro_batch"] = best
+        out["micro_batch_limit"] = limit
+        out["micro_batch_searched"] = searched
+        out["config_micro_batch"] = cfg.train.micro_batch_size
+        inputs = dataclasses.asdict(p)
+        inputs["reward_model"] = p.reward_model.name if p.reward_model else None
+        out["inputs"] = inputs
+        return out
+
+
 def plan(
     model: str,
     *,
@@ -115,15 +204,22 @@ def plan(
     completion_len: int | None = None,
     activation_checkpointing: bool = False,
     reference_dtype: str | None = None,
+    suggest: bool = True,
 ) -> dict:
-    """The `rlhflab plan` result: `estimate` of the run, its inputs, the largest micro-batch.
+    """The `rlhflab plan` result: `estimate` of the run, its inputs, the largest micro-batch and,
+    when it does not fit, the changes that make it fit (`rlhflab.plan.suggest`).
 
-    config: an rlhflab preset (loaded with `rlhflab.config.load_config`, overrides applied); None:
-    a policy-gradient run with every default (overrides such as `trainer=sft` pick another).
+    model: a built-in shape, a Hub id of one (`Qwen/Qwen3-8B`) or a local model directory
+    (`resolve_shape`). config: an rlhflab preset (loaded with `rlhflab.config.load_config`,
+    overrides applied); None: a policy-gradient run with every default (overrides such as
+    `trainer=sft` pick another). Without a `train.micro_batch_size=N` override the run is judged
+    at the largest micro-batch that fits (`PlanSetting.at`).
+    Returns: `PlanSetting.at`'s dict with "model" (the shape), "config", "overrides" and, when
+    the run or its loading does not fit and `suggest`, "suggestions" (`fit_suggestions`).
     Raises ConfigError (one line) on a bad model, config, override or number.
     """
-    from rlhflab.config import apply_overrides, config_from_dict, load_config
     from rlhflab.errors import ConfigError
+    from rlhflab.plan.suggest import fit_suggestions
 
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
@@ -138,36 +234,24 @@ def plan(
         shape = resolve_shape(model)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if config is not None:
-        cfg = load_config(config, overrides or [])
-    else:
-        raw = apply_overrides({"trainer": "policy_gradient"}, overrides or [])
-        raw.setdefault("model", {})
-        if isinstance(raw["model"], dict) and "build" not in raw["model"]:
-            raw["model"].setdefault("name_or_path", model)
-        cfg = config_from_dict(raw, source="plan")
+    setting = PlanSetting(
+        model, shape, gpus, gpu_memory_gib, config, list(overrides or []), prompt_len,
+        completion_len, activation_checkpointing, reference_dtype,
+    )  # fmt: skip
     try:
-        p, limit = inputs_from_config(
-            cfg,
-            shape,
-            gpus=gpus,
-            gpu_memory_gib=gpu_memory_gib,
-            prompt_len=prompt_len,
-            completion_len=completion_len,
-            activation_checkpointing=activation_checkpointing,
-            reference_dtype=reference_dtype,
-        )
-        out = estimate(shape, p)
+        out = setting.at()
+        suggestions = (
+            fit_suggestions(setting, out) if suggest and not (out["fits"] and out["load_fits"])
+            else None
+        )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    out["max_micro_batch"] = max_micro_batch(shape, p, limit)
-    out["micro_batch_limit"] = limit
-    inputs = dataclasses.asdict(p)
-    inputs["reward_model"] = p.reward_model.name if p.reward_model else None
-    return {
+    result = {
         "model": dataclasses.asdict(shape),
         "config": config,
         "overrides": list(overrides or []),
-        "inputs": inputs,
         **out,
     }
+    if suggestions is not None:
+        result["suggestions"] = suggestions
+    return result

@@ -76,7 +76,58 @@ def render(result: dict, console=None) -> None:
     console.print(
         f"usable = ({i['gpu_memory_gib']:g} GiB − {cal['fixed_gib']} GiB CUDA context/workspaces)"
         f" / (1 + {cal['fragmentation']:.0%} fragmentation) = {result['usable_gib']:.1f} GiB; "
-        f"micro-batch {i['micro_batch']} (largest that fits: {result['max_micro_batch']} "
-        f"of {result['micro_batch_limit']}); host (offloaded) {result['host_gib']:.1f} GiB per rank"
+        f"{micro_batch_line(result)}; host (offloaded) {result['host_gib']:.1f} GiB per rank"
         f"; rank 0's host while loading {result['load_host_gib']:.1f} GiB"
     )
+    for line in suggestion_lines(result):
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def micro_batch_line(result: dict) -> str:
+    """Which micro-batch the plan is judged at, and why."""
+    mb, best, limit = (
+        result["inputs"]["micro_batch"],
+        result["max_micro_batch"],
+        (result["micro_batch_limit"]),
+    )
+    if not result.get("micro_batch_searched"):
+        return f"micro-batch {mb} as given (largest that fits: {best} of {limit})"
+    if best == 0:
+        return f"micro-batch 1: not even 1 fits (searched 1..{limit})"
+    return (
+        f"micro-batch {mb}: the largest that fits (searched 1..{limit}; not the config's "
+        f"{result['config_micro_batch']}: give train.micro_batch_size=N to judge at N)"
+    )
+
+
+def suggestion_lines(result: dict) -> list[str]:
+    """The `suggestions` of a plan that does not fit, one line each: the change, its per-GPU
+    total and whether it fits, the overrides that make it; then the cheapest that fits."""
+    sug = result.get("suggestions")
+    if not sug:
+        return []
+
+    def one(e: dict) -> list[str]:
+        verdict = "fits" if e["fits"] else "does NOT fit"
+        gpus = f"--gpus {e['gpus']} " if e["gpus"] != result["inputs"]["gpus"] else ""
+        return [
+            f"  {e['per_gpu_gib']:8.2f} GiB/GPU  {verdict:12}  {e['change']} "
+            f"(micro-batch {e['micro_batch']}; {e['cost']})",
+            f"{'':27}{gpus}{' '.join(e['overrides'])}",
+        ]
+
+    lines = [
+        "What makes it fit, each change alone, cheapest first (exact changes, then bf16 weights, "
+        "then CPU offload, then LoRA, then more GPUs; docs/plan.md):"
+    ]
+    for e in sug["each"]:
+        lines += one(e)
+    if not sug["each"]:
+        lines.append("  (no change applies)")
+    best = sug["cheapest"]
+    if best is None:
+        lines.append("No combination of these changes fits on these GPUs.")
+    else:
+        lines.append("The cheapest combination that fits:")
+        lines += one(best)
+    return lines

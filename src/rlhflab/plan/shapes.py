@@ -112,21 +112,41 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
 }
 
 
+#: The Hugging Face Hub ids of the built-in shapes (matched case-insensitively): the shape is
+#: known without reading the Hub.
+HUB_IDS: dict[str, str] = {
+    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
+    "Qwen/Qwen3-1.7B": "qwen3-1.7b",
+    "Qwen/Qwen3-4B": "qwen3-4b",
+    "Qwen/Qwen3-8B": "qwen3-8b",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+}
+_HUB_KEYS = {hub.lower(): name for hub, name in HUB_IDS.items()}
+
+
 def resolve_shape(name_or_path: str) -> ModelShape:
-    """A built-in shape by name, or the shape in `<dir>/config.json` of a local model directory.
+    """A built-in shape by name, the shape in `<dir>/config.json` of a local model directory,
+    or a built-in shape by its Hub id (`HUB_IDS`, any case: `Qwen/Qwen3-8B` → qwen3-8b; a local
+    directory of that name wins).
 
     Raises:
-        ValueError: neither a built-in name nor a directory with a readable config.json, a
-            field missing or not a positive integer, or a mixture-of-experts model.
+        ValueError: none of these, a config.json field missing or not a positive integer, or a
+            mixture-of-experts model.
     """
     key = name_or_path.lower()
     if key in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[key]
     path = Path(name_or_path) / "config.json"
+    if not path.is_file() and key in _HUB_KEYS:
+        return BUILTIN_SHAPES[_HUB_KEYS[key]]
     if not path.is_file():
         raise ValueError(
             f"--model: {name_or_path!r} is neither a built-in shape "
-            f"({', '.join(BUILTIN_SHAPES)}) nor a directory with a config.json"
+            f"({', '.join(BUILTIN_SHAPES)}; or its Hub id: {', '.join(HUB_IDS)}) nor a "
+            "directory with a config.json (Hub configs are not read: download the model's "
+            "config.json into a directory and pass it)"
         )
     try:
         cfg = json.loads(path.read_text())

@@ -32,6 +32,7 @@ from rlhflab.checkpoint import Checkpointer, StopSignals
 from rlhflab.errors import ConfigError  # noqa: F401  (check_launch raises it, via check_parallel)
 from rlhflab.health import HealthMonitor
 from rlhflab.health.checks import resolved_health
+from rlhflab.models.card import write_trained_model_card
 from rlhflab.plots import plot_run
 from rlhflab.rundir import SampleWriter
 from rlhflab.serialize import write_json_atomic
@@ -424,5 +425,7 @@ def run(cfg, make: type[Trainer]) -> dict:
     if distributed.is_main():
         plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
         write_json_atomic(run_dir / "final_results.json", results)
+        if cfg.run.save_model:  # the model card says what the model is (rlhflab.models.card)
+            write_trained_model_card(run_dir / "model", cfg, results)
     distributed.barrier()
     return results
