@@ -386,6 +386,19 @@ def _covers(keys: frozenset[str], dotted: str) -> bool:
     return any(dotted == k or dotted.startswith(k + ".") for k in keys)
 
 
+def _families() -> dict[str, type[TrainerConfig]]:
+    """`trainer` value -> config class of every family defined (subclasses of TrainerConfig;
+    the loader's CONFIG_CLASSES, without importing the loader)."""
+    out, todo = {}, [TrainerConfig]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        tag = cls.model_fields["trainer"].default
+        if isinstance(tag, str):
+            out[tag] = cls
+    return dict(sorted(out.items()))
+
+
 def _set_keys(section: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
     """(dotted key, value) of every leaf of `section` whose value is not its field's default
     (the class's default: a family's own default for a whole section does not count)."""
@@ -414,12 +427,10 @@ def _check_rollout(trainer: str, read: frozenset[str], rollout: BaseModel) -> No
             "rollout.mode: async is not implemented for trainer distill (policy_gradient only)",
             "rollout.max_staleness: 2 is read with rollout.mode async only (rollout.mode is sync)".
     """
-    from rlhflab.config.loader import CONFIG_CLASSES
-
     set_keys = _set_keys(rollout)
     for key, value in set_keys:
         if not _covers(read, key):
-            others = [t for t, c in CONFIG_CLASSES.items() if _covers(c.ROLLOUT_KEYS, key)]
+            others = [t for t, c in _families().items() if _covers(c.ROLLOUT_KEYS, key)]
             where = f"{', '.join(others)} only" if others else "no trainer reads it"
             raise ValueError(
                 f"rollout.{key}: {_yaml_text(value)} is not implemented for trainer {trainer} "
