@@ -431,7 +431,11 @@ def _check_rollout(trainer: str, read: frozenset[str], rollout: BaseModel) -> No
     for key, value in set_keys:
         if not _covers(read, key):
             others = [t for t, c in _families().items() if _covers(c.ROLLOUT_KEYS, key)]
-            where = f"{', '.join(others)} only" if others else "no trainer reads it"
+            where = (
+                f"{others[0]} only" if len(others) == 1
+                else f"implemented by {', '.join(others)}" if others
+                else "no trainer reads it"
+            )  # fmt: skip
             raise ValueError(
                 f"rollout.{key}: {_yaml_text(value)} is not implemented for trainer {trainer} "
                 f"({where})"
