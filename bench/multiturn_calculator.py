@@ -20,38 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
-import re
 import time
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "multiturn"
 
 
-def demonstrations(problems, tool_share: float, seed: int) -> list[dict]:
-    """`messages` rows: tool-use demonstrations for a share `tool_share` of the problems, direct
-    answers for the others (chosen with Random(seed))."""
-    rng = random.Random(seed)
-    rows = []
-    for p in problems:
-        expr = re.fullmatch(r"Calculate (.*)\.", p.question.strip())
-        if expr is None:
-            raise ValueError(f"unexpected question format: {p.question!r}")
-        answer = f"<answer>{p.answer}</answer>"
-        msgs = [{"role": "user", "content": p.question}]
-        if rng.random() < tool_share:
-            msgs += [
-                {"role": "assistant", "content": f"<tool>calc: {expr.group(1)}</tool>"},
-                {"role": "user", "content": str(p.answer)},
-            ]
-        msgs.append({"role": "assistant", "content": answer})
-        rows.append({"messages": msgs})
-    return rows
-
-
 def run_seed(seed: int, out: Path, args) -> dict:
     from rlhflab.config import load_config
     from rlhflab.data.tasks import make_splits
+    from rlhflab.envs.calculator_demos import demonstrations
     from rlhflab.trainers import policy_gradient, sft
 
     root = out / f"seed{seed}"

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rlhflab.config import HealthConfig, RolloutConfig, VLLMConfig, config_from_dict
+from rlhflab.errors import ConfigError
 from rlhflab.health import HealthMonitor
 from rlhflab.health.checks import LOGP_MISMATCH_MAX, resolved_health, run_precision
 
@@ -21,7 +22,8 @@ def test_precision_of_a_run():
     assert run_precision(_pg(model={"name_or_path": "x", "dtype": "bfloat16"}), None) == "bf16"
     vllm_bf16 = {"engine": "vllm", "vllm": {"dtype": "bfloat16"}}
     assert run_precision(_pg(rollout=vllm_bf16), None) == "bf16"
-    assert run_precision(_pg(rollout={"vllm": {"dtype": "bfloat16"}}), None) == "fp32"  # hf
+    with pytest.raises(ConfigError, match=r"rollout.vllm.dtype: bfloat16 is read with rollout"):
+        _pg(rollout={"vllm": {"dtype": "bfloat16"}})  # the hf engine would ignore it
 
 
 def test_threshold_by_precision_unless_set():

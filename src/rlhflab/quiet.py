@@ -1,7 +1,6 @@
 """Quiet transformers while rlhflab's own code runs: no weight-loading / shard-writing progress
-bars, no info or warning log lines, and no FutureWarnings about arguments rlhflab (not the user)
-passes. Everything is restored on exit, so a user's own transformers calls and warnings are left
-as they were.
+bars and no info or warning log lines. Everything is restored on exit, so a user's own
+transformers calls are left as they were.
 
     with quiet_transformers():
         results = run_config(cfg)
@@ -9,10 +8,12 @@ as they were.
 What is silenced, and why the user cannot act on it:
 * transformers' tqdm bars ("Loading weights", "Writing model shards"): one per model load or save,
   interleaved with rlhflab's own progress display;
-* transformers' log lines below ERROR (e.g. "`past_key_values`/`cache_params` are deprecated",
-  newly initialised reward heads, which rlhflab initialises on purpose);
-* FutureWarnings raised inside transformers about arguments rlhflab passes (`past_key_values` →
-  `cache`): filtered by message and category only, so a user's own warnings still show.
+* transformers' log lines below ERROR (e.g. newly initialised reward heads, which rlhflab
+  initialises on purpose).
+
+Warnings are not filtered: a FutureWarning / DeprecationWarning about how rlhflab calls
+transformers is a bug to fix where the call is made (rlhflab.rollout.sampler passes the KV cache
+under the name the installed transformers takes, `cache_kwarg`), not to hide.
 """
 
 from __future__ import annotations
@@ -20,16 +21,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-#: FutureWarning messages (regular expressions, matched at the start) of deprecations in calls
-#: that rlhflab makes, not the user.
-UNACTIONABLE_FUTURE_WARNINGS: tuple[str, ...] = (r"`past_key_values` is deprecated",)
-
 
 @contextlib.contextmanager
 def quiet_transformers():
     """Context manager: transformers' progress bars off and its logging at ERROR for the
-    duration, and the FutureWarnings in `UNACTIONABLE_FUTURE_WARNINGS` ignored; the previous
-    settings (verbosity, progress bars, warning filters) are restored on exit. Nested use is
+    duration; the previous settings (verbosity, progress bars) are restored on exit. Nested use is
     fine. It does not import transformers (seconds, with torch): when transformers is not
     imported yet, the settings are applied right after its first import
     (`rlhflab._autoregister.when_imported`), so a command that fails before loading a model
@@ -49,16 +45,13 @@ def quiet_transformers():
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
 
-    with warnings.catch_warnings():
-        for pattern in UNACTIONABLE_FUTURE_WARNINGS:
-            warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
-        token = _autoregister.when_imported(apply)
-        try:
-            yield
-        finally:
-            _autoregister.cancel(token)
-            if saved:
-                _restore(saved)
+    token = _autoregister.when_imported(apply)
+    try:
+        yield
+    finally:
+        _autoregister.cancel(token)
+        if saved:
+            _restore(saved)
 
 
 def _restore(saved: dict) -> None:

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache
 
 from rlhflab.models.build import build_model
 from rlhflab.models.gpt import GPTConfig, GPTForCausalLM
@@ -124,14 +125,15 @@ def test_kv_cache_decoding_equals_full_recomputation():
     pos = (attn.cumsum(1) - 1).clamp(min=0)
     full = model(ids, attention_mask=attn, position_ids=pos).logits  # (2, 8, V)
     p = 5  # prompt: the first 5 columns
-    out = model(ids[:, :p], attention_mask=attn[:, :p], position_ids=pos[:, :p], use_cache=True)
+    cache = DynamicCache(config=model.config)  # filled in place by every forward
+    out = model(ids[:, :p], attention_mask=attn[:, :p], position_ids=pos[:, :p], cache=cache,
+                use_cache=True)  # fmt: skip
     step_logits = [out.logits[:, -1]]
-    cache = out.past_key_values
     for t in range(p, ids.size(1)):
         out = model(ids[:, t : t + 1], attention_mask=attn[:, : t + 1],
-                    position_ids=pos[:, t : t + 1], past_key_values=cache, use_cache=True)  # fmt: skip
-        cache = out.past_key_values
+                    position_ids=pos[:, t : t + 1], cache=cache, use_cache=True)  # fmt: skip
         step_logits.append(out.logits[:, -1])
+    assert cache.get_seq_length() == ids.size(1)
     _close(torch.stack(step_logits, 1), full[:, p - 1 :])
 
 

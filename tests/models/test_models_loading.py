@@ -48,24 +48,109 @@ def test_load_model_dtype(saved_dir):
         load_model(str(saved_dir), dtype="fp32")
 
 
-def test_missing_path(tmp_path):
+def test_missing_path(tmp_path, no_hub):
     missing = str(tmp_path / "nope")
-    with pytest.raises(ModelError, match=f"^model path does not exist: {missing}$"):
-        load_model(missing)
-    with pytest.raises(ModelError, match=r"^model path does not exist: \./no/such/dir$"):
-        load_tokenizer("./no/such/dir")
-
-
-def test_hub_id_offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    why = "(read as a local path: it starts with '.', '~' or '/')"
     with pytest.raises(ModelError) as info:
-        load_model("rlhflab-test-org/no-such-model")
-    msg = str(info.value)
-    assert "\n" not in msg
-    assert msg.startswith("cannot load model 'rlhflab-test-org/no-such-model': ")
-    assert "not found locally and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1)" in msg
-    with pytest.raises(ModelError, match="cannot load tokenizer 'rlhflab-test-org/no-such-model'"):
-        load_tokenizer("rlhflab-test-org/no-such-model")
+        load_model(missing)
+    assert str(info.value) == f"no such directory: {missing} {why}"
+    with pytest.raises(ModelError) as info:
+        load_tokenizer("./no/such/dir")
+    assert str(info.value) == f"no such directory: ./no/such/dir {why}"
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Fail the test if anything asks the Hub (or transformers) for a file: a name refused as
+    a local path, or a Hub id the offline cache lacks, must be refused before any look-up, so
+    no download, retry or timeout can happen."""
+    import huggingface_hub
+    import huggingface_hub.file_download as hf_download
+    import transformers.utils.hub as tf_hub
+
+    import rlhflab.models.loading as loading
+
+    def asked(*args, **kwargs):
+        raise AssertionError(f"a Hub / from_pretrained look-up was made: {args}")
+
+    for module, name in [(huggingface_hub, "hf_hub_download"), (hf_download, "hf_hub_download"),
+                         (hf_download, "get_hf_file_metadata"), (tf_hub, "hf_hub_download"),
+                         (tf_hub, "snapshot_download"), (tf_hub, "cached_files")]:  # fmt: skip
+        monkeypatch.setattr(module, name, asked)
+    for cls in (loading.AutoModelForCausalLM, loading.AutoTokenizer):
+        monkeypatch.setattr(cls, "from_pretrained", asked)
+
+
+def _online(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_a_mistyped_run_path_is_refused_at_once(tmp_path, monkeypatch, no_hub, online):
+    # issue 36: `model.name_or_path=runs/sftmodel` (runs/ exists, runs/sftmodel does not) was
+    # looked up on the Hub: a minute of retries, then a network error
+    if online:
+        _online(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ModelError) as info:
+            load("runs/sftmodel")
+        assert str(info.value) == (
+            "no such directory: runs/sftmodel (read as a local path: runs/ is a local directory)"
+        )
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("sft-20261127-101010/model", "a run directory's name (<name>-<date>-<time>) is in it"),
+        ("my runs/sft", "no Hub id is spelled like it"),
+        ("runs/sft/model", "it has more than one '/' (a Hub id is owner/name)"),
+        ("~/runs/sft", "it starts with '.', '~' or '/'"),
+    ],
+)
+def test_names_only_a_path_can_be_are_never_looked_up(name, why, tmp_path, monkeypatch, no_hub):
+    _online(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ModelError) as info:
+        load_model(name)
+    assert str(info.value) == f"no such directory: {name} (read as a local path: {why})"
+
+
+def test_a_hub_id_not_in_the_offline_cache_is_refused_at_once(tmp_path, monkeypatch, no_hub):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ModelError) as info:
+            load("rlhflab-test-org/no-such-model")
+        assert str(info.value) == (
+            "no such directory: rlhflab-test-org/no-such-model, and no Hub model of that id in "
+            "the local cache (HF_HUB_OFFLINE=1)"
+        )
+
+
+def test_a_hub_id_is_still_handed_to_transformers(tmp_path, monkeypatch):
+    # "owner/name" with no local owner/ directory: a Hub id (cached offline, or online)
+    import huggingface_hub.constants
+
+    from rlhflab.models.loading import resolve_name_or_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "models--Qwen--Qwen3-0.6B").mkdir(parents=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert resolve_name_or_path("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    _online(monkeypatch)
+    assert resolve_name_or_path("runs/sftmodel") == "runs/sftmodel"  # no runs/ here: a Hub id
+    assert resolve_name_or_path("gpt2") == "gpt2"
 
 
 def test_directory_without_a_model(tmp_path):

@@ -37,6 +37,7 @@ HARMLESS_KEYS = (
     "precision.threads",
     "train.max_seconds",
     "parallel.timeout_s",
+    "data.made_by",
 )
 
 CONFIG_CHANGES = "config_changes.jsonl"

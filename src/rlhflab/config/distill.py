@@ -3,7 +3,7 @@ rlhflab.trainers.distill and docs/distillation.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -89,6 +89,15 @@ class SDPOConfig(Strict):
 
 class DistillConfig(TrainerConfig):
     """Config of `trainer: distill` (see trainers/distill.py)."""
+
+    #: the `rollout` keys the distillation trainer reads: synchronous sampling through either
+    #: engine; not rollout.mode async (nor max_staleness, behav_correction, behav_cap) nor
+    #: rollout.dynamic_sampling (SDPO refills its batch with `sdpo.max_rounds` instead)
+    ROLLOUT_KEYS: ClassVar[frozenset[str]] = frozenset({
+        "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
+        "min_p", "stop_token_ids", "engine", "vllm", "decode", "sync_every", "cuda_graph",
+        "half_weights",
+    })  # fmt: skip
 
     trainer: Literal["distill"] = "distill"
     teacher: TeacherConfig

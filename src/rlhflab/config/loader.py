@@ -8,6 +8,7 @@ closest valid key.
 
 from __future__ import annotations
 
+import logging
 import types
 import typing
 from pathlib import Path
@@ -60,6 +61,49 @@ CONFIG_CLASSES: dict[str, type[TrainerConfig]] = {
 }
 
 _ANY_CONFIG: TypeAdapter = TypeAdapter(AnyConfig)
+
+logger = logging.getLogger(__name__)
+
+#: Significant bits (stored mantissa + the implicit one) of the 16-bit parameter dtypes.
+SIGNIFICANT_BITS = {"bfloat16": 8, "float16": 11}
+
+
+def full_finetune_precision_warning(cfg: TrainerConfig) -> str | None:
+    """One line when `cfg` fine-tunes every weight (no `model.lora`) held in a 16-bit
+    `model.dtype`, else None.
+
+    AdamW updates the parameters in their own dtype (`rlhflab.trainers.common.make_optimizer`).
+    A float with p significant bits and |w| in [2^(e-1), 2^e) has spacing ulp(w) = 2^(e-p), and
+    w + δ rounds back to w when |δ| < ulp(w)/2 = 2^(e-p-1); AdamW's step is about optim.lr per
+    weight, so it is lost on every weight with |w| > 2^(p+1)·lr (bfloat16, p = 8: |w| > 512·lr,
+    5.1e-3 at lr 1e-5, most weights of a pretrained model). The fix is the project's mixed
+    precision: float32 master weights (`model.dtype: float32`) with bf16 compute
+    (`precision.autocast: bf16`, or `parallel.mixed_precision: bf16` under FSDP2).
+    """
+    bits = SIGNIFICANT_BITS.get(cfg.model.dtype)
+    if bits is None or cfg.model.lora is not None:
+        return None
+    lr = cfg.optim.lr
+    return (
+        f"model.dtype: {cfg.model.dtype} with full fine-tuning (no model.lora): AdamW updates "
+        f"the {cfg.model.dtype} weights in place, and its step of about optim.lr = {lr:g} rounds "
+        f"away on every weight with |w| > 2^{bits + 1}·lr = {2 ** (bits + 1) * lr:.3g} "
+        f"({cfg.model.dtype} keeps {bits} significant bits); set model.dtype: float32 with "
+        "precision.autocast: bf16 (float32 master weights, bf16 compute; under FSDP2 "
+        "parallel.mixed_precision: bf16)"
+    )
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(cfg: TrainerConfig) -> None:
+    """Log `full_finetune_precision_warning` (once per process and message: a sweep loads the
+    same config per cell, a resume reloads it)."""
+    msg = full_finetune_precision_warning(cfg)
+    if msg is not None and msg not in _WARNED:
+        _WARNED.add(msg)
+        logger.warning("warning: %s", msg)
 
 
 def _section_class(cls: type[BaseModel], path: tuple) -> type[BaseModel] | None:
@@ -180,7 +224,9 @@ def config_from_dict(raw: dict, *, source: str = "config") -> AnyConfig:
 
     Raises ConfigError, one line starting with `source`: when `raw` is not a mapping, when
     `trainer` is missing or not one of CONFIG_CLASSES (with did-you-mean), or on the first
-    validation error (the full dotted key; did-you-mean for unknown keys).
+    validation error (the full dotted key; did-you-mean for unknown keys). A valid config that
+    fully fine-tunes 16-bit weights gets a one-line warning (logger `rlhflab.config.loader`;
+    `full_finetune_precision_warning`), once per process.
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
@@ -192,9 +238,11 @@ def config_from_dict(raw: dict, *, source: str = "config") -> AnyConfig:
         )
     cls = CONFIG_CLASSES[trainer]
     try:
-        return _ANY_CONFIG.validate_python(raw)
+        cfg = _ANY_CONFIG.validate_python(raw)
     except ValidationError as err:
         raise ConfigError(f"{source}: {_format_error(cls, err)}") from None
+    _warn_once(cfg)
+    return cfg
 
 
 def read_yaml(path: str | Path) -> Any:

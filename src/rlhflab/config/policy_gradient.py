@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
@@ -70,7 +70,26 @@ class VLLMConfig(Strict):
 
 class RolloutConfig(Strict):
     """Sampling: all prompts of a step in one batched generation, through `engine`
-    (rlhflab.rollout.engines: "hf", our KV-cache sampler; "vllm", colocated vLLM)."""
+    (rlhflab.rollout.engines: "hf", our KV-cache sampler; "vllm", colocated vLLM).
+
+    Which keys a trainer family reads is its config's `ROLLOUT_KEYS`; `ONLY_WITH` lists the keys
+    read under one setting of another key only. A key set away from its default where it would
+    not be read is refused at load (`rlhflab.config.sections.TrainerConfig`)."""
+
+    #: (key or section, (the key it depends on, the value under which it is read))
+    ONLY_WITH: ClassVar[tuple[tuple[str, tuple[str, Any]], ...]] = (
+        ("max_staleness", ("mode", "async")),
+        ("behav_correction", ("mode", "async")),
+        ("behav_cap", ("mode", "async")),
+        ("dynamic_sampling.max_rounds", ("dynamic_sampling.enabled", True)),
+        ("vllm", ("engine", "vllm")),
+        ("decode", ("engine", "hf")),
+        ("half_weights", ("engine", "hf")),
+        ("sync_every", ("engine", "hf")),
+        ("sync_every", ("decode", "static")),
+        ("cuda_graph", ("engine", "hf")),
+        ("cuda_graph", ("decode", "static")),
+    )
 
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
@@ -341,6 +360,9 @@ class PGEvalConfig(EvalConfig):
 
 class PGConfig(TrainerConfig):
     """Config of `trainer: policy_gradient` (see trainers/policy_gradient.py)."""
+
+    #: every key of `rollout` (async and dynamic sampling are this family's alone)
+    ROLLOUT_KEYS: ClassVar[frozenset[str]] = frozenset(RolloutConfig.model_fields)
 
     trainer: Literal["policy_gradient"] = "policy_gradient"
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from rlhflab.config.base import SEED_MAX, Strict, _check_kwargs, _check_name
 from rlhflab.errors import ConfigError
@@ -350,7 +350,17 @@ class HealthConfig(Strict):
 
 
 class TrainerConfig(Strict):
-    """Sections every trainer family shares; the family's own sections follow them."""
+    """Sections every trainer family shares; the family's own sections follow them.
+
+    A family with a `rollout` section declares in `ROLLOUT_KEYS` the keys of it that its trainer
+    reads (a section's name covers its keys: "vllm", "dynamic_sampling"); every other key must
+    keep its default, and a key that only some setting of another key reads
+    (`RolloutConfig.ONLY_WITH`) must keep its default under the other settings. A setting that
+    would be ignored is refused at load (`_rollout_keys_read`), never dropped silently.
+    """
+
+    #: The `rollout` keys this family's trainer reads (dotted; a section covers its keys).
+    ROLLOUT_KEYS: ClassVar[frozenset[str]] = frozenset()
 
     trainer: str
     seed: int = Field(0, ge=0, le=SEED_MAX)
@@ -362,6 +372,85 @@ class TrainerConfig(Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+
+    @model_validator(mode="after")
+    def _rollout_keys_read(self) -> TrainerConfig:
+        rollout = getattr(self, "rollout", None)
+        if isinstance(rollout, BaseModel):
+            _check_rollout(self.trainer, type(self).ROLLOUT_KEYS, rollout)
+        return self
+
+
+def _covers(keys: frozenset[str], dotted: str) -> bool:
+    """Whether `dotted` is one of `keys` or lies in a section that one of them names."""
+    return any(dotted == k or dotted.startswith(k + ".") for k in keys)
+
+
+def _families() -> dict[str, type[TrainerConfig]]:
+    """`trainer` value -> config class of every family defined (subclasses of TrainerConfig;
+    the loader's CONFIG_CLASSES, without importing the loader)."""
+    out, todo = {}, [TrainerConfig]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        tag = cls.model_fields["trainer"].default
+        if isinstance(tag, str):
+            out[tag] = cls
+    return dict(sorted(out.items()))
+
+
+def _set_keys(section: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of `section` whose value is not its field's default
+    (the class's default: a family's own default for a whole section does not count)."""
+    out = []
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            out += _set_keys(value, f"{prefix}{name}.")
+        elif value != field.get_default(call_default_factory=True):
+            out.append((f"{prefix}{name}", value))
+    return out
+
+
+def _yaml_text(value: Any) -> str:
+    """A config value as written in YAML: true/false/null, numbers and text as they are."""
+    import json
+
+    return json.dumps(value) if isinstance(value, bool | None | list) else str(value)
+
+
+def _check_rollout(trainer: str, read: frozenset[str], rollout: BaseModel) -> None:
+    """Refuse a `rollout` setting the trainer would ignore (see `TrainerConfig`).
+
+    Raises:
+        ValueError: one line naming the key, its value and who reads it:
+            "rollout.mode: async is not implemented for trainer distill (policy_gradient only)",
+            "rollout.max_staleness: 2 is read with rollout.mode async only (rollout.mode is sync)".
+    """
+    set_keys = _set_keys(rollout)
+    for key, value in set_keys:
+        if not _covers(read, key):
+            others = [t for t, c in _families().items() if _covers(c.ROLLOUT_KEYS, key)]
+            where = (
+                f"{others[0]} only" if len(others) == 1
+                else f"implemented by {', '.join(others)}" if others
+                else "no trainer reads it"
+            )  # fmt: skip
+            raise ValueError(
+                f"rollout.{key}: {_yaml_text(value)} is not implemented for trainer {trainer} "
+                f"({where})"
+            )
+    only_with = getattr(type(rollout), "ONLY_WITH", ())
+    for key, value in set_keys:
+        for covered, (needs, wanted) in only_with:
+            current = rollout
+            for part in needs.split("."):
+                current = getattr(current, part)
+            if _covers(frozenset({covered}), key) and current != wanted:
+                raise ValueError(
+                    f"rollout.{key}: {_yaml_text(value)} is read with rollout.{needs} "
+                    f"{_yaml_text(wanted)} only (rollout.{needs} is {_yaml_text(current)})"
+                )
 
 
 # ---------------------------------------------------------------------------------------------

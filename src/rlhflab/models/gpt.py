@@ -40,6 +40,12 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 
+#: The model outputs' KV-cache field: "cache" from transformers 5.24 (where "past_key_values" is
+#: a deprecated alias), "past_key_values" before.
+CACHE_FIELD = (
+    "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
+
 
 class GPTConfig(PreTrainedConfig):
     """Hyperparameters of the GPT (transformers' standard attribute names, nanoGPT's in comments).
@@ -187,14 +193,15 @@ class GPTModel(GPTPreTrainedModel):
         input_ids: torch.Tensor,  # (B, L) long
         attention_mask: torch.Tensor | None = None,  # (B, K) 0/1 padding, or (B, 1, L, K) bool
         position_ids: torch.Tensor | None = None,  # (B, L) long; default: past + 0..L-1
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,  # transformers' KV cache, filled in place
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         b, n = input_ids.shape
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        cache = past_key_values if use_cache else None
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)  # < 5.24
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        cache = cache if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device).expand(b, n)
@@ -202,7 +209,7 @@ class GPTModel(GPTPreTrainedModel):
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, L, C)
         for block in self.h:
             x = block(x, mask, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.ln_f(x), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.ln_f(x), **{CACHE_FIELD: cache})
 
 
 def _attention_mask(attention_mask, b: int, n: int, past: int, device) -> torch.Tensor:
@@ -243,17 +250,19 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         labels: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        # transformers before 5.24 (its generate) names the cache `past_key_values`
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         out = self.transformer(
             input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
         )
         hidden = out.last_hidden_state  # (B, L, C)
@@ -265,7 +274,8 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        cached = {CACHE_FIELD: getattr(out, CACHE_FIELD)}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cached)
 
 
 class GPTForSequenceClassification(GPTPreTrainedModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import types
 
 import torch
@@ -25,19 +26,41 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def _looks_like_path(name: str) -> bool:
-    """True for names that can only be paths.
+#: The name rlhflab gives a run directory: <run.name>-<YYYYmmdd>-<HHMMSS>[-i] (rlhflab.rundir).
+RUN_DIR_NAME = re.compile(r"-\d{8}-\d{6}(-\d+)?$")
 
-    A Hub id is "name" or "org/name", so a single "/" is ambiguous ("runs/final" may be either):
-    such a name is a path if it exists locally and is otherwise tried as a Hub id. Names starting
-    with ".", "~" or "/", with two or more "/", or with a backslash are paths.
+
+def local_path_reason(name: str) -> str | None:
+    """Why `name` is read as a local path and never looked up on the Hugging Face Hub, or None
+    when it may be a Hub id.
+
+    A Hub id is "name" or "owner/name" (letters, digits, "-", "_", "."; huggingface_hub's
+    `validate_repo_id`), so one "/" alone is ambiguous: "runs/sftmodel" is a legal Hub id. It is
+    read as a path when its first component is a local directory (`runs/` exists: a mistyped
+    run, not a Hub repo named "runs") or a component is an rlhflab run directory's name
+    (`<name>-<date>-<time>`). Names starting with ".", "~" or "/", with two or more "/", with a
+    backslash, or that no Hub id can spell are paths too.
     """
-    return (
-        name.startswith((".", "~", "/", os.sep))
-        or name.count("/") >= 2
-        or "\\" in name
-        or (os.sep != "/" and os.sep in name)
-    )
+    if name.startswith((".", "~", "/", os.sep)):
+        return "it starts with '.', '~' or '/'"
+    if name.count("/") >= 2:
+        return "it has more than one '/' (a Hub id is owner/name)"
+    if "\\" in name or (os.sep != "/" and os.sep in name):
+        return "it has a backslash"
+    first = name.split("/")[0]
+    if "/" in name and os.path.isdir(first):
+        return f"{first}/ is a local directory"
+    if any(RUN_DIR_NAME.search(part) for part in name.split("/")):
+        return "a run directory's name (<name>-<date>-<time>) is in it"
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(name)
+    except ImportError:  # pragma: no cover (transformers depends on huggingface_hub)
+        pass
+    except ValueError:  # HFValidationError
+        return "no Hub id is spelled like it"
+    return None
 
 
 def _hub_offline() -> bool:
@@ -55,15 +78,40 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _resolve(name_or_path: str) -> str:
-    """Expand `~`; reject a path-like name that does not exist."""
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds anything of the model repo `repo_id`."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+        from huggingface_hub.file_download import repo_folder_name
+    except ImportError:  # pragma: no cover
+        return True  # let transformers decide
+    return os.path.isdir(os.path.join(HF_HUB_CACHE, repo_folder_name(repo_id=repo_id,
+                                                                     repo_type="model")))  # fmt: skip
+
+
+def resolve_name_or_path(name_or_path: str) -> str:
+    """The local path (`~` expanded) or Hub id to hand to transformers, decided without any
+    network request.
+
+    Raises:
+        ModelError, one line, at once: an empty name; a name read as a local path
+            (`local_path_reason`) that does not exist ("no such directory: <name> (read as a
+            local path: <why>)"); with the Hub offline (HF_HUB_OFFLINE=1), a Hub id of which
+            the local cache holds nothing (transformers would fail after looking).
+    """
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ModelError(f"model name or path must be a non-empty string, got {name_or_path!r}")
-    if _looks_like_path(name_or_path):
-        path = os.path.expanduser(name_or_path)
-        if not os.path.exists(path):
-            raise ModelError(f"model path does not exist: {name_or_path}")
+    path = os.path.expanduser(name_or_path)
+    if os.path.exists(path):
         return path
+    reason = local_path_reason(name_or_path)
+    if reason is not None:
+        raise ModelError(f"no such directory: {name_or_path} (read as a local path: {reason})")
+    if _hub_offline() and not _in_hub_cache(name_or_path):
+        raise ModelError(
+            f"no such directory: {name_or_path}, and no Hub model of that id in the local "
+            "cache (HF_HUB_OFFLINE=1)"
+        )
     return name_or_path
 
 
@@ -100,8 +148,9 @@ def load_model(
 
     Args:
         name_or_path: Hub id ("Qwen/Qwen3-0.6B") or local directory (from `save_pretrained`).
-            An existing local path wins; names starting with ".", "~" or "/" or with two or more
-            "/" are always paths (see `_looks_like_path`).
+            An existing local path wins; names that only a path can be, or whose first
+            component is a local directory ("runs/sftmodel" with runs/ present), are never
+            looked up on the Hub (see `local_path_reason`).
         dtype: "float32", "bfloat16", "float16" or "float64" (parameter dtype; float64 for
             exactness tests that must not depend on the CPU's float32 kernels).
         attn_implementation: passed to transformers; None picks `default_attn_implementation`.
@@ -115,14 +164,15 @@ def load_model(
 
     Raises:
         ConfigError: `dtype` not one of `DTYPES` (names `model.dtype`).
-        ModelError: path does not exist ("model path does not exist: <path>"); hub id not
-            available offline; any other loading failure, as one line.
+        ModelError: a local path that does not exist ("no such directory: <path> (...)"), or
+            a Hub id the offline cache lacks, both before any download is tried (`resolve_name_or_path`);
+            any other loading failure, as one line.
     """
     if dtype not in DTYPES:
         raise ConfigError(
             f"model.dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}"
         )
-    resolved = _resolve(name_or_path)
+    resolved = resolve_name_or_path(name_or_path)
     if attn_implementation is None:
         attn_implementation = default_attn_implementation(device)
     kwargs: dict = {
@@ -171,7 +221,7 @@ def empty_model(
         raise ConfigError(
             f"model.dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}"
         )
-    resolved = _resolve(name_or_path)
+    resolved = resolve_name_or_path(name_or_path)
     try:
         config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
@@ -271,7 +321,7 @@ def load_tokenizer(
         ModelError: path does not exist / not available offline / other loading failure; or the
             tokenizer has neither a pad nor an eos token.
     """
-    resolved = _resolve(name_or_path)
+    resolved = resolve_name_or_path(name_or_path)
     kwargs: dict = {"trust_remote_code": trust_remote_code}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file

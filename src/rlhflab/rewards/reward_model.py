@@ -257,13 +257,16 @@ def check_reward_model_paths(components) -> None:
     """
     from transformers import AutoConfig
 
+    from rlhflab.errors import ModelError
+    from rlhflab.models.loading import resolve_name_or_path
+
     for comp in components:
         if comp.name != "reward_model":
             continue
         path = comp.args.get("path")
         try:
-            AutoConfig.from_pretrained(path)
-        except (OSError, ValueError, TypeError) as exc:
+            AutoConfig.from_pretrained(resolve_name_or_path(path))  # a mistyped path: at once
+        except (OSError, ValueError, TypeError, ModelError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(
                 f"reward.components[reward_model].args.path: cannot load a reward model from "
@@ -323,10 +326,15 @@ def _scorer(
         )
         if dtype != "float32":
             load["dtype"] = dtype
-        if parallel is not None and distributed.loads_from_rank0():
-            scorer = load_sharded(path, parallel, **load)
-        else:
-            scorer = RewardModelScorer.from_pretrained(path, device=device, **load)
+        from rlhflab.errors import ModelError
+
+        try:
+            if parallel is not None and distributed.loads_from_rank0():
+                scorer = load_sharded(path, parallel, **load)
+            else:
+                scorer = RewardModelScorer.from_pretrained(path, device=device, **load)
+        except ModelError as exc:  # a missing or mistyped path: name the argument
+            raise ModelError(f"reward_model component's args.path: {exc}") from None
         _SCORERS[key] = scorer
     return scorer, key
 

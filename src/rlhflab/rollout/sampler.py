@@ -31,6 +31,7 @@ kept in the completion and counted in the mask, as EOS always was.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Sequence
@@ -53,6 +54,19 @@ from rlhflab.rollout.noise import CounterNoise, counter_uniform  # noqa: F401 (r
 
 logger = logging.getLogger(__name__)
 DECODE_PATHS = ("eager", "static")
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword under which `model`'s forward takes its KV cache (a transformers `Cache`):
+    "cache" where the forward has that parameter (transformers >= 5.24, whose forwards mark
+    `past_key_values` as deprecated, and rlhflab's own `gpt`), else "past_key_values" (older
+    transformers). A wrapper is looked through: DDP's `.module`, torch.compile's `_orig_mod`
+    (their forwards take **kwargs and hand them on)."""
+    inner = model
+    while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):
+        inner = getattr(inner, "module", None) or inner._orig_mod
+    params = inspect.signature(inner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 @dataclass
@@ -195,7 +209,7 @@ def sample(
 
     Args:
         model: a Hugging Face causal LM (called with input_ids, attention_mask, position_ids,
-            past_key_values, logits_to_keep=1).
+            its KV cache under `cache_kwarg(model)`, logits_to_keep=1).
         prompts: B token-id lists (already rendered with the chat template), any lengths >= 1.
         max_new_tokens: generation budget T per sequence.
         eos_token_id / pad_token_id: stop token and the id written after a sequence stops.
@@ -293,18 +307,18 @@ def sample(
         )  # fmt: skip
     # Keys/values written in place into buffers sized for the whole rollout (no per-step torch.cat).
     capacity = prompt_ids.size(1) + max_new_tokens
-    cache = preallocated_cache(model.config, capacity)
+    cache = preallocated_cache(model.config, capacity)  # filled in place by every forward
+    kw = cache_kwarg(model)
     for t in range(max_new_tokens):
         with autocast:
             out = model(
                 input_ids=step_input,
                 attention_mask=step_attn,
                 position_ids=step_positions,
-                past_key_values=cache,
+                **{kw: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
-        cache = out.past_key_values
         logits = upcast(out.logits[:, -1])  # (b, V)
         if t == 0 and expand is not None:  # copy each distinct prompt's cache to its rows
             cache.batch_select_indices(expand)
@@ -361,6 +375,7 @@ class _StaticDecoder:
     def __init__(self, model, cache, rows, noise, filt, stops, pad, temp, autocast, logp_dtype,
                  width: int, steps: int) -> None:  # fmt: skip
         self.model, self.cache, self.rows, self.noise = model, cache, rows, noise
+        self.cache_kw = cache_kwarg(model)
         self.filt, self.stops, self.pad, self.temp, self.autocast = filt, stops, pad, temp, autocast
         b, device = rows.numel(), rows.device
         self.active = torch.arange(b, device=device)  # rows of the full batch in this batch
@@ -398,7 +413,7 @@ class _StaticDecoder:
         with self.autocast:
             out = self.model(
                 input_ids=self.tok, attention_mask=self.attn, position_ids=self.pos,
-                past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                **{self.cache_kw: self.cache}, use_cache=True, logits_to_keep=1,
             )  # fmt: skip
         self.pos += 1
         self.draw(out.logits[:, -1])
@@ -435,7 +450,7 @@ def _decode_static(model, prompt_ids, prompt_mask, positions, expand, distinct, 
         ids, pos, attn = ids[d], pos[d], attn[d]
     with autocast:
         out = model(
-            input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+            input_ids=ids, attention_mask=attn, position_ids=pos, **{cache_kwarg(model): cache},
             use_cache=True, logits_to_keep=1,
         )  # fmt: skip
     logits = out.logits[:, -1]

@@ -49,7 +49,7 @@ def run_config(cfg) -> dict:
 
     try:
         check_launch(cfg)  # config-only refusals, before any model is loaded
-        with quiet_transformers():  # transformers' bars and un-actionable FutureWarnings
+        with quiet_transformers():  # transformers' progress bars and log lines
             return train_recording_stops(trainers[cfg.trainer], cfg)
     except RunComplete as done:  # --resume of a finished run: nothing more to do
         if distributed.is_main():

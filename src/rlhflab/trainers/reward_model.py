@@ -283,13 +283,18 @@ _POLICIES: dict = {}
 
 def _policy(cfg: RMConfig, device):
     """The sampling policy: data.policy, or the backbone checkpoint (model.name_or_path)."""
+    from rlhflab.errors import ModelError
     from rlhflab.models.loading import load_model
 
     path = cfg.data.policy or cfg.model.name_or_path
     key = (path, str(device))
     if key not in _POLICIES:
         _POLICIES.clear()
-        _POLICIES[key] = load_model(path, device=device).eval()
+        try:
+            _POLICIES[key] = load_model(path, device=device).eval()
+        except ModelError as exc:
+            field = "data.policy" if cfg.data.policy else "model.name_or_path"
+            raise ModelError(f"{field}: {exc}") from None
     return _POLICIES[key]
 
 

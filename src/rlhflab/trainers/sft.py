@@ -57,6 +57,7 @@ class SFT(Trainer):
     def __init__(self, cfg: SFTConfig, env: Env) -> None:
         """Set-up: task or dataset, model, tokenized pairs, optimizer (validation only)."""
         super().__init__(cfg, env)
+        cfg.data.check_made()  # a preset's data file that a command makes: say which
         needs_task = cfg.data.source == "task" or cfg.model.build is not None or cfg.eval.n > 0
         splits = None
         if needs_task:
