@@ -58,6 +58,22 @@ def base_document(steps: list[str], answer: str, *, tagged: bool) -> str:
     return f"{body}\nThe answer is {answer}."
 
 
+def base_documents(
+    problems: list, template: str, *, format_frac: float, seed: int
+) -> tuple[list[dict], int]:
+    """The base model's training rows, one per problem (`Problem`s with `entry["steps"]`), and
+    how many are tagged: prompt = `template` with `{prompt}` replaced by the question, completion
+    = `base_document(...)`, tagged with probability `format_frac` (`random.Random(seed)`)."""
+    rng = random.Random(seed)
+    docs, tagged_n = [], 0
+    for p in problems:
+        tagged = rng.random() < format_frac
+        tagged_n += tagged
+        docs.append({"prompt": template.replace("{prompt}", p.question),
+                     "completion": base_document(p.entry["steps"], p.answer, tagged=tagged)})  # fmt: skip
+    return docs, tagged_n
+
+
 def curves_from_metrics(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """(step, value) series of the R1-Zero trends from a run's metrics.jsonl rows: held-out
     `correctness` (eval/headline, else eval/reward/math_verify) and `format` (eval/reward/
@@ -154,13 +170,8 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
     policy = exp.policy
     base_stats = None
     if policy is None:
-        rng = random.Random(exp.seed)
-        docs, tagged_n = [], 0
-        for p in train:
-            tagged = rng.random() < exp.format_frac
-            tagged_n += tagged
-            docs.append({"prompt": template.replace("{prompt}", p.question),
-                         "completion": base_document(p.entry["steps"], p.answer, tagged=tagged)})  # fmt: skip
+        docs, tagged_n = base_documents(train, template, format_frac=exp.format_frac,
+                                        seed=exp.seed)  # fmt: skip
         base_path = out / "base_documents.jsonl"
         base_path.write_text("".join(to_json(d) + "\n" for d in docs))
         base_stats = {"documents": len(docs), "tagged": tagged_n}
