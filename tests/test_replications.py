@@ -1,6 +1,7 @@
 """The replications' own arithmetic (`rlhflab replicate`): best-of-n KL, majority vote on a
 constructed case, MC step-labelled RM training through the trainer, the synthetic GSM8K rows read by
-load_gsm8k, and one-line errors for bad replication configs."""
+load_gsm8k, one-line errors for bad replication configs, and the R1-Zero base documents' prompt
+boundary (the RL prompt is a prefix of every base document, token for token)."""
 
 from __future__ import annotations
 
@@ -139,3 +140,59 @@ def test_r1_zero_base_documents_and_trend_curves():
     no_headline = curves_from_metrics([{k: v for k, v in r.items() if k != "eval/headline"}
                                        for r in rows])  # fmt: skip
     assert no_headline["correctness"] == [(0, 0.1), (2, 0.3)]
+
+
+def test_r1_zero_base_documents_share_the_rl_prompt_boundary(tmp_path, tiny_tokenizer):
+    # An R1-Zero base model has seen plain text, never a chat template: each base document, read
+    # and tokenized as the base stage trains on it, starts with exactly the token ids the RL stage
+    # prompts with (r1_zero.yaml's template, loaded by the RL prompt loader), and the rest of the
+    # document is the completion (tagged ones are what think_format rewards 1.0), then eos.
+    from rlhflab.config import read_yaml
+    from rlhflab.data.formatting import encode_prompt
+    from rlhflab.data.gsm8k import load_gsm8k
+    from rlhflab.data.prompts import load_prompt_source, render_row
+    from rlhflab.data.sft import load_sft_data, tokenize_sft
+    from rlhflab.replications import stage
+    from rlhflab.replications.r1_zero import base_documents
+    from rlhflab.rewards.functions import think_format
+    from rlhflab.serialize import to_json
+
+    path = ROOT / "configs/replications/r1_zero.yaml"
+    spec = read_yaml(path)
+    rows = synthetic_rows(12, seed=5)
+    train_path, held_path = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train_path.write_text("".join(to_json(r) + "\n" for r in rows[:8]))
+    held_path.write_text("".join(to_json(r) + "\n" for r in rows[8:]))
+    train, _ = load_gsm8k(str(train_path))
+    docs, tagged_n = base_documents(train, spec["rl"]["data"]["template"], format_frac=0.5, seed=0)
+    assert len(docs) == 8 and 0 < tagged_n < 8
+    docs_path = tmp_path / "docs.jsonl"
+    docs_path.write_text("".join(to_json(d) + "\n" for d in docs))
+    examples, _ = load_sft_data(str(docs_path), tiny_tokenizer)
+    features = tokenize_sft(tiny_tokenizer, examples, max_len=1024)
+
+    rl = stage(spec, "rl", str(path), model={"name_or_path": "x"},
+               data={"path": str(train_path), "heldout_path": str(held_path)})  # fmt: skip
+    prompts = load_prompt_source(rl.data, seed=0).train
+    by_question = {p.question: p for p in train}
+    tagged_seen = 0
+    for row, feats in zip(prompts, features, strict=True):
+        problem = train[row.index]
+        assert problem.question in row.prompt and by_question[problem.question] is problem
+        prompt_ids = encode_prompt(tiny_tokenizer, render_row(tiny_tokenizer, row))
+        ids = feats["input_ids"]
+        assert ids[: len(prompt_ids)] == prompt_ids, (
+            tiny_tokenizer.decode(ids[: len(prompt_ids)]),
+            tiny_tokenizer.decode(prompt_ids),
+        )
+        assert ids[-1] == tiny_tokenizer.eos_token_id
+        rest = tiny_tokenizer.decode(ids[len(prompt_ids) : -1])
+        assert problem.answer in rest
+        tagged_seen += think_format([None], [rest])[0]
+    assert tagged_seen == tagged_n
+    # A template ending in whitespace would end the RL prompt in a lone space token that no
+    # document has there: one line naming the key.
+    from rlhflab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^rl\.data\.template: ends with whitespace"):
+        base_documents(train, "Q: {prompt} A: ", format_frac=0.5, seed=0)

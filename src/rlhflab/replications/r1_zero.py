@@ -9,8 +9,10 @@ held-out correctness, response length and the format reward over training.
    GSM8K-format word problems of the PRM-vs-ORM replication (`prm_orm_gsm8k.synthetic_rows`),
    written to `--out`.
 2. Base model (`base` stage; `experiment.policy` skips it): a model from scratch, briefly trained
-   (an SFT trainer used as a tiny "pretraining" on documents) on the task's plain text: the
-   R1-Zero prompt, then the worked solution as plain lines and "The answer is n." A fraction
+   (an SFT trainer used as a tiny "pretraining": plain-text `text` rows, every token trained, no
+   chat template) on the task's plain text: the RL stage's prompt text (`rl.data.template` with
+   the question), a space, then the worked solution as plain lines and "The answer is n." — so
+   the RL prompt is a prefix of the documents, token for token (`base_documents`). A fraction
    `experiment.format_frac` of the documents (default 0.1) is written in the `<think>…</think>
    <answer>…</answer>` form instead, as tags occur now and then in a real base model's web data:
    the format is known but rare, so the format reward starts low, not at 0 (a from-scratch model
@@ -56,6 +58,45 @@ def base_document(steps: list[str], answer: str, *, tagged: bool) -> str:
     if tagged:
         return f"<think> {body} </think> <answer> {answer} </answer>"
     return f"{body}\nThe answer is {answer}."
+
+
+def base_documents(
+    problems: list, template: str, *, format_frac: float, seed: int
+) -> tuple[list[dict], int]:
+    """The base model's training documents, one per problem, and how many are tagged.
+
+    Each is a plain-text language-modelling row `{"text": prompt + " " + completion}`: prompt =
+    `template` with `{prompt}` replaced by the question (the RL stage's prompt text, no chat
+    template: a base model has seen plain text only), completion = `base_document(...)`, tagged
+    with probability `format_frac` (`random.Random(seed)`). The base stage trains on every token,
+    so the RL prompt's tokens are a prefix of the document's (checked by
+    tests/test_replications.py for r1_zero.yaml's template).
+
+    Args:
+        problems: GSM8K `Problem`s with `entry["steps"]` (the worked lines) and `answer`.
+        template: the RL stage's `data.template` (contains "{prompt}"; ends without whitespace,
+            as R1's "…Assistant:" does, so the prompt's last token is the document's too).
+
+    Raises:
+        ConfigError: the template ends with whitespace (its RL prompt would end in a lone space
+            token that no base document has there).
+    """
+    from rlhflab.errors import ConfigError
+
+    if template != template.rstrip():
+        raise ConfigError(
+            "rl.data.template: ends with whitespace; end it at the last word (e.g. 'Assistant:') "
+            "so the RL prompt's token boundary is the base documents' one"
+        )
+    rng = random.Random(seed)
+    docs, tagged_n = [], 0
+    for p in problems:
+        tagged = rng.random() < format_frac
+        tagged_n += tagged
+        prompt = template.replace("{prompt}", p.question)
+        completion = base_document(p.entry["steps"], p.answer, tagged=tagged)
+        docs.append({"text": f"{prompt} {completion}"})
+    return docs, tagged_n
 
 
 def curves_from_metrics(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -154,13 +195,8 @@ def run(spec: dict, out: Path, *, source: str) -> dict:
     policy = exp.policy
     base_stats = None
     if policy is None:
-        rng = random.Random(exp.seed)
-        docs, tagged_n = [], 0
-        for p in train:
-            tagged = rng.random() < exp.format_frac
-            tagged_n += tagged
-            docs.append({"prompt": template.replace("{prompt}", p.question),
-                         "completion": base_document(p.entry["steps"], p.answer, tagged=tagged)})  # fmt: skip
+        docs, tagged_n = base_documents(train, template, format_frac=exp.format_frac,
+                                        seed=exp.seed)  # fmt: skip
         base_path = out / "base_documents.jsonl"
         base_path.write_text("".join(to_json(d) + "\n" for d in docs))
         base_stats = {"documents": len(docs), "tagged": tagged_n}
