@@ -148,7 +148,7 @@ class TISConfig(Strict):
     (rlhflab.losses.correction.truncated_importance_weights; Yao et al. 2025)."""
 
     enabled: bool = False
-    cap: float = Field(2.0, gt=0)  # C; Yao et al. use 2, TRL's default is 3
+    cap: float = Field(2.0, gt=0)  # C; 2 in SkyRL's TIS examples, 3 is TRL's default
 
 
 class RolloutCorrectionConfig(Strict):
