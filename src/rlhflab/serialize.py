@@ -1,6 +1,7 @@
 """How rlhflab writes files: secrets redacted, no NaN / Infinity in JSON, atomic replacement.
 
     redact(text) / redact_obj(obj)       secret environment values and secret-named keys -> '***'
+    redacted_console()                   sys.stdout / sys.stderr redacted line by line (the CLI)
     to_json(obj)                         the one JSON serialiser (redacted, NaN / inf as null + note)
     encode_nonfinite / decode_nonfinite  exact round trip of NaN / inf (checkpoint state.json)
     write_{text,json,yaml}_atomic        temporary file beside the target, fsync, rename
@@ -10,11 +11,14 @@ Nothing here knows about run directories (`rlhflab.rundir`) or checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +123,65 @@ def redact_obj(obj: Any) -> Any:
         return x
 
     return walk(obj)
+
+
+class RedactedStream:
+    """A text stream that writes `redact(text)` to the stream it wraps, a line at a time.
+
+    Text is held until a line ends (`\\n` or `\\r`, so progress bars redraw) or `flush()` is
+    called, then redacted and written: a secret that reaches the stream in several `write` calls
+    (`print` writes its text and its end separately) is still replaced whole. Every other
+    attribute (`isatty`, `fileno`, `encoding`...) is the wrapped stream's.
+    """
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        """Hold `text`; write every complete line, redacted. Returns `len(text)`."""
+        self._pending += text
+        cut = max(self._pending.rfind("\n"), self._pending.rfind("\r"))
+        if cut >= 0:
+            done, self._pending = self._pending[: cut + 1], self._pending[cut + 1 :]
+            self._stream.write(redact(done))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        """Write what is held (redacted), then flush the wrapped stream."""
+        if self._pending:
+            text, self._pending = self._pending, ""
+            self._stream.write(redact(text))
+        self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def redacted_console() -> Iterator[None]:
+    """For the life of the block, `sys.stdout` and `sys.stderr` are `RedactedStream`s: every line
+    printed (results, summaries, hints, errors, progress, warnings, tracebacks) has the secret
+    environment values (`secret_values`) replaced by '***', as in the files a run writes. The
+    original streams are restored (and what is held flushed) on exit. Streams that are None
+    (no console) or already redacted are left as they are."""
+    saved = sys.stdout, sys.stderr
+    if sys.stdout is not None and not isinstance(sys.stdout, RedactedStream):
+        sys.stdout = RedactedStream(sys.stdout)
+    if sys.stderr is not None and not isinstance(sys.stderr, RedactedStream):
+        sys.stderr = RedactedStream(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, RedactedStream):
+                with contextlib.suppress(Exception):  # a closed stream: nothing left to write
+                    stream.flush()
+        sys.stdout, sys.stderr = saved
 
 
 #: Why a value is null, written beside it (`<key>_note`) where the value was NaN or ±inf.

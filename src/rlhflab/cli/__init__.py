@@ -462,7 +462,18 @@ def _resume_before_override(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: parse `argv`, run the command; user errors print one line and return 2."""
+    """Entry point: parse `argv`, run the command; user errors print one line and return 2.
+
+    Every line the command prints, on stdout and stderr (results, summaries, the `next:` hint,
+    errors, progress, warnings, tracebacks, argparse's messages), goes through the redaction of
+    the files a run writes (`rlhflab.serialize.redacted_console`)."""
+    from rlhflab.serialize import redacted_console
+
+    with redacted_console():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
