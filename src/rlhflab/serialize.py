@@ -276,11 +276,30 @@ def write_text_atomic(path: Path, text: str) -> None:
     _write_atomic(path, redact(text))
 
 
+def current_umask() -> int:
+    """The process's file-mode creation mask. Read from /proc/self/status where it exists (no
+    change to the mask); elsewhere set and restored (`os.umask` has no read-only form)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    """`text` to a temporary file beside `path`, fsync, rename. The file gets the mode an ordinary
+    `open` would give it (0o666 less the umask: 0644 under umask 022), not mkstemp's 0600, so
+    results, configs and reports are readable by whoever may read the rest of the run."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -51,6 +51,9 @@ from rlhflab.cli.commands import (
 from rlhflab.errors import HealthStop, Interrupted, PeerRefused, RlhfLabError
 
 EXIT_USER_ERROR = 2
+#: Every command's `--threads`: default None, the default of `precision.threads` (torch's own
+#: thread count), which `train`, `quickstart`, `pipeline` and `replicate` configs fall back to.
+THREADS_HELP = "torch threads (default: torch's own, as precision.threads)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -240,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reward", choices=["binary", "partial"], default=None, help="(default binary)")
     p.add_argument("--batch-size", type=_positive_int, default=256)
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
     p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")
     p.add_argument(
@@ -378,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for best_of_n.json and the plot")
     p.add_argument("--write-sft", default=None, help="write the selected samples as SFT JSONL")
     p.add_argument("--min-score", type=float, default=None, help="rejection threshold (RM score)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.set_defaults(func=_cmd_best_of_n)
 
     p = sub.add_parser("prm-vs-orm", help="PRM vs ORM best-of-N, same data budget, with a plot")
@@ -397,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated N values")
     p.add_argument("--prm-reduce", choices=["min", "prod"], default="min")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.set_defaults(func=_cmd_prm_vs_orm)
 
     p = sub.add_parser("plan", help="per-GPU memory estimate of a run (docs/plan.md)")

@@ -23,8 +23,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rlhflab.config.sections import PrecisionConfig
 from rlhflab.errors import ConfigError
 
 #: name → (module, default config)
@@ -40,9 +41,13 @@ REPLICATIONS = {
 
 
 class Experiment(BaseModel):
-    """Base of each replication's `experiment:` section (unknown keys are errors)."""
+    """Base of each replication's `experiment:` section (unknown keys are errors). `threads`:
+    torch threads of the replication's own work (sampling, scoring); its default is
+    `precision.threads`' (torch's own), as for every command."""
 
     model_config = ConfigDict(extra="forbid")
+
+    threads: int | None = Field(PrecisionConfig.model_fields["threads"].default, ge=1)
 
 
 def check_experiment(cls: type[BaseModel], raw: Any, source: str) -> BaseModel:
