@@ -137,7 +137,12 @@ def run_compare(
     overrides: list[str] | None = None,
     root: str = "runs",
 ) -> dict:
-    """Train every preset with seeds 0..seeds−1 and write the comparison (see module doc)."""
+    """Train every preset with seeds 0..seeds−1 and write the comparison (see module doc).
+
+    Returns:
+        {"out_dir", "wall_s", "table" (comparison.md), "seeds", "presets": {name:
+        {"headline_name", "heldout_accuracy_before", "heldout_accuracy"} (per seed)}}; every
+        number is in results.json."""
     from rlhflab.trainers import run_config
 
     if not presets:
@@ -221,7 +226,14 @@ def run_compare(
     write_text_atomic(out / "comparison.md", comparison_table(results))
     plot_comparison(results, out / "comparison.png")
     results["out_dir"] = str(out)
-    return {"out_dir": str(out), "wall_s": results["wall_s"], "table": str(out / "comparison.md")}
+    keep = ("headline_name", "heldout_accuracy_before", "heldout_accuracy")
+    return {
+        "out_dir": str(out),
+        "wall_s": results["wall_s"],
+        "table": str(out / "comparison.md"),
+        "seeds": seeds,
+        "presets": {n: {k: r[k] for k in keep} for n, r in results["presets"].items()},
+    }
 
 
 def _headline(result: dict) -> tuple[str, float | None, float | None]:

@@ -269,6 +269,11 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._announce = _ANNOUNCE[-1] if _ANNOUNCE and not console_enabled else None
+        if self._announce is not None:
+            label, say, _ = self._announce
+            self._announced_at = time.perf_counter()
+            say(f"{label}: {description}: {total_steps} steps -> {run_dir}")
         if console_enabled and not _live_console():
             self.plain = True
         elif console_enabled:
@@ -343,6 +348,13 @@ class Tracker:
             )
             console.file.write(line + "\n")
             console.file.flush()
+        if self._announce is not None:
+            label, say, every_s = self._announce
+            now = time.perf_counter()
+            if now - self._announced_at >= every_s or step >= self.total_steps:
+                self._announced_at = now
+                say(f"{label}: " + plain_line(self.description, step, self.total_steps, row,
+                                              self.headline, row["time_s"]))  # fmt: skip
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """Rollout samples of `step` (prompt, completion, reward, ...) as a table named
@@ -388,6 +400,11 @@ class Tracker:
 
     def close(self) -> None:
         """Stop the progress bar and close every sink."""
+        if getattr(self, "_announce", None) is not None:
+            label, say, _ = self._announce
+            self._announce = None
+            elapsed = _duration(time.perf_counter() - self.start)
+            say(f"{label}: {self.description}: ended after {elapsed} ({self.path.parent})")
         if self.progress is not None:
             self.progress.stop()
             if self.progress in _LIVE:
@@ -407,6 +424,26 @@ class Tracker:
 
 #: The progress display of the running trainer's Tracker (phases add their bar to it).
 _LIVE: list[Progress] = []
+#: `announce_runs` while active: (label, print_fn, seconds between progress lines).
+_ANNOUNCE: list[tuple[str, Any, float]] = []
+
+
+@contextlib.contextmanager
+def announce_runs(label: str, *, print_fn=None, every_s: float = 30.0):
+    """For long commands made of several training runs (`rlhflab replicate`): while the block
+    runs, every run whose console sink is off (`tracking.console: false`, as in the replication
+    configs) still reports through `print_fn` (default: a line on stderr): a line when it starts
+    (`<label>: <run name>: <steps> steps -> <run dir>`), its `plain_line` progress at most every
+    `every_s` seconds and at its last step, and one when it ends. Runs with the console on
+    report as usual; ranks other than 0 stay quiet."""
+    import sys
+
+    say = print_fn or (lambda line: print(line, file=sys.stderr, flush=True))
+    _ANNOUNCE.append((label, say, every_s))
+    try:
+        yield
+    finally:
+        _ANNOUNCE.remove((label, say, every_s))
 
 
 def _live_console() -> bool:

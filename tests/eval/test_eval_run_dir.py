@@ -23,6 +23,7 @@ def test_passk_and_checkpoint_curve_of_a_run(tmp_path, capsys):
     res = run_config(config_from_dict(cfg))
     run_dir = Path(res["run_dir"])
     argv = ["eval", str(run_dir), "--passk", "--k", "1,2,4", "--checkpoints", "--threads", "1"]
+    argv.append("--json")  # the results object on stdout
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     head = res["headline"]
