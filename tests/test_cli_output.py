@@ -45,7 +45,9 @@ COMPARE = {
     "out_dir": "runs/compare-1", "wall_s": 125.0, "table": "runs/compare-1/comparison.md",
     "seeds": 2, "presets": {"grpo": {"headline_name": "correctness (task verifier)",
                                      "heldout_accuracy_before": [0.4, 0.4],
-                                     "heldout_accuracy": [0.5, 0.7]}},
+                                     "heldout_accuracy": [0.5, 0.7],
+                                     "heldout": {"mean": 0.6, "se": 0.1, "n": 2},
+                                     "heldout_before": {"mean": 0.4, "se": 0.0, "n": 2}}},
 }  # fmt: skip
 REPLICATE = {
     "headline": {"name": "correctness (math_verify)", "value": 0.12, "stderr": 0.02,

@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,22 @@ def test_atomic_writes_respect_the_umask(tmp_path, umask, mask, mode):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == mode, name
     assert stat.S_IMODE(plain.stat().st_mode) == mode
     assert json.loads((tmp_path / "final_results.json").read_text()) == {"a": 1}
+
+
+def test_a_run_directory_is_readable_by_the_group(tmp_path, umask):
+    """Under umask 022 every file of a finished run is 0644: config, results, metrics, plots, the
+    model (safetensors writes its files 0600 whatever the umask) and the checkpoints."""
+    from test_checkpoint_resume import sft_raw
+
+    from rlhflab.config import config_from_dict
+    from rlhflab.trainers import run_config
+
+    umask(0o022)
+    raw = sft_raw(tmp_path, steps=2)
+    raw["checkpoint"] = {"every": 1, "keep_last": None}
+    run_dir = run_config(config_from_dict(raw))["run_dir"]
+    files = [p for p in Path(run_dir).rglob("*") if p.is_file()]
+    names = {p.name for p in files}
+    assert {"config.yaml", "final_results.json", "model.safetensors", "rng.safetensors"} <= names
+    modes = {str(p.relative_to(run_dir)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert {k: v for k, v in modes.items() if v != "0o644"} == {}

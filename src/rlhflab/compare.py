@@ -57,6 +57,16 @@ def _mean_over_seeds(series: list[list[tuple[int, float, float]]]):
     return out
 
 
+def mean_se(values: list[float | None]) -> dict:
+    """{"mean", "se", "n"} over the values present (None left out): mean and standard error of
+    the mean (`eval.accuracy.mean_and_stderr`); "se" None below 2 values, "mean" None for none."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"mean": None, "se": None, "n": 0}
+    mean, se = mean_and_stderr(vals)
+    return {"mean": mean, "se": se if len(vals) > 1 else None, "n": len(vals)}
+
+
 def _fmt(values: list[float | None], digits: int = 3) -> str:
     """ "0.600 ± 0.100": mean ± standard error of the mean over seeds (sample std with Bessel's
     correction over √n, `eval.accuracy.mean_and_stderr`), as every rlhflab table; one value
@@ -141,8 +151,8 @@ def run_compare(
 
     Returns:
         {"out_dir", "wall_s", "table" (comparison.md), "seeds", "presets": {name:
-        {"headline_name", "heldout_accuracy_before", "heldout_accuracy"} (per seed)}}; every
-        number is in results.json."""
+        {"headline_name", "heldout_accuracy_before", "heldout_accuracy" (per seed), "heldout",
+        "heldout_before" (`mean_se` over seeds)}}}; every number is in results.json."""
     from rlhflab.trainers import run_config
 
     if not presets:
@@ -227,12 +237,17 @@ def run_compare(
     plot_comparison(results, out / "comparison.png")
     results["out_dir"] = str(out)
     keep = ("headline_name", "heldout_accuracy_before", "heldout_accuracy")
+    presets = {
+        n: {**{k: r[k] for k in keep}, "heldout": mean_se(r["heldout_accuracy"]),
+            "heldout_before": mean_se(r["heldout_accuracy_before"])}
+        for n, r in results["presets"].items()
+    }  # fmt: skip
     return {
         "out_dir": str(out),
         "wall_s": results["wall_s"],
         "table": str(out / "comparison.md"),
         "seeds": seeds,
-        "presets": {n: {k: r[k] for k in keep} for n, r in results["presets"].items()},
+        "presets": presets,
     }
 
 

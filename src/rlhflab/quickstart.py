@@ -277,7 +277,7 @@ def summary_lines(r: dict) -> list[str]:
     """What `rlhflab quickstart` prints (its whole results object with `--json`): the stages and
     wall-clock, the held-out accuracies beside the baseline (`summary_line`), the health checks,
     and where the report and the final model are."""
-    from rlhflab.summary import _duration
+    from rlhflab.summary import duration
 
     resumed = ", resumed" if r.get("resumed") else ""
     health = "; ".join(
@@ -286,7 +286,7 @@ def summary_lines(r: dict) -> list[str]:
         for stage, h in r["health"].items()
     )  # fmt: skip
     return [
-        f"quickstart{' --fast' if r['fast'] else ''} finished in {_duration(r['wall_s'])}"
+        f"quickstart{' --fast' if r['fast'] else ''} finished in {duration(r['wall_s'])}"
         f"{resumed}: SFT {r['sft_steps']} steps, GRPO {r['grpo_steps']} steps",
         summary_line(r),
         f"health: {health} (docs/health.md)",

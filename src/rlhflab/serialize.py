@@ -5,6 +5,7 @@
     to_json(obj)                         the one JSON serialiser (redacted, NaN / inf as null + note)
     encode_nonfinite / decode_nonfinite  exact round trip of NaN / inf (checkpoint state.json)
     write_{text,json,yaml}_atomic        temporary file beside the target, fsync, rename
+    match_umask(path)                    files written 0600 by a library get the umask's mode
 
 Nothing here knows about run directories (`rlhflab.rundir`) or checkpoints.
 """
@@ -289,6 +290,19 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def match_umask(path: str | os.PathLike) -> None:
+    """Give a file, or every regular file directly inside a directory, the mode an ordinary
+    `open` gives (0o666 less the umask: 0644 under umask 022). For writers that create their
+    files 0600 whatever the umask: safetensors (0.8) does, so model and checkpoint weights would
+    be unreadable by the group beside 0644 configs. Symbolic links are left alone."""
+    mode = 0o666 & ~current_umask()
+    path = Path(path)
+    files = [path] if not path.is_dir() else [p for p in path.iterdir()]
+    for f in files:
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, mode)
 
 
 def _write_atomic(path: Path, text: str) -> None:

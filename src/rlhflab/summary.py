@@ -20,7 +20,8 @@ def _num(x: Any) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """`H:MM:SS` of a number of seconds (rounded)."""
     s = round(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
@@ -117,7 +118,7 @@ def summary_lines(results: dict) -> list[str]:
         parts.append(f"{steps} steps")
     wall = _num(r.get("wall_s"))
     if wall is not None:
-        parts.append(f"in {_duration(wall)}")
+        parts.append(f"in {duration(wall)}")
     text = f"{head}: {' '.join(parts)}" if parts else head
     loss = _num(r.get("final_loss"))
     if loss is not None:
@@ -260,26 +261,24 @@ def sweep_lines(r: dict) -> list[str]:
 
 
 def compare_lines(r: dict) -> list[str]:
-    """`rlhflab compare`: the held-out headline per preset (mean ± s.e. over seeds, before →
-    after) and where the table, plot and results are."""
-    from rlhflab.eval.accuracy import mean_and_stderr
-
+    """`rlhflab compare`: the held-out headline per preset (`heldout`: mean ± s.e. over seeds,
+    and its mean before training) and where the table, plot and results are."""
     presets = r.get("presets") or {}
     lines = [f"compare: {len(presets)} presets × {r.get('seeds')} seeds in "
-             f"{_duration(r.get('wall_s') or 0)}"]  # fmt: skip
+             f"{duration(r.get('wall_s') or 0)}"]  # fmt: skip
     names = sorted({p.get("headline_name") for p in presets.values()} - {None})
     if presets:
         lines.append(f"held-out {' / '.join(names) or 'headline'}, mean ± s.e. over seeds:")
     for name, p in presets.items():
-        after = [v for v in p.get("heldout_accuracy", []) if _num(v) is not None]
-        before = [v for v in p.get("heldout_accuracy_before", []) if _num(v) is not None]
-        if not after:
+        after, before = p.get("heldout") or {}, p.get("heldout_before") or {}
+        if _num(after.get("mean")) is None:
             lines.append(f"  {name}: –")
             continue
-        mean, se = mean_and_stderr(after)
-        shown = f"{mean:.3f}" + (f" ± {se:.3f}" if len(after) > 1 else "")
-        if before:
-            shown += f" (before {sum(before) / len(before):.3f})"
+        shown = f"{after['mean']:.3f}"
+        if _num(after.get("se")) is not None:
+            shown += f" ± {after['se']:.3f}"
+        if _num(before.get("mean")) is not None:
+            shown += f" (before {before['mean']:.3f})"
         lines.append(f"  {name}: {shown}")
     lines.append(f"table: {r.get('table')} (comparison.png, results.json beside it)")
     return lines
@@ -288,7 +287,7 @@ def compare_lines(r: dict) -> list[str]:
 def replicate_lines(name: str, r: dict, json_path: str) -> list[str]:
     """`rlhflab replicate NAME`: wall-clock, the RL stage's held-out headline when it has one,
     and where every number (`json_path`) and the plot are (docs/replications.md reads them)."""
-    lines = [f"replicate {name} finished in {_duration(r.get('wall_s') or 0)}"]
+    lines = [f"replicate {name} finished in {duration(r.get('wall_s') or 0)}"]
     heldout = _heldout_line(r) if isinstance(r.get("headline"), dict) else None
     if heldout:
         lines.append(heldout)
