@@ -200,6 +200,7 @@ def test_eval_command_on_a_saved_model(tmp_path, tiny_model, tiny_tokenizer, cap
             "50",
             "--max-new-tokens",
             "4",
+            "--json",
         ]
     )
     assert code == 0
@@ -234,7 +235,7 @@ def test_eval_command_on_a_prompt_dataset_with_reward_functions(tmp_path, tiny_t
     data = str(ROOT / "tests/data/fixtures/prompts/gsm8k_test.jsonl")
     argv = ["eval", str(tmp_path / "model"), "--data", data, "--prompt-column", "question"]
     argv += ["--reward-fn", f"{tmp_path}/r.py:half=2", "--reward-fn", "math_verify=0"]
-    argv += ["--max-new-tokens", "3"]
+    argv += ["--max-new-tokens", "3", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     # 4 GSM8K test rows (the file as is: no held-out filtering in eval), each 2 · 0.5 = 1.0;

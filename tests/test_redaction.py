@@ -110,3 +110,91 @@ def test_tracked_config_with_a_short_secret_is_redacted(tmp_path, monkeypatch):
     assert seen["config"]["eval"]["max_new_tokens"] == cfg.eval.max_new_tokens
     dumped = json.dumps(seen)
     assert SHORT not in dumped and "zz99zz" not in dumped
+
+
+# -- Every line the CLI prints --------------------------------------------------------------------
+
+CLI_SECRET = "K svc-8a7f3e21c"  # a service token with a space: shell-quoted in the `next:` line
+
+
+def _grep_tree(root, needle: bytes) -> list:
+    """Every file under `root` whose bytes contain `needle`."""
+    from pathlib import Path
+
+    return [p for p in Path(root).rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+@pytest.mark.slow
+def test_train_prints_no_secret_on_stdout_or_stderr(tmp_path):
+    """`rlhflab train` of a GRPO run whose task.system holds a secret of the environment: the
+    `next:` hint (which repeats --system), the summary and the progress lines are redacted like
+    the run directory's files. Before the fix the hint printed `--system 'K svc-...'` whole."""
+    import os
+    import subprocess
+
+    import yaml
+    from test_checkpoint_resume import grpo_raw
+
+    from rlhflab.trainers import run_config
+
+    sft = run_config(config_from_dict(sft_raw(tmp_path / "runs", steps=2)))
+    raw = grpo_raw(tmp_path / "runs", sft["model_dir"])
+    raw["train"]["steps"] = 2
+    raw["tracking"]["console"] = True  # plain progress lines on stderr (not a terminal)
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "SERVICE_TOKEN": CLI_SECRET, "HF_HUB_OFFLINE": "1"}
+    env.pop("RLHFLAB_FAULT", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhflab.cli", "train", str(tmp_path / "grpo.yaml"),
+         f"task.system={CLI_SECRET}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "next: rlhflab eval" in proc.stderr and f"--system '{REDACTED}'" in proc.stderr
+    assert "policy_gradient finished" in proc.stdout
+    assert CLI_SECRET not in proc.stdout + proc.stderr
+    assert "svc-8a7f3e21c" not in proc.stdout + proc.stderr
+    grpo_dir = next((tmp_path / "runs").glob("grpo-*"))
+    assert (grpo_dir / "config.yaml").is_file()
+    assert _grep_tree(grpo_dir, b"svc-8a7f3e21c") == []
+
+
+def test_next_hint_redacts_a_secret_named_task_kwarg(tmp_path, monkeypatch):
+    """A value under a secret-named key of task.config is '***' in config.yaml (`redact_obj`),
+    and so in the printed `next:` command, whether or not it is in the environment."""
+    from test_checkpoint_resume import grpo_raw
+
+    from rlhflab.next_steps import next_command
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    raw = grpo_raw(tmp_path, tmp_path / "model")
+    raw["task"] = {**raw["task"], "config": {**raw["task"]["config"], "api_token": "zz99zz"}}
+    cfg = config_from_dict(raw)
+    hint = next_command(cfg, {"model_dir": str(tmp_path / "grpo-1/model")})
+    assert "--task-config" in hint and '"api_token": "***"' in hint and "zz99zz" not in hint
+
+
+def test_every_cli_stream_is_redacted_line_by_line(monkeypatch, capsys):
+    """`main` wraps stdout and stderr: a secret printed by any code, in pieces or at once, on
+    either stream, comes out as '***' (argparse's own error line included)."""
+    from rlhflab.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", SHORT)
+
+    def noisy(args):
+        sys.stdout.write(SHORT[:3])  # a secret written in two pieces
+        sys.stdout.write(SHORT[3:] + " done\n")
+        print(f"warning: {SHORT}", file=sys.stderr)
+        sys.stderr.write(f"progress {SHORT}")  # no newline: held until flush / exit
+        return 0
+
+    import rlhflab.cli as cli
+
+    monkeypatch.setattr(cli, "_cmd_prm_vs_orm", noisy)  # build_parser reads it at call time
+    assert main(["prm-vs-orm"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{REDACTED} done\n"
+    assert err == f"warning: {REDACTED}\nprogress {REDACTED}"
+    with pytest.raises(SystemExit):
+        main(["eval", "--bogus", SHORT])
+    assert SHORT not in capsys.readouterr().err

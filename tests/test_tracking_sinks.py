@@ -3,6 +3,7 @@ checkpoints so a resumed run continues the same tracker run, samples logged as t
 tested with fake modules in sys.modules (CI installs neither package); the real packages, when
 installed, in offline / local mode."""
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -17,14 +18,22 @@ from test_checkpoint_resume import sft_raw
 
 from rlhflab.config import config_from_dict
 from rlhflab.runs import SampleWriter
-from rlhflab.tracking import Tracker, trackio_init_kwargs, wandb_init_kwargs
+from rlhflab.tracking import (
+    WANDB_SETTINGS,
+    Tracker,
+    check_wandb_settings,
+    trackio_init_kwargs,
+    wandb_init_kwargs,
+)
 from rlhflab.trainers import run_config
 
 
 def test_wandb_defaults_without_config_or_environment(tmp_path):
     kw = wandb_init_kwargs(True, tmp_path / "sft-1", {"a": 1}, env={})
     assert kw == {"config": {"a": 1}, "dir": str(tmp_path / "sft-1"), "project": "rlhflab",
-                  "name": "sft-1"}  # fmt: skip
+                  "name": "sft-1", "settings": WANDB_SETTINGS}  # fmt: skip
+    # what wandb would record unredacted is off: metadata (the command line), code, git, console
+    assert WANDB_SETTINGS["x_disable_meta"] is True and WANDB_SETTINGS["console"] == "off"
 
 
 def test_wandb_environment_is_left_to_wandb(tmp_path):
@@ -62,6 +71,9 @@ class _Table:
 def _fake_wandb(calls: list):
     """A module with wandb's init / log / finish / Table that records what it is given."""
     mod = types.ModuleType("wandb")
+    # a spec, as a real module has: `importlib.util.find_spec` (accelerate asks it on import
+    # whether wandb is installed) raises on a module in sys.modules without one
+    mod.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
 
     class Run:
         def __init__(self, **kw):
@@ -81,6 +93,7 @@ def _fake_wandb(calls: list):
 
 def _fake_trackio(calls: list):
     mod = types.ModuleType("trackio")
+    mod.__spec__ = importlib.machinery.ModuleSpec("trackio", None)
     mod.init = lambda **kw: calls.append(("init", kw))
     mod.log = lambda data, step=None: calls.append(("log", step, data))
     mod.finish = lambda: calls.append(("finish",))
@@ -191,6 +204,52 @@ def test_real_wandb_offline_resumes_the_same_run(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["second"] == got["first"]["wandb_id"]
+
+
+def test_a_wandb_without_the_privacy_switches_is_refused():
+    from rlhflab.errors import ConfigError
+
+    fields = {k: None for k in WANDB_SETTINGS if k != "x_disable_meta"}
+    settings = types.SimpleNamespace(model_fields=fields)
+    old = types.SimpleNamespace(Settings=settings, __version__="0.15.0")
+    with pytest.raises(ConfigError, match=r"tracking\.wandb: wandb 0\.15\.0 has no setting "
+                       r"x_disable_meta"):  # fmt: skip
+        check_wandb_settings(old)
+
+
+WANDB_SECRET = "K svc-2b7c91e4f0"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed")
+def test_real_wandb_offline_run_directory_holds_no_secret(tmp_path):
+    """`rlhflab train ... tracking.wandb=true task.system=<secret>` with wandb offline: no file
+    under the run directory, wandb's own included (`wandb/offline-run-*/run-*.wandb` and its
+    logs), holds the secret. wandb records the process's command line in its run metadata; before
+    `WANDB_SETTINGS` the .wandb file held `task.system=K svc-...` whole."""
+    import yaml
+
+    raw = sft_raw(tmp_path / "runs", steps=2)
+    raw["tracking"] = {"console": False, "wandb": True}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "SERVICE_TOKEN": WANDB_SECRET, "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wb-config"),
+           "WANDB_CACHE_DIR": str(tmp_path / "wb-cache"), "WANDB_DATA_DIR": str(tmp_path / "wb-data"),
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    for k in ("WANDB_DIR", "WANDB_DISABLE_GIT", "WANDB_CONSOLE", "RLHFLAB_FAULT"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhflab.cli", "train", str(tmp_path / "sft.yaml"),
+         f"task.system={WANDB_SECRET}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = next((tmp_path / "runs").glob("sft-*"))
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files), "wandb wrote no run file"
+    needle = WANDB_SECRET.split()[-1].encode()
+    assert [p for p in files if needle in p.read_bytes()] == []
+    assert WANDB_SECRET.split()[-1] not in proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trackio") is None, reason="trackio not installed")

@@ -8,7 +8,7 @@ Writes `<root>/compare-<timestamp>/`:
                                 alignment: DPO margin) and held-out accuracy against step and
                                 against wall-clock, mean over seeds with a min-max band
     comparison.md               one row per preset: composition, budget, accuracy beside the
-                                majority-answer baseline, signal, time
+                                majority-answer baseline, signal, time (mean ± s.e. over seeds)
                                 (direct alignment adds held-out preference accuracy)
     results.json                the same numbers, plus every run's directory
 
@@ -30,6 +30,7 @@ from pathlib import Path
 
 from rlhflab.config import load_config
 from rlhflab.errors import ConfigError
+from rlhflab.eval.accuracy import mean_and_stderr
 from rlhflab.next_steps import check_start_model
 from rlhflab.rundir import create_run_dir
 from rlhflab.serialize import write_json_atomic, write_text_atomic
@@ -56,13 +57,27 @@ def _mean_over_seeds(series: list[list[tuple[int, float, float]]]):
     return out
 
 
+def mean_se(values: list[float | None]) -> dict:
+    """{"mean", "se", "n"} over the values present (None left out): mean and standard error of
+    the mean (`eval.accuracy.mean_and_stderr`); "se" None below 2 values, "mean" None for none."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"mean": None, "se": None, "n": 0}
+    mean, se = mean_and_stderr(vals)
+    return {"mean": mean, "se": se if len(vals) > 1 else None, "n": len(vals)}
+
+
 def _fmt(values: list[float | None], digits: int = 3) -> str:
+    """ "0.600 ± 0.100": mean ± standard error of the mean over seeds (sample std with Bessel's
+    correction over √n, `eval.accuracy.mean_and_stderr`), as every rlhflab table; one value
+    alone; "–" for none."""
     vals = [v for v in values if v is not None]
     if not vals:
         return "–"
     if len(vals) == 1:
         return f"{vals[0]:.{digits}f}"
-    return f"{statistics.mean(vals):.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
+    mean, se = mean_and_stderr(vals)
+    return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
 # Per family: the metric plotted and tabulated beside held-out accuracy, and its label.
@@ -132,7 +147,12 @@ def run_compare(
     overrides: list[str] | None = None,
     root: str = "runs",
 ) -> dict:
-    """Train every preset with seeds 0..seeds−1 and write the comparison (see module doc)."""
+    """Train every preset with seeds 0..seeds−1 and write the comparison (see module doc).
+
+    Returns:
+        {"out_dir", "wall_s", "table" (comparison.md), "seeds", "presets": {name:
+        {"headline_name", "heldout_accuracy_before", "heldout_accuracy" (per seed), "heldout",
+        "heldout_before" (`mean_se` over seeds)}}}; every number is in results.json."""
     from rlhflab.trainers import run_config
 
     if not presets:
@@ -216,7 +236,19 @@ def run_compare(
     write_text_atomic(out / "comparison.md", comparison_table(results))
     plot_comparison(results, out / "comparison.png")
     results["out_dir"] = str(out)
-    return {"out_dir": str(out), "wall_s": results["wall_s"], "table": str(out / "comparison.md")}
+    keep = ("headline_name", "heldout_accuracy_before", "heldout_accuracy")
+    presets = {
+        n: {**{k: r[k] for k in keep}, "heldout": mean_se(r["heldout_accuracy"]),
+            "heldout_before": mean_se(r["heldout_accuracy_before"])}
+        for n, r in results["presets"].items()
+    }  # fmt: skip
+    return {
+        "out_dir": str(out),
+        "wall_s": results["wall_s"],
+        "table": str(out / "comparison.md"),
+        "seeds": seeds,
+        "presets": presets,
+    }
 
 
 def _headline(result: dict) -> tuple[str, float | None, float | None]:
@@ -230,14 +262,14 @@ def _headline(result: dict) -> tuple[str, float | None, float | None]:
 
 
 def comparison_table(results: dict) -> str:
-    """The markdown table of a comparison (one row per preset; mean ± std over seeds). The
+    """The markdown table of a comparison (one row per preset; mean ± s.e. over seeds). The
     held-out columns are each run's headline (`headline_name`: "correctness (...)" -> "acc.",
     a weighted reward -> "reward")."""
     pairs = results.get("family") == "direct_alignment"
     mixed = results.get("family") == "mixed"
     signal = results.get("signal_name", "reward")
     names = {r.get("headline_name") for r in results["presets"].values()} - {None}
-    name = " / ".join(sorted(names)) or "correctness"
+    headline = " / ".join(sorted(names)) or "correctness"
     acc = "acc." if all(n.startswith("correctness") for n in names) else "headline"
     if mixed:
         head = (
@@ -278,8 +310,8 @@ def comparison_table(results: dict) -> str:
     heldout = next(iter(results["presets"].values()))["heldout_n"]
     lines.append("")
     lines.append(
-        f"Mean ± std over {n} seed{'s' if n > 1 else ''}; the held-out headline ({name}) is "
-        "greedy, on "
+        f"Mean ± s.e. (standard error of the mean) over {n} seed{'s' if n > 1 else ''}; the "
+        f"held-out headline ({headline}) is greedy, on "
         f"{heldout} problems; the majority baseline answers every one with the most common "
         "training answer. Overrides (each to the presets that have its key): "
         f"`{' '.join(results['overrides']) or 'none'}`."

@@ -15,10 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from rlhflab.errors import ConfigError
+from rlhflab.serialize import redact_obj
 
 SFT_PRESET = "configs/sft/tiny_scratch.yaml"
 # the task section of the SFT preset and of configs/pg/grpo.yaml and configs/dpo/dpo.yaml
 _PRESET_TASK = {"name": "spell_backward", "config": {}, "answer_format": "plain"}
+
+
+def _config_json(config: dict) -> str:
+    """A task's kwargs as JSON for a printed command, redacted as in config.yaml (`redact_obj`:
+    a value under a secret-named key, `{"token": ...}`, is '***')."""
+    return json.dumps(redact_obj(config))
 
 
 def _task_overrides(cfg: Any) -> list[str]:
@@ -31,7 +38,7 @@ def _task_overrides(cfg: Any) -> list[str]:
     if task.name != _PRESET_TASK["name"]:
         out.append(f"task.name={task.name}")
     if task.config != _PRESET_TASK["config"]:
-        out.append(shlex.quote(f"task.config={json.dumps(task.config)}"))
+        out.append(shlex.quote(f"task.config={_config_json(task.config)}"))
     if task.answer_format != _PRESET_TASK["answer_format"]:
         out.append(f"task.answer_format={task.answer_format}")
     return out
@@ -69,7 +76,7 @@ def _eval_command(cfg: Any, model_dir: str) -> str:
     task = cfg.task
     words = ["rlhflab eval", shlex.quote(model_dir), f"--task {task.name}"]
     if task.config:
-        words.append(f"--task-config {shlex.quote(json.dumps(task.config))}")
+        words.append(f"--task-config {shlex.quote(_config_json(task.config))}")
     if task.answer_format != "plain":
         words.append(f"--answer-format {task.answer_format}")
     if task.seed != 0:
@@ -128,7 +135,7 @@ def next_command(cfg: Any, results: dict) -> str | None:
                 f"--task {task.name}",
             ]
             if task.config:
-                cmd.append(f"--task-config {shlex.quote(json.dumps(task.config))}")
+                cmd.append(f"--task-config {shlex.quote(_config_json(task.config))}")
             if task.answer_format != "plain":
                 cmd.append(f"--answer-format {task.answer_format}")
             return f"next: {' '.join(cmd)}"

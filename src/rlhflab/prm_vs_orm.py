@@ -34,7 +34,7 @@ def run_prm_vs_orm(
     max_new_tokens: int = 64,
     prm_reduce: str = "min",
     seed: int = 0,
-    threads: int | None = 1,
+    threads: int | None = None,
 ) -> dict:
     """PRM vs ORM from the same data budget: SFT a policy (or load `policy`), sample it once,
     train an ORM and a PRM on those samples, and report best-of-N accuracy vs N on held-out

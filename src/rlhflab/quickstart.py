@@ -6,6 +6,12 @@
     4. held-out greedy accuracy after SFT and after GRPO, on problems absent from all training data
     5. report.md (before/after table, plots, where everything is) and final_results.json
 
+Resuming (`rlhflab quickstart --resume [DIR]`, with the arguments it was started with, recorded
+in DIR/quickstart.json): a stage whose run finished (`final_results.json` with `status: complete`)
+is skipped, the interrupted stage continues from its newest committed checkpoint (the harness's
+`run.resume=auto`), and the report is written when the GRPO stage ends. An interruption (Ctrl-C,
+SIGTERM) carries the quickstart directory as `resume_dir`; the CLI prints the command.
+
 The settings are the embedded preset `rlhflab/presets/quickstart.yaml` (the file you read is the
 run you get); `--fast` applies the preset's `fast` overrides (same code path, smaller budget).
 """
@@ -22,7 +28,7 @@ import yaml
 
 from rlhflab.config import apply_overrides, config_from_dict
 from rlhflab.errors import ConfigError
-from rlhflab.rundir import create_run_dir
+from rlhflab.rundir import create_run_dir, is_run_of
 from rlhflab.serialize import write_json_atomic, write_text_atomic, write_yaml_atomic
 
 
@@ -58,28 +64,113 @@ def build_configs(*, fast: bool, root: Path, overrides: list[str] | None = None)
     return sft_cfg, grpo_cfg
 
 
+INVOCATION = "quickstart.json"
+
+
+def find_resume_dir(resume: str, *, fast: bool, root: str) -> Path:
+    """The quickstart directory `--resume` continues: `resume` itself, or for "latest" the
+    newest `<root>/quickstart[-fast]-<timestamp>` directory.
+
+    Raises:
+        ConfigError: no such directory, or none under `root`.
+    """
+    name = "quickstart-fast" if fast else "quickstart"
+    if resume != "latest":
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"quickstart --resume: {resume} is not a directory")
+        return path
+    found = [p for p in Path(root).glob(f"{name}-*") if p.is_dir() and is_run_of(p.name, name)]
+    if not found:
+        raise ConfigError(
+            f"quickstart --resume: no {name}-<timestamp> directory under {root} to continue"
+        )
+    return max(found, key=lambda p: p.name)
+
+
+def _check_invocation(run_dir: Path, invocation: dict) -> None:
+    """Refuse to resume a quickstart started with other arguments (one line naming them)."""
+    path = run_dir / INVOCATION
+    if not path.is_file():
+        raise ConfigError(f"quickstart --resume: {run_dir} is not a quickstart directory "
+                          f"(no {INVOCATION})")  # fmt: skip
+    old = json.loads(path.read_text())
+    for key in ("fast", "overrides"):
+        if old.get(key) != invocation[key]:
+            raise ConfigError(
+                f"quickstart --resume: {run_dir} was started with {key} {json.dumps(old.get(key))}"
+                f", not {json.dumps(invocation[key])}; resume with the arguments it was started with"
+            )
+
+
+def _finished(run_dir: Path, name: str) -> dict | None:
+    """The final results of the newest finished run (`status: complete`) of stage `name`."""
+    done = []
+    for d in run_dir.glob(f"{name}-*"):
+        if d.is_dir() and is_run_of(d.name, name):
+            try:
+                res = json.loads((d / "final_results.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(res, dict) and res.get("status") == "complete":
+                done.append((d.name, res))
+    return max(done, key=lambda t: t[0])[1] if done else None
+
+
+def _stage(train, cfg, run_dir: Path, resume: bool) -> dict:
+    """Train one stage; when resuming: a finished run's results, else continue its newest
+    checkpoint (`run.resume=auto`: a fresh run when it has none)."""
+    from rlhflab.trainers import train_recording_stops
+
+    if resume:
+        done = _finished(run_dir, cfg.run.name)
+        if done is not None:
+            return done
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    return train_recording_stops(train, cfg)
+
+
 def run_quickstart(
-    *, fast: bool = False, root: str = "runs", overrides: list[str] | None = None
+    *,
+    fast: bool = False,
+    root: str = "runs",
+    overrides: list[str] | None = None,
+    resume: str | None = None,
 ) -> dict:
-    """Run the whole job; returns the final results (also written to final_results.json)."""
-    from rlhflab.trainers import policy_gradient, sft, train_recording_stops
+    """Run the whole job; returns the final results (also written to final_results.json).
+
+    `resume`: None (a new directory), "latest" (the newest quickstart directory under `root`) or
+    a quickstart directory: continue it (module doc). An interruption (`Interrupted`,
+    KeyboardInterrupt) propagates with `resume_dir` set to the quickstart directory."""
+    from rlhflab.trainers import policy_gradient, sft
 
     t0 = time.perf_counter()
     name = "quickstart-fast" if fast else "quickstart"
+    invocation = {"fast": fast, "overrides": list(overrides or [])}
     # Validate both configs before anything is written.
     build_configs(fast=fast, root=Path(root), overrides=overrides)
-    run_dir = create_run_dir(root, name)
+    if resume is None:
+        run_dir = create_run_dir(root, name)
+        write_json_atomic(run_dir / INVOCATION, invocation)
+    else:
+        run_dir = find_resume_dir(resume, fast=fast, root=root)
+        _check_invocation(run_dir, invocation)
     sft_cfg, grpo_cfg = build_configs(fast=fast, root=run_dir, overrides=overrides)
-
-    sft_results = train_recording_stops(sft.train, sft_cfg)
-    grpo_cfg = grpo_cfg.model_copy(
-        update={
-            "model": grpo_cfg.model.model_copy(update={"name_or_path": sft_results["model_dir"]})
-        }
-    )
-    write_yaml_atomic(run_dir / "grpo_config.yaml", grpo_cfg.model_dump(mode="json"))
-    write_yaml_atomic(run_dir / "sft_config.yaml", sft_cfg.model_dump(mode="json"))
-    rl_results = train_recording_stops(policy_gradient.train, grpo_cfg)
+    try:
+        sft_results = _stage(sft.train, sft_cfg, run_dir, resume is not None)
+        grpo_cfg = grpo_cfg.model_copy(
+            update={
+                "model": grpo_cfg.model.model_copy(
+                    update={"name_or_path": sft_results["model_dir"]}
+                )
+            }
+        )
+        write_yaml_atomic(run_dir / "grpo_config.yaml", grpo_cfg.model_dump(mode="json"))
+        write_yaml_atomic(run_dir / "sft_config.yaml", sft_cfg.model_dump(mode="json"))
+        rl_results = _stage(policy_gradient.train, grpo_cfg, run_dir, resume is not None)
+    except BaseException as exc:  # Ctrl-C, SIGTERM, a health stop: the CLI says how to continue
+        exc.resume_dir = run_dir
+        raise
 
     acc_sft = rl_results["heldout_accuracy_before"]
     acc_rl = rl_results["heldout_accuracy"]
@@ -102,6 +193,7 @@ def run_quickstart(
         "grpo_steps": rl_results["steps"],
         "grpo_wall_s": rl_results["wall_s"],
         "wall_s": round(time.perf_counter() - t0, 2),
+        "resumed": resume is not None,
         "sft_run": sft_results["run_dir"],
         "grpo_run": rl_results["run_dir"],
         "model_dir": rl_results["model_dir"],
@@ -132,7 +224,13 @@ def _report(r: dict, run_dir: Path) -> str:
         "The majority-answer baseline answers every held-out problem with the most common "
         "training answer: a model that learnt only that answer scores this much.",
         "",
-        f"RL gain: **{r['rl_gain_points']:+.1f} points**. Total wall-clock {r['wall_s']:.0f} s.",
+        f"RL gain: **{r['rl_gain_points']:+.1f} points**. Total wall-clock {r['wall_s']:.0f} s"
+        + (
+            " (this invocation, which resumed an interrupted quickstart; the stage rows give each"
+            " stage's own invocation)."
+            if r.get("resumed")
+            else "."
+        ),
         "",
         "## Health checks",
         "",
@@ -173,6 +271,27 @@ def summary_line(r: dict) -> str:
         f"{100 * r['heldout_accuracy_rl']:.1f}% (± {100 * r['heldout_accuracy_rl_stderr']:.1f}); "
         f"majority-answer baseline {_majority(r)}"
     )
+
+
+def summary_lines(r: dict) -> list[str]:
+    """What `rlhflab quickstart` prints (its whole results object with `--json`): the stages and
+    wall-clock, the held-out accuracies beside the baseline (`summary_line`), the health checks,
+    and where the report and the final model are."""
+    from rlhflab.summary import duration
+
+    resumed = ", resumed" if r.get("resumed") else ""
+    health = "; ".join(
+        f"{stage} all {len(h['checked'])} checks passed" if h["ok"]
+        else f"{stage} failed {', '.join(h['failed'])}"
+        for stage, h in r["health"].items()
+    )  # fmt: skip
+    return [
+        f"quickstart{' --fast' if r['fast'] else ''} finished in {duration(r['wall_s'])}"
+        f"{resumed}: SFT {r['sft_steps']} steps, GRPO {r['grpo_steps']} steps",
+        summary_line(r),
+        f"health: {health} (docs/health.md)",
+        f"report: {r['report']} (final_results.json beside it; final model {r['model_dir']})",
+    ]
 
 
 def _health_lines(health: dict) -> list[str]:

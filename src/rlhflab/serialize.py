@@ -1,20 +1,25 @@
 """How rlhflab writes files: secrets redacted, no NaN / Infinity in JSON, atomic replacement.
 
     redact(text) / redact_obj(obj)       secret environment values and secret-named keys -> '***'
+    redacted_console()                   sys.stdout / sys.stderr redacted line by line (the CLI)
     to_json(obj)                         the one JSON serialiser (redacted, NaN / inf as null + note)
     encode_nonfinite / decode_nonfinite  exact round trip of NaN / inf (checkpoint state.json)
     write_{text,json,yaml}_atomic        temporary file beside the target, fsync, rename
+    match_umask(path)                    files written 0600 by a library get the umask's mode
 
 Nothing here knows about run directories (`rlhflab.rundir`) or checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +126,65 @@ def redact_obj(obj: Any) -> Any:
     return walk(obj)
 
 
+class RedactedStream:
+    """A text stream that writes `redact(text)` to the stream it wraps, a line at a time.
+
+    Text is held until a line ends (`\\n` or `\\r`, so progress bars redraw) or `flush()` is
+    called, then redacted and written: a secret that reaches the stream in several `write` calls
+    (`print` writes its text and its end separately) is still replaced whole. Every other
+    attribute (`isatty`, `fileno`, `encoding`...) is the wrapped stream's.
+    """
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        """Hold `text`; write every complete line, redacted. Returns `len(text)`."""
+        self._pending += text
+        cut = max(self._pending.rfind("\n"), self._pending.rfind("\r"))
+        if cut >= 0:
+            done, self._pending = self._pending[: cut + 1], self._pending[cut + 1 :]
+            self._stream.write(redact(done))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        """Write what is held (redacted), then flush the wrapped stream."""
+        if self._pending:
+            text, self._pending = self._pending, ""
+            self._stream.write(redact(text))
+        self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def redacted_console() -> Iterator[None]:
+    """For the life of the block, `sys.stdout` and `sys.stderr` are `RedactedStream`s: every line
+    printed (results, summaries, hints, errors, progress, warnings, tracebacks) has the secret
+    environment values (`secret_values`) replaced by '***', as in the files a run writes. The
+    original streams are restored (and what is held flushed) on exit. Streams that are None
+    (no console) or already redacted are left as they are."""
+    saved = sys.stdout, sys.stderr
+    if sys.stdout is not None and not isinstance(sys.stdout, RedactedStream):
+        sys.stdout = RedactedStream(sys.stdout)
+    if sys.stderr is not None and not isinstance(sys.stderr, RedactedStream):
+        sys.stderr = RedactedStream(sys.stderr)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, RedactedStream):
+                with contextlib.suppress(Exception):  # a closed stream: nothing left to write
+                    stream.flush()
+        sys.stdout, sys.stderr = saved
+
+
 #: Why a value is null, written beside it (`<key>_note`) where the value was NaN or ±inf.
 NONFINITE_NOTES = {
     "nan": "undefined (NaN): nothing to compute it from, e.g. a mean, accuracy or standard error "
@@ -213,11 +277,43 @@ def write_text_atomic(path: Path, text: str) -> None:
     _write_atomic(path, redact(text))
 
 
+def current_umask() -> int:
+    """The process's file-mode creation mask. Read from /proc/self/status where it exists (no
+    change to the mask); elsewhere set and restored (`os.umask` has no read-only form)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def match_umask(path: str | os.PathLike) -> None:
+    """Give a file, or every regular file directly inside a directory, the mode an ordinary
+    `open` gives (0o666 less the umask: 0644 under umask 022). For writers that create their
+    files 0600 whatever the umask: safetensors (0.8) does, so model and checkpoint weights would
+    be unreadable by the group beside 0644 configs. Symbolic links are left alone."""
+    mode = 0o666 & ~current_umask()
+    path = Path(path)
+    files = [path] if not path.is_dir() else [p for p in path.iterdir()]
+    for f in files:
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, mode)
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    """`text` to a temporary file beside `path`, fsync, rename. The file gets the mode an ordinary
+    `open` would give it (0o666 less the umask: 0644 under umask 022), not mkstemp's 0600, so
+    results, configs and reports are readable by whoever may read the rest of the run."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

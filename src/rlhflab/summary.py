@@ -20,7 +20,8 @@ def _num(x: Any) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """`H:MM:SS` of a number of seconds (rounded)."""
     s = round(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
@@ -117,7 +118,7 @@ def summary_lines(results: dict) -> list[str]:
         parts.append(f"{steps} steps")
     wall = _num(r.get("wall_s"))
     if wall is not None:
-        parts.append(f"in {_duration(wall)}")
+        parts.append(f"in {duration(wall)}")
     text = f"{head}: {' '.join(parts)}" if parts else head
     loss = _num(r.get("final_loss"))
     if loss is not None:
@@ -149,4 +150,147 @@ def summary_lines(results: dict) -> list[str]:
         if r.get("model_dir"):
             files.append("model/")
         lines.append(f"run directory: {r['run_dir']} ({', '.join(files)})")
+    return lines
+
+
+# -- The other commands' summaries (their whole results object: `--json`) ------------------------
+
+
+def _show(v: float, is_acc: bool) -> str:
+    return f"{100 * v:.1f}%" if is_acc else f"{v:.3f}"
+
+
+def _pm(v: float, se: Any, is_acc: bool) -> str:
+    """ "78.8% ± 1.8" (accuracies in points) or "0.512 ± 0.013"; the value alone without a finite
+    standard error."""
+    se = _num(se)
+    if se is None:
+        return _show(v, is_acc)
+    return f"{_show(v, is_acc)} ± {100 * se:.1f}" if is_acc else f"{v:.3f} ± {se:.3f}"
+
+
+def eval_lines(r: dict) -> list[str]:
+    """`rlhflab eval MODEL --task | --data`: the held-out headline ± standard error (greedy, n
+    problems) beside the majority-answer baseline (tasks), pass@k / maj@k when sampled, the
+    reward components of a prompt dataset, and verifier errors when there were any."""
+    name = r.get("headline_name") or ("correctness" if "accuracy" in r else "reward")
+    value = _num(r.get("headline", r.get("accuracy")))
+    se = r.get("headline_stderr", r.get("accuracy_stderr"))
+    is_acc = name.startswith("correctness")
+    label = "accuracy" if name == "correctness (task verifier)" else name
+    lines = []
+    if value is not None:
+        text = f"held-out {label}: {_pm(value, se, is_acc)} (n={r.get('n')}, greedy)"
+        base = _num(r.get("majority_accuracy"))
+        if base is not None:
+            text += (
+                f"; majority-answer baseline {_pm(base, r.get('majority_accuracy_stderr'), True)}"
+                f" (answering {r.get('majority_answer')!r} to all)"
+            )
+        lines.append(text)
+    sampled = [
+        f"{k} {_pm(v, r.get(f'{k}_stderr'), is_acc)}"
+        for k, v in r.items()
+        if k.startswith(("pass@", "maj@"))
+        and k != "pass@k"
+        and not k.endswith("_stderr")
+        and _num(v) is not None
+    ]
+    if sampled:
+        lines.append(f"sampled ({r.get('n_samples')} per problem): {', '.join(sampled)}")
+    parts = [f"{k[7:]} {_num(v):.3f}" for k, v in r.items()
+             if k.startswith("reward/") and not k.endswith("_stderr") and _num(v) is not None]  # fmt: skip
+    if parts:
+        lines.append(f"reward components: {', '.join(parts)}")
+    if r.get("verifier_errors"):
+        lines.append(f"verifier errors: {r['verifier_errors']} completions (scored 0)")
+    return lines
+
+
+def eval_run_dir_lines(out: dict) -> list[str]:
+    """`rlhflab eval RUN_DIR --checkpoints | --passk`: the curve's first and last points, pass@k
+    before → after, and the files written."""
+    lines = []
+    curve = out.get("checkpoints")
+    if isinstance(curve, dict):
+        pts = [p for p in curve.get("points", []) if _num(p.get("headline")) is not None]
+        text = f"checkpoints: {curve.get('headline_name')} at {len(pts)} points"
+        if pts:
+            text += (
+                f", step {pts[0].get('step')} {pts[0]['headline']:.3f} → step "
+                f"{pts[-1].get('step')} {pts[-1]['headline']:.3f}"
+            )
+        lines.append(f"{text} ({curve.get('json')}, {curve.get('png')})")
+    passk = out.get("passk")
+    if isinstance(passk, dict):
+        for label in ("before", "after"):
+            res = passk.get(label) or {}
+            shown = [f"{m}@{k} {res[f'{m}@{k}']:.3f}" for m in ("pass", "maj")
+                     for k in passk.get("ks", []) if _num(res.get(f"{m}@{k}")) is not None]  # fmt: skip
+            if shown:
+                lines.append(f"{label} training: {', '.join(shown)}")
+        lines.append(
+            f"pass@k: {passk.get('n_samples')} samples per problem, {passk.get('n')} problems "
+            f"({passk.get('json')}, {passk.get('png')})"
+        )
+    return lines
+
+
+def sweep_lines(r: dict) -> list[str]:
+    """`rlhflab sweep`: runs trained and skipped, the tabulated metric per grid point (mean ±
+    s.e. over seeds), and where the README and results are."""
+    lines = [
+        f"sweep {r.get('out_dir')}: {r.get('cells')} runs; trained {len(r.get('ran', []))}, "
+        f"skipped {len(r.get('skipped', []))} (finished before)"
+    ]
+    points = r.get("points") or []
+    if points:
+        lines.append(f"{r.get('metric_name') or r.get('metric')} (final), mean ± s.e. over seeds:")
+        for pt in points:
+            m = pt.get("metric") or {}
+            if not m.get("n"):
+                shown = "no finished run"
+            elif m.get("se") is None:
+                shown = f"{m['mean']:.3f} (1 seed)"
+            else:
+                shown = f"{m['mean']:.3f} ± {m['se']:.3f} ({m['n']} seeds)"
+            lines.append(f"  {pt.get('label')}: {shown}")
+    if r.get("readme"):
+        lines.append(f"report: {r['readme']} (table, plots; every number in results.json)")
+    return lines
+
+
+def compare_lines(r: dict) -> list[str]:
+    """`rlhflab compare`: the held-out headline per preset (`heldout`: mean ± s.e. over seeds,
+    and its mean before training) and where the table, plot and results are."""
+    presets = r.get("presets") or {}
+    lines = [f"compare: {len(presets)} presets × {r.get('seeds')} seeds in "
+             f"{duration(r.get('wall_s') or 0)}"]  # fmt: skip
+    names = sorted({p.get("headline_name") for p in presets.values()} - {None})
+    if presets:
+        lines.append(f"held-out {' / '.join(names) or 'headline'}, mean ± s.e. over seeds:")
+    for name, p in presets.items():
+        after, before = p.get("heldout") or {}, p.get("heldout_before") or {}
+        if _num(after.get("mean")) is None:
+            lines.append(f"  {name}: –")
+            continue
+        shown = f"{after['mean']:.3f}"
+        if _num(after.get("se")) is not None:
+            shown += f" ± {after['se']:.3f}"
+        if _num(before.get("mean")) is not None:
+            shown += f" (before {before['mean']:.3f})"
+        lines.append(f"  {name}: {shown}")
+    lines.append(f"table: {r.get('table')} (comparison.png, results.json beside it)")
+    return lines
+
+
+def replicate_lines(name: str, r: dict, json_path: str) -> list[str]:
+    """`rlhflab replicate NAME`: wall-clock, the RL stage's held-out headline when it has one,
+    and where every number (`json_path`) and the plot are (docs/replications.md reads them)."""
+    lines = [f"replicate {name} finished in {duration(r.get('wall_s') or 0)}"]
+    heldout = _heldout_line(r) if isinstance(r.get("headline"), dict) else None
+    if heldout:
+        lines.append(heldout)
+    files = [json_path] + ([r["plot"]] if r.get("plot") else [])
+    lines.append(f"results: {', '.join(files)} (what reproduced: docs/replications.md)")
     return lines

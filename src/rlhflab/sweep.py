@@ -22,11 +22,12 @@ harness (`rlhflab.trainers.run_config`). Writes `<root>/YYYY-MM-DD-<slug>/`:
     metric_vs_grid.png   the headline metric against the (first) grid value, error bars ± s.e.
     curves.png     held-out metric, rollout reward and KL against step, mean ± s.e. over seeds
 
-Resuming: run the same command again. A cell whose run finished (`final_results.json` with
-`status: complete`) is skipped; a cell interrupted mid-way continues from its newest committed
-checkpoint (`run.resume=auto`, the harness's own resume). The campaign folder is found again by its
-slug (`<root>/*-<slug>`, any date); a different config, override list, grid, seed count or metric
-refuses with one line naming the difference.
+Resuming: run the same command again (`--resume` too: it refuses when there is nothing to
+continue). A cell whose run finished (`final_results.json` with `status: complete`) is skipped; a
+cell interrupted mid-way continues from its newest committed checkpoint (`run.resume=auto`, the
+harness's own resume). The campaign folder is found again by its slug (`<root>/*-<slug>`, any
+date); a different config, override list, grid, seed count or metric refuses with one line naming
+the difference.
 
 Many GPUs: cells are independent runs. `--only i/N` runs the cells j with j mod N = i (0 ≤ i < N)
 and writes no report; `--report` trains nothing and gathers every finished run into README.md
@@ -40,6 +41,7 @@ import json
 import math
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -237,12 +239,16 @@ def run_sweep(
     metric: str = HEADLINE,
     only: str | None = None,
     report_only: bool = False,
-    print_fn=print,
+    resume: bool = False,
+    print_fn=None,
 ) -> dict:
-    """Run (or continue, or only report) a sweep; see the module doc.
+    """Run (or continue, or only report) a sweep; see the module doc. The same arguments
+    continue a campaign; `resume=True` (`--resume`) says so explicitly: it refuses when there is
+    no campaign of this slug to continue, instead of starting one.
 
     Returns:
-        {"out_dir", "ran", "skipped", "cells", "readme" (None with --only)}.
+        {"out_dir", "ran", "skipped", "cells", "readme" (None with --only)}; with the report
+        also "metric", "metric_name" and "points" ([{"label", "metric": {"mean", "se", "n"}}]).
 
     Raises:
         ConfigError: bad grid/seeds/only/slug, a config that does not validate for some cell
@@ -251,6 +257,8 @@ def run_sweep(
     from rlhflab.config import load_config
     from rlhflab.next_steps import check_start_model
 
+    if print_fn is None:  # progress lines go to stderr: stdout is the command's results
+        print_fn = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if seeds < 1:
         raise ConfigError(f"sweep: --seeds must be >= 1 (got {seeds})")
     overrides = list(overrides or [])
@@ -278,6 +286,11 @@ def run_sweep(
         "metric": metric,
         "resolved_config": first,
     }
+    if resume and not (out / MANIFEST).is_file():
+        raise ConfigError(
+            f"sweep --resume: no campaign '{out.name[11:]}' under {out.parent} to continue "
+            f"(no {MANIFEST}); leave out --resume to start it"
+        )
     check_manifest(out, manifest)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / MANIFEST, manifest)
@@ -297,22 +310,20 @@ def run_sweep(
             print_fn(f"sweep [{k}/{len(mine)}] {name}: {point_label(p)}, seed {s}")
             run_config(load_config(config, [*cell_overrides(p, s, name), "run.resume=auto"]))
             ran.append(name)
-    readme = None
+    summary: dict = {"out_dir": str(out), "ran": ran, "skipped": skipped, "cells": len(cells),
+                     "readme": None}  # fmt: skip
     if share is None:
         results = gather(out, manifest, cells)
         write_json_atomic(out / "results.json", results)
         plot_sweep(results, out)
         readme = out / "README.md"
         write_text_atomic(readme, render_readme(results, out))
+        summary.update(readme=str(readme), metric=metric, metric_name=results["metric_name"],
+                       points=[{"label": pt["label"], "metric": pt["metric"]}
+                               for pt in results["points"]])  # fmt: skip
     else:
         print_fn(f"sweep: share {only} done; gather with the same command and --report")
-    return {
-        "out_dir": str(out),
-        "ran": ran,
-        "skipped": skipped,
-        "cells": len(cells),
-        "readme": str(readme) if readme else None,
-    }
+    return summary
 
 
 def _tail_mean(rows: list[dict], key: str) -> float | None:

@@ -15,6 +15,8 @@ the same trackio run (same project and name, `resume="allow"`). wandb ignores va
 step lower than one it has seen, so the steps redone after resuming from an older checkpoint keep
 their first values there (metrics.jsonl is cut back and rewritten exactly). Rollout samples go to
 both as a table (`samples`) every `tracking.samples_every` steps, next to samples.jsonl.
+wandb gets the redacted config only: what it would record on its own (the command line in its
+run metadata, code, git, `pip freeze`, the console) is off (`WANDB_SETTINGS`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,22 @@ EXTRAS = {
 #: Project used when neither the config nor the environment names one.
 DEFAULT_PROJECT = "rlhflab"
 
+#: wandb settings (`wandb.Settings` field names of wandb 0.19 and later) that turn off what
+#: wandb records on its own, outside the config rlhflab hands it and so outside its redaction:
+#: the run metadata (the command line `sys.argv`, where `task.system=<secret>` may be, the
+#: program, the git remote and commit, user, host), the code and git diff, `pip freeze` (a direct
+#: URL may hold a credential) and the console capture (it reads what the process writes before
+#: the CLI's redaction). The metrics, the redacted config, the samples tables and the system
+#: metrics (CPU, memory) are still logged.
+WANDB_SETTINGS = {
+    "x_disable_meta": True,
+    "disable_git": True,
+    "disable_code": True,
+    "save_code": False,
+    "x_save_requirements": False,
+    "console": "off",
+}
+
 
 def _options(value: Any) -> dict:
     """A sink's options as a dict: True → {}, a pydantic section → its set fields, a dict → itself."""
@@ -82,10 +100,12 @@ def wandb_init_kwargs(
         resume_id: the wandb run id saved in the checkpoint being resumed: `id` and
             `resume="allow"` continue that run (unless WANDB_RUN_ID is set: the user's choice).
         env: the environment (default `os.environ`).
+
+    `settings` is always `WANDB_SETTINGS` (what wandb would record unredacted is off).
     """
     env = os.environ if env is None else env
     opts = _options(options)
-    kw: dict[str, Any] = {"config": config, "dir": str(run_dir)}
+    kw: dict[str, Any] = {"config": config, "dir": str(run_dir), "settings": dict(WANDB_SETTINGS)}
     kw.update({k: opts[k] for k in ("project", "entity", "group", "tags", "name") if k in opts})
     if "project" not in kw and not env.get("WANDB_PROJECT"):
         kw["project"] = DEFAULT_PROJECT
@@ -140,6 +160,32 @@ def check_tracking_extras(tracking) -> None:
                 f"tracking.{flag}: the {module} package is not installed "
                 f"(pip install 'rlhflab[{extra}]', or set tracking.{flag}=false)"
             )
+    if tracking.wandb:
+        check_wandb_settings()
+
+
+def check_wandb_settings(wandb_mod: Any = None) -> None:
+    """The installed wandb knows every switch of `WANDB_SETTINGS`: an older or newer wandb that
+    has renamed one would record the command line (and any secret in it) unredacted.
+
+    Raises:
+        ConfigError: naming the wandb version and the settings it lacks.
+    """
+    from rlhflab.errors import ConfigError
+
+    if wandb_mod is None:
+        import wandb as wandb_mod
+    fields = getattr(getattr(wandb_mod, "Settings", None), "model_fields", None)
+    if fields is None:  # not the real package (a test double): nothing to check
+        return
+    missing = [k for k in WANDB_SETTINGS if k not in fields]
+    if missing:
+        version = getattr(wandb_mod, "__version__", "?")
+        raise ConfigError(
+            f"tracking.wandb: wandb {version} has no setting {', '.join(missing)}, which rlhflab "
+            "needs to keep wandb from recording the command line unredacted (tested with wandb "
+            "0.31; or set tracking.wandb=false)"
+        )
 
 
 def _find_spec(util, module: str):
@@ -223,6 +269,11 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._announce = _ANNOUNCE[-1] if _ANNOUNCE and not console_enabled else None
+        if self._announce is not None:
+            label, say, _ = self._announce
+            self._announced_at = time.perf_counter()
+            say(f"{label}: {description}: {total_steps} steps -> {run_dir}")
         if console_enabled and not _live_console():
             self.plain = True
         elif console_enabled:
@@ -297,6 +348,13 @@ class Tracker:
             )
             console.file.write(line + "\n")
             console.file.flush()
+        if self._announce is not None:
+            label, say, every_s = self._announce
+            now = time.perf_counter()
+            if now - self._announced_at >= every_s or step >= self.total_steps:
+                self._announced_at = now
+                say(f"{label}: " + plain_line(self.description, step, self.total_steps, row,
+                                              self.headline, row["time_s"]))  # fmt: skip
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """Rollout samples of `step` (prompt, completion, reward, ...) as a table named
@@ -342,6 +400,11 @@ class Tracker:
 
     def close(self) -> None:
         """Stop the progress bar and close every sink."""
+        if getattr(self, "_announce", None) is not None:
+            label, say, _ = self._announce
+            self._announce = None
+            elapsed = _duration(time.perf_counter() - self.start)
+            say(f"{label}: {self.description}: ended after {elapsed} ({self.path.parent})")
         if self.progress is not None:
             self.progress.stop()
             if self.progress in _LIVE:
@@ -361,6 +424,26 @@ class Tracker:
 
 #: The progress display of the running trainer's Tracker (phases add their bar to it).
 _LIVE: list[Progress] = []
+#: `announce_runs` while active: (label, print_fn, seconds between progress lines).
+_ANNOUNCE: list[tuple[str, Any, float]] = []
+
+
+@contextlib.contextmanager
+def announce_runs(label: str, *, print_fn=None, every_s: float = 30.0):
+    """For long commands made of several training runs (`rlhflab replicate`): while the block
+    runs, every run whose console sink is off (`tracking.console: false`, as in the replication
+    configs) still reports through `print_fn` (default: a line on stderr): a line when it starts
+    (`<label>: <run name>: <steps> steps -> <run dir>`), its `plain_line` progress at most every
+    `every_s` seconds and at its last step, and one when it ends. Runs with the console on
+    report as usual; ranks other than 0 stay quiet."""
+    import sys
+
+    say = print_fn or (lambda line: print(line, file=sys.stderr, flush=True))
+    _ANNOUNCE.append((label, say, every_s))
+    try:
+        yield
+    finally:
+        _ANNOUNCE.remove((label, say, every_s))
 
 
 def _live_console() -> bool:

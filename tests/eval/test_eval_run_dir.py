@@ -23,6 +23,7 @@ def test_passk_and_checkpoint_curve_of_a_run(tmp_path, capsys):
     res = run_config(config_from_dict(cfg))
     run_dir = Path(res["run_dir"])
     argv = ["eval", str(run_dir), "--passk", "--k", "1,2,4", "--checkpoints", "--threads", "1"]
+    argv.append("--json")  # the results object on stdout
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     head = res["headline"]
@@ -62,7 +63,7 @@ def test_checkpoint_curve_says_which_checkpoints_were_deleted_and_draws_the_logg
     )  # fmt: skip
     res = run_config(config_from_dict(cfg))
     run_dir = Path(res["run_dir"])
-    assert main(["eval", str(run_dir), "--checkpoints", "--threads", "1"]) == 0
+    assert main(["eval", str(run_dir), "--checkpoints", "--threads", "1", "--json"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)["checkpoints"]
     # every step wrote a checkpoint (every 1) and only the newest stayed (keep_last 1): steps 1-3

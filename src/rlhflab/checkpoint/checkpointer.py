@@ -58,7 +58,7 @@ from rlhflab.checkpoint.state import (
 )
 from rlhflab.errors import CheckpointError, Interrupted
 from rlhflab.models.lora import is_lora, load_trainable_state, trainable_state
-from rlhflab.serialize import encode_nonfinite, redact_json, write_json_atomic
+from rlhflab.serialize import encode_nonfinite, match_umask, redact_json, write_json_atomic
 
 
 class Checkpointer:
@@ -119,6 +119,7 @@ class Checkpointer:
         path = tmp / name
         try:
             write(path)
+            match_umask(path)  # safetensors writes 0600; the group reads checkpoints too
             _fsync(path)
             self.files_written += 1
             faults.hit("checkpoint_file", self.files_written)

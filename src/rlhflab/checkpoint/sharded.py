@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 
 from rlhflab import distributed
 from rlhflab.errors import CheckpointError
+from rlhflab.serialize import match_umask
 
 INDEX_FORMAT = "rlhflab.sharded"
 INDEX_VERSION = 1
@@ -106,6 +107,7 @@ def write_rank_file(path: Path, pieces: dict[str, Piece | None]) -> dict[str, di
             "lengths": lengths,
         }
     save_file(tensors, str(path))
+    match_umask(path)  # safetensors writes 0600 whatever the umask
     return entries
 
 

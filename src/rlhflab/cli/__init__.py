@@ -3,19 +3,24 @@
 Commands:
     train CONFIG [key.path=value ...]   run the trainer named by the config's `trainer` key
     eval MODEL --task NAME | --data P   held-out greedy accuracy and pass@k / mean reward
-    quickstart [--fast]                 the main job: tiny model → SFT → GRPO → held-out eval
+    quickstart [--fast] [--resume]      the main job: tiny model → SFT → GRPO → held-out eval
     compare PRESET... [k=v ...]         several presets (policy-gradient, direct alignment), same
                                         task and seeds: plot + table
     sweep CONFIG --grid k=v1,v2 ...     a grid of overrides × seeds: campaign folder with a
                                         mean ± s.e. table and plots; resumable
-    replicate NAME [CONFIG] --out DIR   a small-scale replication (docs/replications.md)
+    replicate NAME [CONFIG] --out DIR   a small-scale replication (docs/replications.md);
+                                        `replicate --list` lists them
     pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
 
+A command prints a few summary lines on stdout; `--json` prints its whole results object there
+instead (the summary lines then go to stderr). Every line printed is redacted like the files.
+
 Every user-facing error is printed as one line `error: ...` with exit code 2. A run stopped by
 SIGTERM / SIGINT writes a committed checkpoint and exits with 128 + the signal number (143 / 130);
-`rlhflab train CONFIG --resume` continues it. A run whose health check fails under
+the line after it is the command that continues (`train ... --resume=RUN_DIR`, `quickstart
+--resume=DIR`, `sweep ... --resume`). A run whose health check fails under
 `health.on_fail: stop` writes a committed checkpoint and exits with 3 (docs/health.md).
 
 The package: this module (the parser, `main` and its error handling), `commands.py` (one handler
@@ -31,6 +36,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 from rlhflab.cli.commands import (
     _cmd_best_of_n,
@@ -51,6 +57,14 @@ from rlhflab.cli.commands import (
 from rlhflab.errors import HealthStop, Interrupted, PeerRefused, RlhfLabError
 
 EXIT_USER_ERROR = 2
+#: `replicate NAME`: the keys of `rlhflab.replications.REPLICATIONS` (a test keeps them equal; the
+#: parser does not import the package, which loads pydantic and the configs).
+REPLICATION_NAMES = "r1-zero | rm-overopt | dpo-overopt | prm-orm-gsm8k (--list describes each)"
+#: Every command with results prints summary lines; `--json` prints the results object instead.
+JSON_HELP = "print the whole results object as JSON on stdout (the summary lines go to stderr)"
+#: Every command's `--threads`: default None, the default of `precision.threads` (torch's own
+#: thread count), which `train`, `quickstart`, `pipeline` and `replicate` configs fall back to.
+THREADS_HELP = "torch threads (default: torch's own, as precision.threads)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -143,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel processes on this machine: re-runs this command under "
         "`torchrun --standalone --nproc-per-node N` (multi-node: call torchrun yourself)",
     )
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
@@ -240,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reward", choices=["binary", "partial"], default=None, help="(default binary)")
     p.add_argument("--batch-size", type=_positive_int, default=256)
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
     p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")
     p.add_argument(
@@ -249,11 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="hf",
         help="rollout engine that samples, as rollout.engine (vllm: the rlhflab[vllm] extra)",
     )
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("quickstart", help="tiny model → SFT → GRPO → held-out eval, with a report")
     p.add_argument("--fast", action="store_true", help="same code path, smaller budget (~2 min)")
     p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="DIR",
+        help="continue an interrupted quickstart (with the arguments it was started with): DIR, "
+        "or without DIR the newest under --root; finished stages are skipped, the interrupted "
+        "one continues from its checkpoint, and the report is written at the end",
+    )
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument(
         "overrides",
         nargs="*",
@@ -281,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per preset (default 3)")
     p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser(
@@ -306,17 +334,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="I/N",
                    help="run only the cells j with j mod N = I (one job of many); no report")  # fmt: skip
     p.add_argument("--report", action="store_true", help="train nothing; gather finished runs")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the campaign (as the same command without it does), refusing "
+                        "when there is none of this slug")  # fmt: skip
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser(
         "replicate",
         help="a small-scale replication of a published result (docs/replications.md)",
+        description="Run a small-scale replication into --out DIR, e.g. `rlhflab replicate "
+        "r1-zero --out runs/r1-zero`; `rlhflab replicate --list` describes each. Each training "
+        "stage reports its progress on stderr; the summary and the files written end it.",
     )
-    p.add_argument("name", help="rm-overopt | prm-orm-gsm8k | dpo-overopt")
+    p.add_argument("name", nargs="?", default=None, metavar="NAME", help=REPLICATION_NAMES)
     p.add_argument("config", nargs="?", default=None,
                    help="its config (default configs/replications/<name>.yaml)")  # fmt: skip
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    p.add_argument("--out", required=True, help="output directory (JSON, plot, runs/)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="optional overrides of the config")  # fmt: skip
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (JSON, plot, runs/); required to run")  # fmt: skip
+    p.add_argument("--list", action="store_true", help="list the replications, one line each")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_replicate)
 
     p = sub.add_parser(
@@ -378,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for best_of_n.json and the plot")
     p.add_argument("--write-sft", default=None, help="write the selected samples as SFT JSONL")
     p.add_argument("--min-score", type=float, default=None, help="rejection threshold (RM score)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.set_defaults(func=_cmd_best_of_n)
 
     p = sub.add_parser("prm-vs-orm", help="PRM vs ORM best-of-N, same data budget, with a plot")
@@ -397,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated N values")
     p.add_argument("--prm-reduce", choices=["min", "prod"], default="min")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.set_defaults(func=_cmd_prm_vs_orm)
 
     p = sub.add_parser("plan", help="per-GPU memory estimate of a run (docs/plan.md)")
@@ -429,7 +468,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     argv = _resume_before_override(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command in ("train", "sweep", "replicate") and not any(
+        if args.command in ("train", "quickstart", "sweep", "replicate") and not any(
             e.startswith("-") for e in extra
         ):
             args.overrides = [*args.overrides, *extra]
@@ -448,9 +487,10 @@ def _resume_before_override(argv: list[str]) -> list[str]:
     `--resume` takes an optional PATH (`nargs='?'`), so argparse would take the override after it
     as the run to resume. Rule: a separate word after `--resume` (or an unambiguous prefix of it,
     which argparse accepts) that starts like `dotted.key=` is an override; a path of that form must
-    be written `--resume=PATH`. Other commands, and words after `--`, are left as they are.
+    be written `--resume=PATH`. The same for `quickstart --resume [DIR]`. Other commands, and
+    words after `--`, are left as they are.
     """
-    if not argv or argv[0] != "train":
+    if not argv or argv[0] not in ("train", "quickstart"):
         return argv
     out = list(argv)
     for i, word in enumerate(out[:-1]):
@@ -462,7 +502,18 @@ def _resume_before_override(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: parse `argv`, run the command; user errors print one line and return 2."""
+    """Entry point: parse `argv`, run the command; user errors print one line and return 2.
+
+    Every line the command prints, on stdout and stderr (results, summaries, the `next:` hint,
+    errors, progress, warnings, tracebacks, argparse's messages), goes through the redaction of
+    the files a run writes (`rlhflab.serialize.redacted_console`)."""
+    from rlhflab.serialize import redacted_console
+
+    with redacted_console():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -473,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         with quiet_transformers():  # transformers' bars and un-actionable FutureWarnings
             return args.func(args)
     except Interrupted as exc:
-        _say(f"interrupted: {exc}; continue with --resume")
+        _say(f"interrupted: {exc}")
+        _say(_continue_line(args, exc))
         return exc.exit_code
     except HealthStop as exc:
         print(
@@ -503,8 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(exc, "shared", False):
             _after_shared_refusal()
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         _say("interrupted")
+        if getattr(exc, "resume_dir", None) is not None or args.command == "sweep":
+            _say(_continue_line(args, exc))
         return 130
     except Exception:  # a bug: the traceback, with secrets redacted like every other stream
         import traceback
@@ -516,6 +570,54 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "rlhflab.distributed" in sys.modules:
             sys.modules["rlhflab.distributed"].teardown()
+
+
+def _continue_line(args: argparse.Namespace, exc: BaseException) -> str:
+    """The command that continues an interrupted command, as one line for stderr.
+
+    train: its own arguments with `--resume=<run directory>` (any `--resume` given before is
+    replaced); quickstart: with `--resume=<quickstart directory>`; sweep: its own arguments with
+    `--resume` (finished cells are skipped, the interrupted one continues from its checkpoint).
+    The other commands do not resume: the line names the checkpoint of the run that stopped."""
+    import shlex
+
+    ckpt = getattr(exc, "checkpoint", None)
+    if args.command == "train" and ckpt is not None:
+        path = Path(ckpt).parent.parent  # <run_dir>/checkpoints/step-N
+        return "continue with: " + _command([*_without_resume(args.argv), f"--resume={path}"])
+    if args.command == "quickstart" and getattr(exc, "resume_dir", None) is not None:
+        words = [*_without_resume(args.argv), f"--resume={exc.resume_dir}"]
+        return "continue with: " + _command(words)
+    if args.command == "sweep":
+        words = args.argv if "--resume" in args.argv else [*args.argv, "--resume"]
+        return "continue with: " + _command(words)
+    where = f" (checkpoint {shlex.quote(str(ckpt))})" if ckpt is not None else ""
+    return f"rlhflab {args.command} does not resume; run it again to start over{where}"
+
+
+def _command(argv: list[str]) -> str:
+    """`rlhflab` + argv, shell-quoted (a line the user can paste)."""
+    import shlex
+
+    return shlex.join(["rlhflab", *argv])
+
+
+def _without_resume(argv: list[str]) -> list[str]:
+    """`argv` without its `--resume` option: `--resume=X`, `--resume X` (X a path, not an option
+    or override word) or a bare `--resume` (argparse's prefixes of it included)."""
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if len(name) >= 3 and "--resume".startswith(name):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            skip = ("=" not in word and nxt is not None and not nxt.startswith("-")
+                    and not _OVERRIDE_WORD.match(nxt))  # fmt: skip
+            continue
+        out.append(word)
+    return out
 
 
 def _after_shared_refusal() -> None:

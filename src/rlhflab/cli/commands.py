@@ -19,6 +19,19 @@ def _dumps(results: dict) -> str:
     return to_json(results, indent=2, default=str)
 
 
+def _emit(args: argparse.Namespace, results: dict, lines: list[str]) -> None:
+    """A command's results: its summary `lines` on stdout; with `--json` the whole results
+    object on stdout (one JSON document, for jq and scripts) and the summary lines on stderr.
+    Secrets are redacted on both streams (`rlhflab.serialize.redacted_console`)."""
+    if getattr(args, "json", False):
+        for line in lines:
+            print(line, file=sys.stderr)
+        print(_dumps(results))
+    else:
+        for line in lines:
+            print(line)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlhflab.config import load_config
     from rlhflab.next_steps import check_start_model, next_command
@@ -35,7 +48,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_start_model(cfg)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
-        _print_summary(results)
+        from rlhflab.summary import summary_lines
+
+        _emit(args, results, summary_lines(results))
     _print_next(next_command(cfg, results))
     return 0
 
@@ -85,6 +100,7 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from rlhflab.errors import ConfigError
     from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
+    from rlhflab.summary import eval_lines
 
     sampling = bool(args.k) or args.passk
     if sampling and args.temperature is not None and args.temperature <= 0:
@@ -117,7 +133,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             engine=args.engine,
             **{k: v for k, v in given.items() if v is not None},
         )
-        print(_dumps(results))
+        _emit(args, results, eval_lines(results))
         return 0
     results = run_eval_command(
         args.model,
@@ -140,10 +156,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         show=args.show,
         gguf_file=args.gguf_file,
         engine=args.engine,
-        print_fn=lambda line: print(line, file=sys.stderr),
+        print_fn=_completion_lines,
     )
-    print(_dumps(results))
+    _emit(args, results, eval_lines(results))
     return 0
+
+
+def _completion_lines(line: str) -> None:
+    """`run_eval_command`'s lines: the `--show` completions on stderr; its closing result line is
+    left out (the summary on stdout, `summary.eval_lines`, says the same with its name)."""
+    if line.startswith("--- "):
+        print(line, file=sys.stderr)
 
 
 def _eval_run_dir(args: argparse.Namespace) -> int:
@@ -170,32 +193,37 @@ def _eval_run_dir(args: argparse.Namespace) -> int:
             args.model, ks=ks, n_samples=args.n_samples, temperature=args.temperature,
             engine=args.engine, print_fn=say,
         )  # fmt: skip
-    print(_dumps(out))
+    from rlhflab.summary import eval_run_dir_lines
+
+    _emit(args, out, eval_run_dir_lines(out))
     return 0
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
     from rlhflab.next_steps import after_quickstart
-    from rlhflab.quickstart import run_quickstart, summary_line
+    from rlhflab.quickstart import run_quickstart, summary_lines
 
-    results = run_quickstart(fast=args.fast, root=args.root, overrides=args.overrides)
-    print(summary_line(results), file=sys.stderr)
-    print(_dumps(results))
+    results = run_quickstart(
+        fast=args.fast, root=args.root, overrides=args.overrides, resume=args.resume
+    )
+    _emit(args, results, summary_lines(results))
     _print_next(after_quickstart(results))
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from rlhflab.compare import run_compare
+    from rlhflab.summary import compare_lines
 
     overrides = [a for a in args.args if "=" in a]
     presets = [a for a in args.args if "=" not in a]
     results = run_compare(presets, seeds=args.seeds, overrides=overrides, root=args.root)
-    print(_dumps(results))
+    _emit(args, results, compare_lines(results))
     return 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    from rlhflab.summary import sweep_lines
     from rlhflab.sweep import run_sweep
 
     if args.report and args.only is not None:
@@ -210,19 +238,39 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         metric=args.metric,
         only=args.only,
         report_only=args.report,
+        resume=args.resume,
         print_fn=lambda line: print(line, file=sys.stderr),
     )
-    print(_dumps(results))
+    _emit(args, results, sweep_lines(results))
     return 0
 
 
 def _cmd_replicate(args: argparse.Namespace) -> int:
-    from rlhflab.replications import run_replication
+    from rlhflab.replications import REPLICATIONS, describe, result_file, run_replication
+    from rlhflab.summary import replicate_lines
+    from rlhflab.tracking import announce_runs
 
+    if args.list:
+        for line in describe():
+            print(line)
+        return 0
+    if args.name is None:
+        raise ConfigError(
+            "replicate: give a replication NAME and --out DIR, e.g. `rlhflab replicate r1-zero "
+            f"--out runs/r1-zero` (NAME: {' | '.join(REPLICATIONS)}; --list describes each)"
+        )
+    if args.out is None:
+        raise ConfigError(
+            f"replicate {args.name}: --out DIR is required (where its JSON, plot and runs/ go), "
+            f"e.g. --out runs/{args.name}"
+        )
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # an override, no config given
         config, overrides = None, [config, *overrides]
-    print(_dumps(run_replication(args.name, config, args.out, overrides)))
+    # every training stage reports on stderr: a start line, progress every 30 s, an end line
+    with announce_runs(f"replicate {args.name}"):
+        results = run_replication(args.name, config, args.out, overrides)
+    _emit(args, results, replicate_lines(args.name, results, result_file(args.name, args.out)))
     return 0
 
 

@@ -30,6 +30,7 @@ from transformers import (
 
 from rlhflab.errors import ConfigError
 from rlhflab.models.gpt import GPTConfig, GPTForCausalLM
+from rlhflab.serialize import match_umask
 
 SIZE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(
@@ -154,6 +155,7 @@ def save_pretrained(
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
     write_model_card(path, model.config, auto_class="AutoModelForCausalLM")
+    match_umask(path)  # safetensors writes its files 0600 whatever the umask
 
 
 def write_model_card(

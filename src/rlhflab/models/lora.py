@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhflab.errors import ConfigError, ModelError
+from rlhflab.serialize import match_umask
 
 ADAPTER = "default"  # peft's adapter name; one adapter per model
 ADAPTER_CONFIG = "adapter_config.json"
@@ -306,3 +307,4 @@ def save_adapter(model: nn.Module, tokenizer, path: str | os.PathLike[str], full
     )
     config.save_pretrained(str(path))
     tokenizer.save_pretrained(path)
+    match_umask(path)  # safetensors writes its files 0600 whatever the umask

@@ -291,5 +291,7 @@ def save_reward_model(
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     from rlhflab.models.build import write_model_card
+    from rlhflab.serialize import match_umask
 
     write_model_card(path, model.config, auto_class="AutoModelForSequenceClassification")
+    match_umask(path)  # safetensors writes its files 0600 whatever the umask

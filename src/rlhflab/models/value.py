@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhflab.ops import position_ids_from_mask, upcast
+from rlhflab.serialize import match_umask
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -80,6 +81,7 @@ class ValueModel(nn.Module):
                 for k in ("backbone", "head")}  # fmt: skip
         self.backbone.save_pretrained(path, state_dict=part["backbone"])
         save_file({k: v.contiguous() for k, v in part["head"].items()}, Path(path) / HEAD_FILE)
+        match_umask(path)  # safetensors writes its files 0600 whatever the umask
 
     def forward(self, rollout, autocast_dtype: torch.dtype | None = None) -> Tensor:
         """Values (B, T) float32 (float64 for a float64 model) of the states before each

@@ -23,8 +23,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rlhflab.config.sections import PrecisionConfig
 from rlhflab.errors import ConfigError
 
 #: name → (module, default config)
@@ -38,11 +39,41 @@ REPLICATIONS = {
     "r1-zero": ("rlhflab.replications.r1_zero", "configs/replications/r1_zero.yaml"),
 }
 
+#: name → one line: the published result and what the replication measures (`replicate --list`)
+DESCRIPTIONS = {
+    "r1-zero": "R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness + "
+    "format rewards; held-out correctness, response length and format reward over steps",
+    "rm-overopt": "reward-model over-optimisation (Gao et al. 2022): best-of-n and RL against a "
+    "proxy RM; gold and proxy reward against √KL",
+    "dpo-overopt": "DPO over-optimisation (Rafailov et al. 2024): a β × length grid; gold "
+    "against KL(π‖π_ref) per β",
+    "prm-orm-gsm8k": "PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on "
+    "Monte-Carlo step labels (Math-Shepherd); best-of-N accuracy against N",
+}
+
+
+def describe() -> list[str]:
+    """One line per replication: its name, its default config and what it replicates
+    (`rlhflab replicate --list`)."""
+    width = max(map(len, REPLICATIONS))
+    return [
+        f"{name:<{width}}  {DESCRIPTIONS[name]} ({REPLICATIONS[name][1]})" for name in REPLICATIONS
+    ]
+
+
+def result_file(name: str, out: str | Path) -> str:
+    """The JSON a replication writes into `out` with every number: `<out>/<module>.json`."""
+    return str(Path(out) / f"{REPLICATIONS[name][0].rsplit('.', 1)[-1]}.json")
+
 
 class Experiment(BaseModel):
-    """Base of each replication's `experiment:` section (unknown keys are errors)."""
+    """Base of each replication's `experiment:` section (unknown keys are errors). `threads`:
+    torch threads of the replication's own work (sampling, scoring); its default is
+    `precision.threads`' (torch's own), as for every command."""
 
     model_config = ConfigDict(extra="forbid")
+
+    threads: int | None = Field(PrecisionConfig.model_fields["threads"].default, ge=1)
 
 
 def check_experiment(cls: type[BaseModel], raw: Any, source: str) -> BaseModel:

@@ -36,7 +36,6 @@ class Spec(Experiment):
     kl_problems: int = 200
     max_new_tokens: int = 10
     seed: int = 0
-    threads: int | None = 1
     policy: str | None = None
 
 

@@ -50,7 +50,6 @@ class Spec(Experiment):
     max_new_tokens: int = 48
     n_resamples: int = 16
     seed: int = 0
-    threads: int | None = 1
     policy: str | None = None
 
 

@@ -47,7 +47,6 @@ class Spec(Experiment):
     n_heldout: int = 100
     format_frac: float = Field(0.1, ge=0, le=1)  # base documents in the <think>/<answer> form
     seed: int = 0
-    threads: int | None = 1
     policy: str | None = None  # a base model directory: skip the base stage
 
 

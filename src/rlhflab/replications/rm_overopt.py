@@ -39,7 +39,6 @@ class Spec(Experiment):
     max_new_tokens: int = 10
     n_resamples: int = 16
     seed: int = 0
-    threads: int | None = 1
     policy: str | None = None  # an existing start policy: the sft stage is skipped
     proxy_rm: str | None = None  # an existing proxy ORM (trained on this policy): rm is skipped
 
