@@ -56,7 +56,7 @@ def test_eval_takes_the_task_settings_of_the_run_that_trained_the_model(
         tmp_path, eval={"n": 12, "max_new_tokens": 5},
         data={"source": "task", "template": template},
     )  # fmt: skip
-    assert main(["eval", str(run / "model"), "--task", "chain_sum"]) == 0
+    assert main(["eval", str(run / "model"), "--task", "chain_sum", "--json"]) == 0
     # the rows the policy-gradient trainer evaluates: its prompt source, the first eval.n
     expected = load_prompt_source(cfg.data, cfg.task, seed=cfg.seed).heldout[: cfg.eval.n]
     got = evaluated["rows"]
@@ -85,7 +85,7 @@ def test_a_given_setting_that_differs_from_the_run_is_used_and_named_in_one_warn
 
     run, _ = _run_dir(tmp_path, eval={"n": 12})
     argv = ["eval", str(run / "model"), "--task", "chain_sum", "--n", "4", "--task-config", "{}",
-            "--answer-format", "tags"]  # fmt: skip
+            "--answer-format", "tags", "--json"]  # fmt: skip
     assert main(argv) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
     assert err == [
@@ -111,7 +111,7 @@ def test_another_task_keeps_its_own_distribution_and_the_runs_format(tmp_path, e
 
     run, _ = _run_dir(tmp_path)
     assert main(["eval", str(run / "model"), "--task", "basic_arithmetic", "--n", "3",
-                 "--exclude-train", "100"]) == 0  # fmt: skip
+                 "--exclude-train", "100", "--json"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)["settings"]
     d = default_settings()
     assert out["task_config"] == d["task_config"] and out["seed"] == d["seed"]  # the task's own
@@ -161,7 +161,7 @@ def test_a_multi_turn_runs_model_is_evaluated_by_episodes_as_the_run_did(
     hint = next_command(config_from_dict(raw), res)
     argv = shlex.split(hint.removeprefix("next:"), comments=True)
     assert argv == ["rlhflab", "eval", res["model_dir"]]
-    assert main([*argv[1:], "--threads", "1"]) == 0
+    assert main([*argv[1:], "--threads", "1", "--json"]) == 0  # the printed command, + the object
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["env"] == f"{env_file}:ScriptEnv" and out["n"] == 6
@@ -175,7 +175,7 @@ def test_a_multi_turn_runs_model_is_evaluated_by_episodes_as_the_run_did(
     err = capsys.readouterr().err.strip()
     assert "pass@k of episodes is not implemented" in err and "\n" not in err
     # the checkpoint curve of the run directory: episodes too (initial and final model)
-    assert main(["eval", res["run_dir"], "--checkpoints", "--threads", "1"]) == 0
+    assert main(["eval", res["run_dir"], "--checkpoints", "--threads", "1", "--json"]) == 0
     points = json.loads(capsys.readouterr().out)["checkpoints"]["points"]
     assert [p["step"] for p in points] == [0, 1]
     assert [p["headline"] for p in points] == [res["headline"]["before"], res["headline"]["value"]]

@@ -163,9 +163,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _completion_lines(line: str) -> None:
-    """`run_eval_command`'s lines: the `--show` completions on stderr; its closing result line is
-    left out (the summary on stdout, `summary.eval_lines`, says the same with its name)."""
-    if line.startswith("--- "):
+    """`run_eval_command`'s lines on stderr (the `note:` and `warning:` lines about the training
+    run's settings, the held-out episodes note, the `--show` completions); its closing result line
+    ("accuracy …" / "success …") is left out: the summary on stdout, `summary.eval_lines`, says
+    the same with its name."""
+    if not line.startswith(("accuracy ", "success ")):
         print(line, file=sys.stderr)
 
 
