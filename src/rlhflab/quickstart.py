@@ -28,7 +28,7 @@ import yaml
 
 from rlhflab.config import apply_overrides, config_from_dict
 from rlhflab.errors import ConfigError
-from rlhflab.rundir import create_run_dir, is_run_of
+from rlhflab.rundir import create_run_dir, is_run_of, newest_complete_run
 from rlhflab.serialize import write_json_atomic, write_text_atomic, write_yaml_atomic
 
 
@@ -105,16 +105,8 @@ def _check_invocation(run_dir: Path, invocation: dict) -> None:
 
 def _finished(run_dir: Path, name: str) -> dict | None:
     """The final results of the newest finished run (`status: complete`) of stage `name`."""
-    done = []
-    for d in run_dir.glob(f"{name}-*"):
-        if d.is_dir() and is_run_of(d.name, name):
-            try:
-                res = json.loads((d / "final_results.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(res, dict) and res.get("status") == "complete":
-                done.append((d.name, res))
-    return max(done, key=lambda t: t[0])[1] if done else None
+    found = newest_complete_run(run_dir, name)
+    return found[1] if found else None
 
 
 def _stage(train, cfg, run_dir: Path, resume: bool) -> dict:

@@ -50,6 +50,25 @@ def is_run_of(dirname: str, name: str) -> bool:
     return re.fullmatch(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?", dirname) is not None
 
 
+def newest_complete_run(parent: Path, name: str) -> tuple[Path, dict] | None:
+    """The newest run directory of the run named `name` directly under `parent` (`is_run_of`)
+    whose final_results.json says `status: complete`, with those results; None when there is
+    none (or `parent` is not a directory). Unreadable results count as not complete. Used to
+    skip finished stages and arms on `quickstart --resume` and `sweep --resume`."""
+    if not parent.is_dir():
+        return None
+    done = []
+    for d in parent.iterdir():
+        if d.is_dir() and is_run_of(d.name, name):
+            try:
+                res = json.loads((d / "final_results.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(res, dict) and res.get("status") == "complete":
+                done.append((d, res))
+    return max(done, key=lambda t: t[0].name) if done else None
+
+
 def check_run_name(name: str) -> None:
     """Run names are one path component of letters, digits, '.', '_' and '-' (no '..')."""
     if not _NAME.match(name) or ".." in name:

@@ -48,7 +48,7 @@ from pathlib import Path
 from rlhflab.compare import metric_series
 from rlhflab.errors import ConfigError
 from rlhflab.eval.accuracy import mean_and_stderr
-from rlhflab.rundir import is_run_of
+from rlhflab.rundir import newest_complete_run
 from rlhflab.serialize import write_json_atomic, write_text_atomic
 from rlhflab.tracking import read_metrics
 
@@ -214,18 +214,8 @@ def check_manifest(out: Path, manifest: dict) -> None:
 
 def _finished_run(runs: Path, name: str) -> Path | None:
     """The newest run directory of `name` under `runs` whose final_results.json says complete."""
-    if not runs.is_dir():
-        return None
-    done = []
-    for d in runs.iterdir():
-        if d.is_dir() and is_run_of(d.name, name):
-            try:
-                res = json.loads((d / "final_results.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(res, dict) and res.get("status") == "complete":
-                done.append(d)
-    return max(done, key=lambda p: p.name) if done else None
+    found = newest_complete_run(runs, name)
+    return found[0] if found else None
 
 
 def run_sweep(

@@ -50,13 +50,19 @@ def default_settings() -> dict[str, Any]:
     (`TaskConfig`, `EvalConfig`); `task` has none (it must be given)."""
     from rlhflab.config.sections import EvalConfig, TaskConfig
 
-    t, e = TaskConfig(), EvalConfig()
+    t = TaskConfig()
+    return _settings(t, EvalConfig(), task=None, n=t.n_heldout)
+
+
+def _settings(t: Any, e: Any, *, task: str | None, n: int) -> dict[str, Any]:
+    """The eval settings (keys of `SETTINGS`) read off a `task` section `t` and an `eval`
+    section `e`, with the task's name and the number of held-out rows given."""
     return {
-        "task": None,
+        "task": task,
         "task_config": dict(t.config),
         "seed": t.seed,
         "n_train_exclude": t.n_train,
-        "n": t.n_heldout,
+        "n": n,
         "answer_format": t.answer_format,
         "extractor": t.extractor,
         "reward": t.reward,
@@ -140,20 +146,7 @@ def find_training_run(model_path: str) -> TrainingRun | None:
     _, template = found
     t, e = cfg.task, cfg.eval
     n = min(e.n, t.n_heldout) if e.n > 0 else t.n_heldout
-    settings = {
-        "task": t.name,
-        "task_config": dict(t.config),
-        "seed": t.seed,
-        "n_train_exclude": t.n_train,
-        "n": n,
-        "answer_format": t.answer_format,
-        "extractor": t.extractor,
-        "reward": t.reward,
-        "system": t.system,
-        "instruction": t.instruction,
-        "max_new_tokens": e.max_new_tokens,
-        "temperature": e.temperature,
-    }
+    settings = _settings(t, e, task=t.name, n=n)
     rollout = getattr(cfg, "rollout", None)
     return TrainingRun(
         config_path=path,
