@@ -455,7 +455,8 @@ class Distill(Trainer):
         out = {"train/loss": loss_sum, "optim/grad_norm": float(grad_norm),
                "distill/kl": kl_all.mean().item() if kl_all.numel() else 0.0}  # fmt: skip
         if self.divergence.needs == "full" and kl_all.numel():
-            q = torch.quantile(kl_all, torch.tensor(KL_QUANTILES, dtype=kl_all.dtype))
+            qs = torch.tensor(KL_QUANTILES, dtype=kl_all.dtype, device=kl_all.device)
+            q = torch.quantile(kl_all, qs)
             for p, v in zip(KL_QUANTILES, q.tolist(), strict=True):
                 out[f"distill/kl_p{round(100 * p)}"] = v
             out["distill/kl_max"] = kl_all.max().item()
