@@ -48,6 +48,7 @@ def _fake_launch(monkeypatch, *, cuda: bool) -> dict:
     calls: dict = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(
@@ -76,3 +77,17 @@ def test_setup_on_cpu_asks_for_gloo(monkeypatch, fresh_state):
     distributed.setup("fsdp2", timeout_s=5)
     assert calls["backend"] == "gloo"
     distributed._STATE["owned"] = False
+
+
+def test_more_ranks_than_gpus_is_a_one_line_config_error(monkeypatch, fresh_state):
+    """`--nproc 2` on a one-GPU node: rank 1 has no GPU. It must say so in one line (on an H200
+    it died in `torch.cuda.set_device(1)` with a CUDA traceback) and never join the group."""
+    calls = _fake_launch(monkeypatch, cuda=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(distributed.ConfigError) as e:
+        distributed.setup("fsdp2", timeout_s=5)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("rank 1: LOCAL_RANK 1 but this node shows 1 CUDA")
+    assert calls == {}  # neither set_device nor init_process_group was reached

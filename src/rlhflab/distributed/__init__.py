@@ -96,7 +96,8 @@ def setup(strategy: str = "none", timeout_s: float = 600.0) -> None:
         timeout_s: collective timeout: a rank that died makes the others fail after at most this
             long instead of hanging (gloo and NCCL both honour it).
     Raises:
-        ConfigError: several processes with strategy "none".
+        ConfigError: several processes with strategy "none"; on a CUDA machine, a LOCAL_RANK
+            with no GPU of its own (more processes per node than visible GPUs).
     """
     _STATE["strategy"] = strategy
     if not launched():
@@ -109,6 +110,13 @@ def setup(strategy: str = "none", timeout_s: float = 600.0) -> None:
         )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:  # else torch.cuda.set_device fails with a CUDA traceback
+            raise ConfigError(
+                f"rank {os.environ.get('RANK', local_rank)}: LOCAL_RANK {local_rank} but this "
+                f"node shows {visible} CUDA device(s): launch at most {visible} process(es) per "
+                "node (--nproc / --nproc-per-node), one per GPU (CUDA_VISIBLE_DEVICES)"
+            )
         torch.cuda.set_device(local_rank)
         _STATE["device"] = torch.device("cuda", local_rank)
     else:
