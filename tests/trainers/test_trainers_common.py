@@ -37,7 +37,29 @@ def test_gradient_checkpointing_flag_enables_it():
         _, model = prepare_model(
             cfg, device=torch.device("cpu"), seed=0, tokenizer_texts=lambda: texts
         )
-        assert model.is_activation_checkpointing is flag
+        # every decoder layer checkpoints (the property's own definition, on any version)
+        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        assert layers and all(m.gradient_checkpointing is flag for m in layers)
+
+
+def test_activation_checkpointing_uses_the_name_this_transformers_has():
+    """Older transformers (5.17 on the GPU machine) have only `gradient_checkpointing_enable`;
+    newer ones add `activation_checkpointing_enable` and deprecate the old name."""
+    from rlhflab.trainers.common import enable_activation_checkpointing
+
+    class Old:  # the older API alone
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.called = ("old", gradient_checkpointing_kwargs)
+
+    class New(Old):
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+            self.called = ("new", activation_checkpointing_kwargs)
+
+    old, new = Old(), New()
+    enable_activation_checkpointing(old)
+    enable_activation_checkpointing(new)
+    assert old.called == ("old", {"use_reentrant": False})
+    assert new.called == ("new", {"use_reentrant": False})
 
 
 def test_adamw_is_fused_exactly_when_every_parameter_is_on_cuda():

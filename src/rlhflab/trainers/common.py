@@ -108,11 +108,21 @@ def prepare_model(
     if not later:
         model.to(device)
     if model_cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+        enable_activation_checkpointing(model)
     model.train()
     return tokenizer, model
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Per-layer activation checkpointing, non-reentrant, under the name this transformers has:
+    `activation_checkpointing_enable` (newer releases, which deprecate the old name with a
+    FutureWarning) or `gradient_checkpointing_enable` (older ones, e.g. 5.17, which lack the new
+    name: calling it there raised AttributeError)."""
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _load_pretrained(
