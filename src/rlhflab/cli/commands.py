@@ -37,15 +37,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rlhflab.next_steps import check_start_model, next_command
     from rlhflab.trainers import run_config
 
-    if args.nproc is not None:
-        return _torchrun(args.nproc, args.argv)
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"run.resume={args.resume}")
     if args.allow_config_change:
         overrides.append("run.allow_config_change=true")
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    # With --nproc the config is checked here first: a config error is one line before any
+    # process starts; each rank loads the same config again.
     cfg = load_config(args.config, overrides)
     check_start_model(cfg)
+    if args.nproc is not None:
+        return _torchrun(args.nproc, args.argv)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
         from rlhflab.summary import summary_lines
@@ -72,11 +76,13 @@ def _print_summary(results: dict) -> None:
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `rlhflab <argv without --nproc>` under torchrun with `nproc` processes; its exit code."""
+    """Run `rlhflab <argv without --nproc>` under torchrun with `nproc` processes; its exit code.
+
+    The launcher is torchrun's own (`torch.distributed.run`) behind `rlhflab.distributed.launch`,
+    which turns a worker's failure into the worker's exit code (2 for a user error, which the
+    worker printed in one line) instead of torchrun's `ChildFailedError` traceback and exit 1."""
     import subprocess
 
-    if nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -88,7 +94,7 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
         if a.startswith("--nproc="):
             continue
         rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [sys.executable, "-m", "rlhflab.distributed.launch", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", "-m", "rlhflab", *rest]
     from rlhflab.distributed import arm_parent_death_signal
 
