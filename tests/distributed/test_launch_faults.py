@@ -145,10 +145,12 @@ def test_sigkill_of_the_launcher_takes_its_workers_down(killed):
     assert ckpt.step >= 3 and ckpt.state["world_size"] == 2
 
 
-def _rlhflab_nproc2(args: list[str]) -> subprocess.CompletedProcess:
+def _rlhflab_nproc2(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """`rlhflab <args> --nproc 2`, run to its end; its exit code and output."""
     cmd = [sys.executable, "-m", "rlhflab", *args, "--nproc", "2"]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    return subprocess.run(
+        cmd, env=env or _env(), capture_output=True, text=True, timeout=240, check=False
+    )
 
 
 def _assert_one_line_error(res: subprocess.CompletedProcess, reason: str) -> None:
@@ -197,8 +199,10 @@ def test_user_error_inside_the_ranks_is_one_line_exit_2(tmp_path):
     raw["train"]["steps"] = 2
     cfg = tmp_path / "sft.yaml"
     cfg.write_text(yaml.safe_dump(raw))
-    res = _rlhflab_nproc2(["train", str(cfg)])
-    # Before: that line, then torchrun's ChildFailedError traceback, exit code 1.
+    env = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}  # as most users run it
+    res = _rlhflab_nproc2(["train", str(cfg)], env=env)
+    # Before: torchrun's banner about OMP_NUM_THREADS (5 lines), that line, then torchrun's
+    # ChildFailedError traceback, exit code 1.
     _assert_one_line_error(res, f"error: data.path: file not found: {missing}")
 
 
