@@ -1,17 +1,18 @@
 """Launch faults under torchrun (2 processes, gloo on CPU): the launcher killed with SIGKILL takes
 its workers down (no orphan keeps training) and leaves the last committed checkpoint intact; under
 `rlhflab train --nproc 2` a user error (a config error, refused before torchrun starts; an error
-only the ranks see; a refusal by rank 0 alone, the run directory locked by another process) is one
-line, printed once, exit code 2, with no traceback and no rank left waiting in a collective
-("[gloo] Connection closed by peer").
+only the ranks see; a refusal by rank 0 alone, the run directory locked by another process; the
+same error in both ranks) is one line, printed once, exit code 2, with no traceback and no rank
+left waiting in a collective ("[gloo] Connection closed by peer").
 
-Five launches in all (~10-40 s each), so the tests are marked slow (CI runs them).
+Six launches in all (~10-40 s each), so the tests are marked slow (CI runs them).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -211,6 +212,26 @@ def test_user_error_inside_the_ranks_is_one_line_exit_2(tmp_path):
     # Before: torchrun's banner about OMP_NUM_THREADS (5 lines), that line, then torchrun's
     # ChildFailedError traceback, exit code 1.
     _assert_one_line_error(res, f"error: data.path: file not found: {missing}")
+
+
+def test_the_same_error_in_both_ranks_is_printed_once(tmp_path):
+    """A NaN loss at step 2 in both ranks (after the first collectives): each rank records its
+    line in its torchelastic error file, the launcher prints the first once."""
+    raw = _raw(tmp_path / "runs")
+    raw["train"]["steps"] = 3
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    res = _rlhflab_nproc2(["train", str(cfg)], env={**_env(), "RLHFLAB_FAULT": "loss@2=nan"})
+    # Before: "rank 1: error: ..." and "rank 0: error: ...", one line from each rank.
+    err = res.stderr
+    assert res.returncode == 2 and "Traceback" not in err, err[-3000:]
+    errors = [x for x in err.splitlines() if "error:" in x]
+    assert len(errors) == 1, err[-3000:]
+    assert re.fullmatch(
+        r"rank [01]: error: step 2: train/loss is nan; stopped before the optimizer step "
+        r"\(train\.nan_policy: raise\)",
+        errors[0],
+    ), err[-3000:]
 
 
 def test_sigkill_of_rlhflab_nproc_takes_torchrun_and_workers_down(tmp_path):

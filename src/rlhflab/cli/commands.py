@@ -94,7 +94,8 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
 
     # torchrun's own default for several ranks (1 OpenMP thread each; `precision.threads` sets
     # torch's), set here so that torchrun does not print its 5-line banner about it.
-    env = dict(os.environ)
+    # the ranks record a user error for the launcher to print once (distributed.launch)
+    env = dict(os.environ, RLHFLAB_NPROC_LAUNCHER="1")
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     # torchrun follows this process: killed (even by SIGKILL), it takes torchrun and the workers
