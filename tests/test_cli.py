@@ -55,6 +55,36 @@ def test_train_overrides_may_follow_options():
     assert parse_args(["train", GRPO, "--allow-config-change", "x=1"]).overrides == ["x=1"]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", SFT, "--nproc", "2", "a=1"],
+        ["train", SFT, "--nproc=2", "a=1"],
+        ["train", SFT, "--npro", "2", "a=1"],  # argparse's prefix: before, the ranks kept it
+        ["train", SFT, "--np=2", "a=1"],
+    ],
+)
+def test_the_ranks_command_has_no_nproc(argv):
+    from rlhflab.cli.commands import without_nproc
+
+    assert parse_args(argv).nproc == 2
+    assert without_nproc(argv) == ["train", SFT, "a=1"]
+    assert parse_args(without_nproc(argv)).nproc is None
+    assert without_nproc(["train", SFT, "--", "--nproc"]) == ["train", SFT, "--", "--nproc"]
+
+
+def test_a_rank_given_nproc_refuses_to_launch_again(tmp_path, monkeypatch, capsys):
+    # Before: each rank started a torchrun of its own (2 ranks, each launching 2 more, ...); here
+    # the nested ranks then refused the missing config, and torchrun exited 1.
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["train", str(tmp_path / "missing.yaml"), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: --nproc 2: this process is already one of torchrun's ranks (LOCAL_RANK=0); "
+        "drop --nproc or torchrun\n"
+    )
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--res"])
 def test_resume_never_takes_an_override_as_the_run(flag):
     # issue 23: `rlhflab train CONFIG --resume optim.lr=5e-4` resumed a run named "optim.lr=5e-4"

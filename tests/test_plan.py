@@ -540,3 +540,64 @@ def test_cli_prints_what_makes_it_fit(capsys):
     assert main([*argv, "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["suggestions"]["cheapest"]["fits"] and res["model"]["name"] == "qwen3-8b"
+
+
+# -- issue 37: bad numbers and files are one line naming the option / file / fields.
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-3"])
+def test_gpu_memory_must_be_finite_and_positive(value, capsys):
+    # Before: inf was accepted ("fits"), and --json printed `Infinity` (not JSON).
+    assert main(["plan", "--model", "qwen3-0.6b", f"--gpu-memory={value}", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("error: --gpu-memory: must be a finite number of GiB > 0, got "), err
+
+
+def test_non_utf8_config_json_names_the_file(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"hidden_size": 8, "name": "caf\xe9"}')  # Latin-1, not UTF-8
+    assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "24"]) == 2
+    err = capsys.readouterr().err
+    # Before: "error: 'utf-8' codec can't decode byte 0xe9 in position 31: ..." (no file).
+    assert (
+        err
+        == f"error: --model: {path} is not UTF-8 text (byte 31); config.json must be UTF-8 JSON\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--prompt-len", "40929"],  # 40929 + rollout.max_new_tokens 32 = 40961 > 40960
+         "prompt 40929 + completion 32 = 40961 tokens > 40960 (max_position_embeddings of "
+         "qwen3-0.6b); lower --prompt-len, rollout.max_new_tokens"),
+        (["rollout.max_new_tokens=40705"],  # the default prompt 256 + 40705 = 40961
+         "prompt 256 + completion 40705 = 40961 tokens > 40960"),
+        (["--completion-len", "40705"], "lower --prompt-len, --completion-len"),
+        (["trainer=sft", "train.max_len=40961"],
+         "prompt 0 + completion 40961 = 40961 tokens > 40960 (max_position_embeddings of "
+         "qwen3-0.6b); lower train.max_len"),
+    ],
+)  # fmt: skip
+def test_a_sequence_longer_than_the_model_context_is_refused(argv, line, capsys):
+    # Before: "fits" (positions past max_position_embeddings were planned as if they existed).
+    assert main(["plan", "--model", "qwen3-0.6b", "--gpu-memory", "80", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: does not fit the model's context: ") and err.count("\n") == 1
+    assert line in err, err
+
+
+def test_a_sequence_at_the_model_context_is_planned(tmp_path, capsys):
+    # 40704 + 256 = 40960 = max_position_embeddings of Qwen3 (its config.json): allowed.
+    assert main(["plan", "--model", "qwen3-0.6b", "--gpu-memory", "80", "--json",
+                 "rollout.max_new_tokens=40704", "train.micro_batch_size=1"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["inputs"]["completion_len"] == 40704
+    # a local config.json's max_position_embeddings is the limit
+    cfg = dict(model_type="llama", hidden_size=8, num_hidden_layers=2, intermediate_size=16,
+               num_attention_heads=2, vocab_size=10, max_position_embeddings=64)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert resolve_shape(str(tmp_path)).max_position_embeddings == 64
+    assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "1", "trainer=sft",
+                 "train.max_len=65"]) == 2  # fmt: skip
+    assert "65 tokens > 64 (max_position_embeddings of " in capsys.readouterr().err

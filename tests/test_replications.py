@@ -69,6 +69,53 @@ def test_bad_replication_config_is_one_line(argv, expected, tmp_path, capsys, mo
     assert not (tmp_path / "out" / "runs").exists()
 
 
+def test_bad_best_of_n_ns_is_one_line_naming_the_key(tmp_path, capsys, monkeypatch):
+    """issue 37: `experiment.ns=[0,2]` trained the stages, then ended in a traceback (log 0)."""
+    monkeypatch.chdir(ROOT)
+    policy = tmp_path / "no-such-policy"  # before the fix: fails fast in the rm stage instead
+    code = main(["replicate", "rm-overopt", "experiment.ns=[0,2]", f"experiment.policy={policy}",
+                 "--out", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith(
+        "experiment.ns: must be a non-empty list of distinct integers >= 1, e.g. [1, 2, 4, 8] "
+        "(got [0, 2])"
+    ), err
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("module", "key", "value"),
+    [
+        ("rm_overopt", "ns", []),
+        ("rm_overopt", "ns", [2, 2]),
+        ("rm_overopt", "heldout_problems", 0),
+        ("rm_overopt", "n_resamples", 0),
+        ("rm_overopt", "max_new_tokens", 0),
+        ("prm_orm_gsm8k", "ns", [-1]),
+        ("prm_orm_gsm8k", "samples_per_prompt", 0),
+        ("prm_orm_gsm8k", "mc_rollouts", 0),
+        ("prm_orm_gsm8k", "rm_prompts", 0),
+        ("prm_orm_gsm8k", "n_heldout", 0),
+        ("r1_zero", "n_train", 0),
+        ("r1_zero", "n_heldout", 0),
+        ("dpo_overopt", "betas", [0.1, 0.0]),
+        ("dpo_overopt", "betas", [float("inf")]),
+        ("dpo_overopt", "steps", [0, 20]),
+        ("dpo_overopt", "kl_problems", 0),
+    ],
+)  # fmt: skip
+def test_experiment_counts_refuse_values_out_of_range(module, key, value):
+    import importlib
+
+    from rlhflab.errors import ConfigError
+    from rlhflab.replications import check_experiment
+
+    spec = importlib.import_module(f"rlhflab.replications.{module}").Spec
+    with pytest.raises(ConfigError, match=rf"^x\.yaml: experiment\.{key}: .* \(got "):
+        check_experiment(spec, {key: value}, "x.yaml")
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/replications").glob("*.yaml")), ids=str)
 def test_every_replication_config_validates(path):
     import importlib

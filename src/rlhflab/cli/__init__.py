@@ -543,7 +543,7 @@ def _main(argv: list[str] | None) -> int:
         from rlhflab.runs import redact
 
         shared = getattr(exc, "shared", False)
-        _say(f"error: {redact(str(exc))}", shared=shared)
+        _say_error(f"error: {redact(str(exc))}", shared=shared)
         if shared:
             _after_shared_refusal()
         return EXIT_USER_ERROR
@@ -551,7 +551,7 @@ def _main(argv: list[str] | None) -> int:
         from rlhflab.runs import redact
 
         what = "disk full: " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        print(f"error: {what}{redact(str(exc))}", file=sys.stderr)
+        _say_error(f"error: {what}{redact(str(exc))}", every_rank=True)
         if getattr(exc, "shared", False):
             _after_shared_refusal()
         return EXIT_USER_ERROR
@@ -629,17 +629,38 @@ def _after_shared_refusal() -> None:
             ours.barrier()
 
 
-def _say(line: str, shared: bool = False) -> None:
-    """Print a one-line message on stderr. Under torchrun: before the first collective every rank
-    fails the same way (validation of the same config and data), so only rank 0 prints; after
-    it, each failing rank prints its line prefixed with its rank. `shared`: a refusal rank 0
-    shared with every rank (`distributed.main_then_share`): rank 0 prints it, unprefixed."""
+def _rank_line(line: str, shared: bool = False) -> tuple[str, bool]:
+    """`line` as this rank says it, and whether this rank prints it. Under torchrun: before the
+    first collective every rank fails the same way (validation of the same config and data), so
+    only rank 0 prints; after it, each failing rank prints its line prefixed with its rank.
+    `shared`: a refusal rank 0 shared with every rank (`distributed.main_then_share`): rank 0
+    prints it, unprefixed."""
     rank = os.environ.get("RANK")
     if rank is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        print(line, file=sys.stderr)
-        return
+        return line, True
     ours = sys.modules.get("rlhflab.distributed")
     if ours is not None and ours.collectives_started() and not shared:
-        print(f"rank {rank}: {line}", file=sys.stderr)
-    elif rank == "0":
-        print(line, file=sys.stderr)
+        return f"rank {rank}: {line}", True
+    return line, rank == "0"
+
+
+def _say(line: str, shared: bool = False) -> None:
+    """Print a one-line message on stderr, on the ranks `_rank_line` says."""
+    text, mine = _rank_line(line, shared)
+    if mine:
+        print(text, file=sys.stderr)
+
+
+def _say_error(line: str, shared: bool = False, every_rank: bool = False) -> None:
+    """A user error's one line (`_say`; `every_rank`: printed by every rank, unprefixed). Under
+    torchrun it is also written to the rank's torchelastic error file
+    (`distributed.launch.record_error`), the root cause torchrun reports; under
+    `rlhflab train --nproc` the launcher prints it, once for all ranks, instead of the ranks."""
+    text, mine = (line, True) if every_rank else _rank_line(line, shared)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and (mine or not shared):
+        from rlhflab.distributed.launch import record_error
+
+        if record_error(text) and os.environ.get("RLHFLAB_NPROC_LAUNCHER") == "1":
+            return  # the launcher prints it
+    if mine:
+        print(text, file=sys.stderr)

@@ -37,15 +37,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rlhflab.next_steps import check_start_model, next_command
     from rlhflab.trainers import run_config
 
-    if args.nproc is not None:
-        return _torchrun(args.nproc, args.argv)
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"run.resume={args.resume}")
     if args.allow_config_change:
         overrides.append("run.allow_config_change=true")
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    if args.nproc is not None and "LOCAL_RANK" in os.environ:  # a rank must not launch again
+        raise ConfigError(
+            f"--nproc {args.nproc}: this process is already one of torchrun's ranks "
+            f"(LOCAL_RANK={os.environ['LOCAL_RANK']}); drop --nproc or torchrun"
+        )
+    # With --nproc the config is checked here first: a config error is one line before any
+    # process starts; each rank loads the same config again.
     cfg = load_config(args.config, overrides)
     check_start_model(cfg)
+    if args.nproc is not None:
+        return _torchrun(args.nproc, args.argv)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
         from rlhflab.summary import summary_lines
@@ -72,29 +81,43 @@ def _print_summary(results: dict) -> None:
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `rlhflab <argv without --nproc>` under torchrun with `nproc` processes; its exit code."""
+    """Run `rlhflab <argv without --nproc>` under torchrun with `nproc` processes; its exit code.
+
+    The launcher is torchrun's own (`torch.distributed.run`) behind `rlhflab.distributed.launch`,
+    which turns a worker's failure into the worker's exit code (2 for a user error, which the
+    worker printed in one line) instead of torchrun's `ChildFailedError` traceback and exit 1."""
     import subprocess
 
-    if nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
-    rest, skip = [], False
-    for a in argv:
+    cmd = [sys.executable, "-m", "rlhflab.distributed.launch", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", "-m", "rlhflab", *without_nproc(argv)]
+    from rlhflab.distributed import arm_parent_death_signal
+
+    # torchrun's own default for several ranks (1 OpenMP thread each; `precision.threads` sets
+    # torch's), set here so that torchrun does not print its 5-line banner about it.
+    # the ranks record a user error for the launcher to print once (distributed.launch)
+    env = dict(os.environ, RLHFLAB_NPROC_LAUNCHER="1")
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    # torchrun follows this process: killed (even by SIGKILL), it takes torchrun and the workers
+    # with it instead of leaving them training as orphans.
+    return subprocess.call(cmd, env=env, preexec_fn=arm_parent_death_signal)
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """`argv` without its `--nproc N` / `--nproc=N`, argparse's prefixes of `--nproc` (`--np 2`)
+    included, so that the ranks do not launch again; words after `--` are kept."""
+    out, skip, positional = [], False, False
+    for word in argv:
         if skip:
             skip = False
             continue
-        if a == "--nproc":
-            skip = True
+        positional = positional or word == "--"
+        name = word.split("=", 1)[0]
+        if not positional and len(name) >= 3 and "--nproc".startswith(name):
+            skip = "=" not in word
             continue
-        if a.startswith("--nproc="):
-            continue
-        rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={nproc}", "-m", "rlhflab", *rest]
-    from rlhflab.distributed import arm_parent_death_signal
-
-    # torchrun follows this process: killed (even by SIGKILL), it takes torchrun and the workers
-    # with it instead of leaving them training as orphans.
-    return subprocess.call(cmd, preexec_fn=arm_parent_death_signal)
+        out.append(word)
+    return out
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

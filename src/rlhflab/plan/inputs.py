@@ -4,6 +4,7 @@ result (the estimate of `rlhflab.plan.memory`, its inputs, the largest micro-bat
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from rlhflab.plan.memory import _DTYPE_BYTES, PlanInputs, estimate, max_micro_batch
@@ -14,7 +15,7 @@ def _local_shape(path: str | None, fallback: ModelShape) -> ModelShape:
     """The shape at a local model directory `path`, else `fallback` (a hub id cannot be read
     offline; a reward model is assumed to be the policy's shape then)."""
     if path and (Path(path) / "config.json").is_file():
-        return resolve_shape(path)
+        return resolve_shape(path, what="reward.components[reward_model].args.path")
     return fallback
 
 
@@ -193,6 +194,44 @@ class PlanSetting:
         return out
 
 
+def _context_fields(trainer: str, prompt_given: bool, completion_given: bool) -> str:
+    """The options / config fields that set the planned prompt and completion lengths."""
+    if trainer in ("sft", "reward_model"):
+        length = "train.max_len" if trainer == "sft" else "data.max_len"
+        return f"--prompt-len, {length}" if prompt_given else length
+    prompt = "--prompt-len" if prompt_given or trainer != "direct_alignment" else (
+        "data.max_prompt_len (or --prompt-len)")  # fmt: skip
+    if completion_given:
+        completion = "--completion-len"
+    elif trainer == "policy_gradient":
+        completion = "rollout.max_new_tokens"
+    else:
+        completion = "data.max_completion_len / verifiable.max_new_tokens (or --completion-len)"
+    return f"{prompt}, {completion}"
+
+
+def _check_context(shape: ModelShape, inputs: dict, *, prompt_given: bool,
+                   completion_given: bool) -> None:  # fmt: skip
+    """Refuse a plan whose sequences (prompt + completion tokens) are longer than the model's
+    positions (`ModelShape.max_position_embeddings`; not checked when unknown).
+
+    Raises:
+        ConfigError: one line with both lengths, the model's limit and the fields that set them.
+    """
+    from rlhflab.errors import ConfigError
+
+    limit = shape.max_position_embeddings
+    prompt, completion = inputs["prompt_len"], inputs["completion_len"]
+    if limit is None or prompt + completion <= limit:
+        return
+    fields = _context_fields(inputs["trainer"], prompt_given, completion_given)
+    raise ConfigError(
+        f"does not fit the model's context: prompt {prompt} + completion {completion} = "
+        f"{prompt + completion} tokens > {limit} (max_position_embeddings of {shape.name}); "
+        f"lower {fields}"
+    )
+
+
 def plan(
     model: str,
     *,
@@ -223,8 +262,8 @@ def plan(
 
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
-    if not gpu_memory_gib > 0:
-        raise ConfigError(f"--gpu-memory: must be > 0 GiB, got {gpu_memory_gib}")
+    if not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise ConfigError(f"--gpu-memory: must be a finite number of GiB > 0, got {gpu_memory_gib}")
     for name, v in (("--prompt-len", prompt_len), ("--completion-len", completion_len)):
         if v is not None and v < (0 if name == "--prompt-len" else 1):
             raise ConfigError(f"{name}: must be >= {0 if name == '--prompt-len' else 1}, got {v}")
@@ -240,6 +279,8 @@ def plan(
     )  # fmt: skip
     try:
         out = setting.at()
+        _check_context(shape, out["inputs"], prompt_given=prompt_len is not None,
+                       completion_given=completion_len is not None)  # fmt: skip
         suggestions = (
             fit_suggestions(setting, out) if suggest and not (out["fits"] and out["load_fits"])
             else None

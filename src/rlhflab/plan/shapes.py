@@ -27,6 +27,9 @@ class ModelShape:
     # model_type in FUSED_HEAD_TYPES, no final_logit_softcapping): completion_logps then scores
     # with the fused row-chunked head (`ops.linear_selective_log_softmax`), no (B, T+1, V) logits
     fused_head: bool = True
+    # the longest sequence (prompt + completion) the model's positions cover (config.json's
+    # max_position_embeddings); None: not given
+    max_position_embeddings: int | None = None
 
     @property
     def q_dim(self) -> int:
@@ -97,7 +100,13 @@ FUSED_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "rlhflab_gpt
 
 
 def _qwen3(name, h, layers, f, heads, kv, vocab, tied) -> ModelShape:
-    return ModelShape(name, h, layers, f, heads, kv, 128, vocab, tied, qk_norm=True)
+    return ModelShape(name, h, layers, f, heads, kv, 128, vocab, tied, qk_norm=True,
+                      max_position_embeddings=40960)  # fmt: skip
+
+
+def _llama(name, h, layers, f, heads, kv, head_dim, vocab, tied) -> ModelShape:
+    return ModelShape(name, h, layers, f, heads, kv, head_dim, vocab, tied,
+                      max_position_embeddings=131072)  # fmt: skip
 
 
 #: Published config.json values (Hugging Face model cards).
@@ -106,9 +115,9 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
     "qwen3-1.7b": _qwen3("qwen3-1.7b", 2048, 28, 6144, 16, 8, 151936, True),
     "qwen3-4b": _qwen3("qwen3-4b", 2560, 36, 9728, 32, 8, 151936, True),
     "qwen3-8b": _qwen3("qwen3-8b", 4096, 36, 12288, 32, 8, 151936, False),
-    "llama-3.2-1b": ModelShape("llama-3.2-1b", 2048, 16, 8192, 32, 8, 64, 128256, True),
-    "llama-3.2-3b": ModelShape("llama-3.2-3b", 3072, 28, 8192, 24, 8, 128, 128256, True),
-    "llama-3.1-8b": ModelShape("llama-3.1-8b", 4096, 32, 14336, 32, 8, 128, 128256, False),
+    "llama-3.2-1b": _llama("llama-3.2-1b", 2048, 16, 8192, 32, 8, 64, 128256, True),
+    "llama-3.2-3b": _llama("llama-3.2-3b", 3072, 28, 8192, 24, 8, 128, 128256, True),
+    "llama-3.1-8b": _llama("llama-3.1-8b", 4096, 32, 14336, 32, 8, 128, 128256, False),
 }
 
 
@@ -126,13 +135,16 @@ HUB_IDS: dict[str, str] = {
 _HUB_KEYS = {hub.lower(): name for hub, name in HUB_IDS.items()}
 
 
-def resolve_shape(name_or_path: str) -> ModelShape:
+def resolve_shape(name_or_path: str, *, what: str = "--model") -> ModelShape:
     """A built-in shape by name, the shape in `<dir>/config.json` of a local model directory,
     or a built-in shape by its Hub id (`HUB_IDS`, any case: `Qwen/Qwen3-8B` → qwen3-8b; a local
     directory of that name wins).
 
+    `what` names the option or field that gave `name_or_path` in the errors.
+
     Raises:
-        ValueError: none of these, a config.json field missing or not a positive integer, or a
+        ValueError: one line naming `what` (and the config.json): none of these, a config.json
+            that is not UTF-8 JSON, a field missing or not a positive integer, or a
             mixture-of-experts model.
     """
     key = name_or_path.lower()
@@ -143,25 +155,29 @@ def resolve_shape(name_or_path: str) -> ModelShape:
         return BUILTIN_SHAPES[_HUB_KEYS[key]]
     if not path.is_file():
         raise ValueError(
-            f"--model: {name_or_path!r} is neither a built-in shape "
+            f"{what}: {name_or_path!r} is neither a built-in shape "
             f"({', '.join(BUILTIN_SHAPES)}; or its Hub id: {', '.join(HUB_IDS)}) nor a "
             "directory with a config.json (Hub configs are not read: download the model's "
             "config.json into a directory and pass it)"
         )
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:  # a ValueError that names no file
+        raise ValueError(
+            f"{what}: {path} is not UTF-8 text (byte {exc.start}); config.json must be UTF-8 JSON"
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--model: cannot read {path}: {exc}") from None
+        raise ValueError(f"{what}: cannot read {path}: {exc}") from None
     cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
     if not isinstance(cfg, dict):
-        raise ValueError(f"--model: {path} is not a JSON object")
+        raise ValueError(f"{what}: {path} is not a JSON object")
     if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(f"--model: {path}: mixture-of-experts models are not planned")
+        raise ValueError(f"{what}: {path}: mixture-of-experts models are not planned")
 
     def field(key: str, default=None) -> int:
         value = cfg.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"--model: {path}: '{key}' must be a positive integer, got {value!r}")
+            raise ValueError(f"{what}: {path}: '{key}' must be a positive integer, got {value!r}")
         return value
 
     heads = field("num_attention_heads")
@@ -180,5 +196,8 @@ def resolve_shape(name_or_path: str) -> ModelShape:
         fused_head=(
             str(cfg.get("model_type", "")) in FUSED_HEAD_TYPES
             and cfg.get("final_logit_softcapping") is None
+        ),
+        max_position_embeddings=(
+            field("max_position_embeddings") if "max_position_embeddings" in cfg else None
         ),
     )

@@ -20,10 +20,11 @@ stage, each a complete training config (`rlhflab train`'s format) that the repli
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from rlhflab.config.sections import PrecisionConfig
 from rlhflab.errors import ConfigError
@@ -76,14 +77,41 @@ class Experiment(BaseModel):
     threads: int | None = Field(PrecisionConfig.model_fields["threads"].default, ge=1)
 
 
+def _counts(values: list[int]) -> list[int]:
+    if not values or any(n < 1 for n in values) or len(set(values)) != len(values):
+        raise ValueError("must be a non-empty list of distinct integers >= 1, e.g. [1, 2, 4, 8]")
+    return values
+
+
+def _positive_floats(values: list[float]) -> list[float]:
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise ValueError("must be a non-empty list of finite numbers > 0, e.g. [0.01, 0.1, 0.5]")
+    return values
+
+
+#: A list of sample counts, sizes or step counts (best-of-n's n, training steps): each >= 1, no
+#: repeats, at least one.
+Counts = Annotated[list[int], AfterValidator(_counts)]
+#: A list of positive finite numbers (DPO's beta values), at least one.
+PositiveFloats = Annotated[list[float], AfterValidator(_positive_floats)]
+
+
 def check_experiment(cls: type[BaseModel], raw: Any, source: str) -> BaseModel:
-    """`raw` validated as `cls`; a one-line ConfigError naming `source` and the key otherwise."""
+    """`raw` validated as `cls`.
+
+    Raises:
+        ConfigError: one line naming `source`, the key, what it allows and the value given, e.g.
+            "rm_overopt.yaml: experiment.ns: must be a non-empty list of distinct integers >= 1,
+            e.g. [1, 2, 4, 8] (got [0, 2])".
+    """
     try:
         return cls.model_validate(raw or {})
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"{source}: experiment.{key}: {first['msg']}") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        got = f" (got {first['input']!r})" if "input" in first else ""
+        raise ConfigError(f"{source}: experiment.{key}: {msg}{got}") from None
 
 
 def begin(cls: type[BaseModel], spec: dict, out: Path, source: str) -> tuple[Any, float, str]:

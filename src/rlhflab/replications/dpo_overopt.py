@@ -24,17 +24,17 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, begin, stage
+from rlhflab.replications import Counts, Experiment, PositiveFloats, begin, stage
 
 
 class Spec(Experiment):
     """`experiment:` of dpo_overopt.yaml."""
 
-    betas: list[float] = Field(default_factory=lambda: [0.01, 0.1, 0.5])
-    steps: list[int] = Field(default_factory=lambda: [20, 60])
+    betas: PositiveFloats = Field(default_factory=lambda: [0.01, 0.1, 0.5])
+    steps: Counts = Field(default_factory=lambda: [20, 60])
     seeds: int = Field(1, ge=1)
-    kl_problems: int = 200
-    max_new_tokens: int = 10
+    kl_problems: int = Field(200, ge=1)
+    max_new_tokens: int = Field(10, ge=1)
     seed: int = 0
     policy: str | None = None
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, begin, stage
+from rlhflab.replications import Counts, Experiment, begin, stage
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ian", "Jo"]
 ITEMS = ["apples", "marbles", "stickers", "coins", "books", "shells", "cards", "pens"]
@@ -41,14 +41,16 @@ class Spec(Experiment):
 
     train_path: str | None = None  # GSM8K-format rows; None: synthetic
     heldout_path: str | None = None
-    n_train: int = 3000  # synthetic rows for SFT (questions for RM samples are their first ones)
-    n_heldout: int = 100
-    rm_prompts: int = 96  # training questions sampled for the RMs
-    samples_per_prompt: int = 4  # K
-    mc_rollouts: int = 4  # M completions per step prefix
-    ns: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
-    max_new_tokens: int = 48
-    n_resamples: int = 16
+    n_train: int = Field(
+        3000, ge=1
+    )  # synthetic rows for SFT (questions for RM samples are their first ones)
+    n_heldout: int = Field(100, ge=1)
+    rm_prompts: int = Field(96, ge=1)  # training questions sampled for the RMs
+    samples_per_prompt: int = Field(4, ge=1)  # K
+    mc_rollouts: int = Field(4, ge=1)  # M completions per step prefix
+    ns: Counts = Field(default_factory=lambda: [1, 2, 4, 8, 16])
+    max_new_tokens: int = Field(48, ge=1)
+    n_resamples: int = Field(16, ge=1)
     seed: int = 0
     policy: str | None = None
 

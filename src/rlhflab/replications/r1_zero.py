@@ -43,8 +43,8 @@ class Spec(Experiment):
 
     train_path: str | None = None  # GSM8K-format rows; None: synthetic
     heldout_path: str | None = None
-    n_train: int = 3000  # synthetic rows (base-model documents and RL prompts)
-    n_heldout: int = 100
+    n_train: int = Field(3000, ge=1)  # synthetic rows (base-model documents and RL prompts)
+    n_heldout: int = Field(100, ge=1)
     format_frac: float = Field(0.1, ge=0, le=1)  # base documents in the <think>/<answer> form
     seed: int = 0
     policy: str | None = None  # a base model directory: skip the base stage

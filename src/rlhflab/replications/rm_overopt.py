@@ -28,16 +28,16 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, begin, stage
+from rlhflab.replications import Counts, Experiment, begin, stage
 
 
 class Spec(Experiment):
     """`experiment:` of rm_overopt.yaml."""
 
-    ns: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    heldout_problems: int = 200
-    max_new_tokens: int = 10
-    n_resamples: int = 16
+    ns: Counts = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    heldout_problems: int = Field(200, ge=1)
+    max_new_tokens: int = Field(10, ge=1)
+    n_resamples: int = Field(16, ge=1)
     seed: int = 0
     policy: str | None = None  # an existing start policy: the sft stage is skipped
     proxy_rm: str | None = None  # an existing proxy ORM (trained on this policy): rm is skipped
