@@ -85,6 +85,23 @@ def test_a_rank_given_nproc_refuses_to_launch_again(tmp_path, monkeypatch, capsy
     )
 
 
+def test_more_processes_than_gpus_is_refused_before_torchrun(monkeypatch, capsys):
+    # On a one-GPU machine (an H200 here) rank 1 died in torch.cuda.set_device(1) with a CUDA
+    # traceback. Simulated: CUDA available with one device; torchrun must never start.
+    import torch
+
+    import rlhflab.cli.commands as commands
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(commands, "_torchrun", lambda *a: pytest.fail("torchrun started"))
+    assert main(["train", SFT, "--nproc", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --nproc 2: this machine shows 1 CUDA device(s); one process per GPU "
+        "(--nproc 1 or fewer, or CUDA_VISIBLE_DEVICES)\n"
+    )
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--res"])
 def test_resume_never_takes_an_override_as_the_run(flag):
     # issue 23: `rlhflab train CONFIG --resume optim.lr=5e-4` resumed a run named "optim.lr=5e-4"

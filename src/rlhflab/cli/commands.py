@@ -54,6 +54,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     check_start_model(cfg)
     if args.nproc is not None:
+        _check_gpus_for(args.nproc)
         return _torchrun(args.nproc, args.argv)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
@@ -78,6 +79,22 @@ def _print_summary(results: dict) -> None:
 
     for line in summary_lines(results):
         print(redact(line))
+
+
+def _check_gpus_for(nproc: int) -> None:
+    """On a CUDA machine, one process per visible GPU at most: `--nproc 2` on a one-GPU machine
+    is refused here, before torchrun starts (each rank would also refuse, in `distributed.setup`).
+
+    Raises:
+        ConfigError: nproc exceeds `torch.cuda.device_count()` while CUDA is available.
+    """
+    import torch
+
+    if torch.cuda.is_available() and nproc > (visible := torch.cuda.device_count()):
+        raise ConfigError(
+            f"--nproc {nproc}: this machine shows {visible} CUDA device(s); one process per GPU "
+            f"(--nproc {visible} or fewer, or CUDA_VISIBLE_DEVICES)"
+        )
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:
