@@ -226,7 +226,8 @@ def test_a_swapped_shard_is_refused_on_resume_naming_the_file(
     shutil.copy(other_runs[source] / STEP2 / fname, ck / fname)
     _reseal(ck)
     before = (copy / "metrics.jsonl").read_bytes()
-    res = _rlhflab(1, ["train", str(cfg), f"run.root={root}", "--resume", str(ck)])
+    args = ["train", str(cfg), f"run.root={root}", "parallel.strategy=fsdp2", "--resume", str(ck)]
+    res = _rlhflab(1, args)  # the run's own config: only the swapped file is wrong
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stderr[-3000:]
     assert len(lines) == 1, lines
