@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from rlhflab.checkpoint.sharded import (
     TensorReader,
+    check_shard_files,
     index_name,
     load_module,
     merge_index,
@@ -186,3 +187,42 @@ def test_module_and_optimizer_round_trip_in_one_process(tmp_path):
     other.proj = torch.nn.Linear(4, 3, dtype=torch.float64)
     with TensorReader(tmp_path, "model") as r, pytest.raises(ValueError, match="saved shape"):
         load_module(other, r)
+
+
+def _listed(path):
+    return {p.name for p in path.iterdir()}
+
+
+def test_shard_headers_match_the_index(tmp_path):
+    _write_two_ranks(tmp_path)
+    check_shard_files(tmp_path, index_name("opt"), _listed(tmp_path))  # as written: no error
+
+
+@pytest.mark.parametrize(
+    "rank1, message",
+    [
+        # rank 1's rows of a 7 x 3 w (another model's shape): 3 rows where the index says 2
+        (
+            {"w": (torch.zeros(3, 3, dtype=torch.float64), (7, 3), (4, 0))},
+            r"holds w as \[3, 3\] F64, opt\.shards\.json says \[2, 3\] float64: a file of another",
+        ),
+        ({"w": (W[3:5].float(), (5, 3), (3, 0))}, r"holds w as \[2, 3\] F32, .* \[2, 3\] float64"),
+        ({"w": (W[3:5], (5, 3), (3, 0)), "v": (B, (1, 2), (0, 0))}, r"holds \['v'\] that the"),
+        ({}, r"lacks \['w'\] that the index places there"),
+    ],
+)
+def test_a_shard_file_unlike_its_index_is_refused_naming_it(tmp_path, rank1, message):
+    """A rank file rewritten after the index (another model's shard, another dtype, a tensor
+    more or less): its header is compared with the index before anything is read."""
+    _write_two_ranks(tmp_path)
+    fname = shard_file_name("opt", 1, 2)
+    write_rank_file(tmp_path / fname, rank1)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {tmp_path}: file {fname} {message}"):
+        check_shard_files(tmp_path, index_name("opt"), _listed(tmp_path))
+
+
+def test_an_index_naming_an_unlisted_file_is_refused(tmp_path):
+    _write_two_ranks(tmp_path)
+    listed = _listed(tmp_path) - {shard_file_name("opt", 1, 2)}
+    with pytest.raises(CheckpointError, match="which the manifest does not list"):
+        check_shard_files(tmp_path, index_name("opt"), listed)

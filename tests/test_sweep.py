@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ from factories import tiny_sft
 
 from rlhflab.cli import main
 from rlhflab.errors import ConfigError, Interrupted
+from rlhflab.rundir import newest_complete_run
 from rlhflab.sweep import cell_name, grid_points, parse_grid, parse_only, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,3 +174,74 @@ def _changed(config: str, *, steps: int) -> str:
     raw["train"]["steps"] = steps
     Path(config).write_text(yaml.safe_dump(raw))
     return config
+
+
+def _sweep_cmd(config: str, root: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rlhflab", "sweep", config, "--grid", "optim.lr=1e-3",
+            "--seeds", "1", "--root", str(root), "--slug", "lock", "--metric", "steps", *extra]  # fmt: skip
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T in /proc/<pid>/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] in "Tt"
+
+
+@pytest.mark.slow
+def test_a_second_sweep_into_a_locked_campaign_is_refused_then_resume_after_a_crash(tmp_path):
+    """Two real processes: the first sweep stops itself (SIGSTOP) in its first cell's first step,
+    before any checkpoint, holding the campaign's lock; a second sweep into the same folder exits
+    2 with one line naming the folder and the first's PID, and trains nothing (without the lock
+    it trained the cell a second time, in a run directory of its own). The first is then killed
+    (SIGKILL, as a crash): its lock is stale, and `sweep --resume` trains the cell."""
+    config = _tiny_config(tmp_path)
+    root = tmp_path / "exp"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "RLHFLAB_FAULT": "step_mid@1=sigstop"}  # fmt: skip
+    first = subprocess.Popen(_sweep_cmd(config, root), env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300  # a bound on a hang, not a timing
+        while first.poll() is None and not _stopped(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None and _stopped(first.pid), first.stderr.read()[-2000:]
+        (out,) = root.glob("*-lock")
+        env.pop("RLHFLAB_FAULT")
+        second = subprocess.run(_sweep_cmd(config, root), env=env, capture_output=True,
+                                text=True, timeout=300)  # fmt: skip
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert lines == [
+            f"error: campaign folder {out} is in use by process {first.pid} (lock {out / '.lock'}); "
+            "wait for it to finish or stop it first"
+        ]
+        assert [p.name for p in (out / "runs").iterdir()] == [
+            p.name for p in (out / "runs").glob("p00-lr1e-3-s0-*")
+        ] and len(list((out / "runs").iterdir())) == 1  # no second run of the cell
+    finally:
+        first.kill()
+        first.wait()
+    res = subprocess.run(_sweep_cmd(config, root, "--resume"), env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    run, _ = newest_complete_run(out / "runs", "p00-lr1e-3-s0")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sweep_shares_run_together_but_not_beside_a_whole_sweep(tmp_path):
+    """`--only` shares hold the folder's lock shared (two shares at once), their own share
+    exclusively (the same share twice is refused); a whole sweep is refused while a share runs."""
+    from rlhflab.sweep import lock_campaign
+
+    lock = lambda share: lock_campaign(tmp_path, share, report_only=False)  # noqa: E731
+    with lock((0, 2)), lock((1, 2)):
+        with (
+            pytest.raises(ConfigError, match=r"in use by process \d+ \(lock .*only-0-of-2"),
+            lock((0, 2)),
+        ):
+            pass
+        with pytest.raises(ConfigError, match=rf"campaign folder {tmp_path} is in use"), lock(None):
+            pass
+    with lock(None):  # released: taken again
+        pass

@@ -6,6 +6,8 @@ variable `RLHFLAB_FAULT` is set.
     step_end@5=sigkill        the process kills itself with SIGKILL at the end of step 5
                               (after that step's checkpoint, if one was due)
     step_mid@3=sigterm        SIGTERM to itself in the middle of step 3 (after the backward pass)
+    step_end@1=sigstop        the process stops itself (SIGSTOP) at the end of step 1, holding
+                              its locks, until the test continues or kills it
     checkpoint_file@2=sigkill SIGKILL while writing a checkpoint, right after its 2nd file
     loss@4=nan                the loss of step 4 becomes NaN (also: inf)
     checkpoint_file@8=enospc  the 8th checkpoint file written fails with "No space left on device"
@@ -21,7 +23,7 @@ gradients after the sum over ranks and before clipping are written by rank 0 to
 
 Points and counters are chosen by the trainers (`step_*`, `loss`, `eval`: the optimizer step
 number; `checkpoint_file`: files written by this process since start). Actions: sigkill, sigterm,
-sigint, nan, inf, enospc, expire. The tests use these to kill a run at a chosen step, crash a writer after i files and
+sigint, sigstop, nan, inf, enospc, expire. The tests use these to kill a run at a chosen step, crash a writer after i files and
 inject a non-finite loss, so that every fault scenario is reproducible to the step.
 """
 
@@ -35,7 +37,12 @@ import signal
 import torch
 
 FAULT_ENV = "RLHFLAB_FAULT"
-_SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
+_SIGNALS = {
+    "sigkill": signal.SIGKILL,
+    "sigterm": signal.SIGTERM,
+    "sigint": signal.SIGINT,
+    "sigstop": signal.SIGSTOP,
+}
 _VALUES = {"nan": float("nan"), "inf": float("inf")}
 
 

@@ -8,6 +8,8 @@ Layout of a finished run:
     final_results.json   headline numbers of the run
     model/               the final model and tokenizer in Hugging Face format
     .lock                the lock of the process writing the run (`lock_run_dir`)
+    run_id               the run's random id (written by its first process), which every
+                         checkpoint of the run carries (`rlhflab.checkpoint`)
     checkpoints/         committed checkpoints (`rlhflab.checkpoint`)
     config_changes.jsonl resumes with a changed config (`rlhflab.checkpoint.config_diff`)
 
@@ -15,13 +17,17 @@ Layout of a finished run:
     is_run_of(dirname, name)         whether a directory is a run of `name`
     SampleWriter(run_dir)            appends to samples.jsonl
 
+    run_id(run_dir, create=False)    the run's id (a new one written with create=True)
     lock_run_dir(run_dir)            exclusive lock for the life of the process (or release_locks)
+    take_lock(path, what, shared)    the same flock on any lock file (a sweep's campaign folder)
     check_no_symlinks(run_dir)       refuse a run directory holding symlinks before writing into it
     check_logs(run_dir, ckpt)        metrics.jsonl / samples.jsonl intact up to the checkpoint
 
 The lock is an advisory `flock` on `<run_dir>/.lock`, which holds the PID of its holder. The
 kernel drops the lock when its process ends, however it ends (SIGKILL included), so a lock file
-left by a dead process is stale by construction and is simply taken over.
+left by a dead process is stale by construction and is simply taken over. `take_lock` is that
+lock for other folders (`rlhflab.sweep` locks a campaign folder with it); a shared (`LOCK_SH`)
+holder excludes exclusive ones but not other shared ones.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import os
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,7 @@ from rlhflab.errors import CheckpointError, ConfigError
 from rlhflab.serialize import redact_json
 
 LOCK = ".lock"
+RUN_ID = "run_id"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 _held: dict[str, int] = {}  # real path of a run directory -> fd of its lock file
@@ -102,6 +110,64 @@ def create_run_dir(root: str | Path, name: str) -> Path:
     raise ConfigError(f"run.root: cannot create a new run directory under {root}")
 
 
+def run_id(run_dir: Path, *, create: bool = False) -> str | None:
+    """The id of the run in `run_dir`: the text of its `run_id` file (32 hex digits, a uuid4
+    written when the run's first process made its first checkpointer). None when the file is
+    missing (a run directory of a version before run ids) unless `create`, which writes a new
+    one. Checkpoints carry it (`rlhflab.checkpoint`), so a checkpoint or a file copied from
+    another run is refused on resume.
+
+    Raises:
+        CheckpointError: the file exists but does not hold an id (names the file).
+    """
+    path = Path(run_dir) / RUN_ID
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        if not create:
+            return None
+        from rlhflab.serialize import write_text_atomic
+
+        text = uuid.uuid4().hex
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text + "\n")
+        return text
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable run id ({exc})") from None
+    if not re.fullmatch(r"[0-9a-f]{32}", text):
+        raise CheckpointError(f"{path}: not a run id (32 hex digits): {text[:40]!r}")
+    return text
+
+
+def take_lock(path: Path, what: str, *, shared: bool = False) -> int:
+    """Take the `flock` of the lock file `path` (created if missing) for this process and
+    return its descriptor; closing it (or the end of the process, however it ends) releases
+    the lock. Exclusive, or `shared` (`LOCK_SH`: held by many at once, excluding exclusive
+    holders). The file holds the PID of the process that took it last.
+
+    Raises:
+        ConfigError: another live process holds the lock ("<what> is in use by process <pid>
+            (lock <path>)"), or the lock file cannot be written.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:  # a read-only run root, permissions, a link in the way
+        raise ConfigError(f"{what}: cannot write its lock {path}: "
+                          f"{exc.strerror or exc}") from None  # fmt: skip
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"{what} is in use by process {holder} (lock {path}); "
+            "wait for it to finish or stop it first"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def lock_run_dir(run_dir: Path) -> None:
     """Take the exclusive lock of a run directory for this process (a no-op when this process
     already holds it). Held until `release_locks` or the end of the process.
@@ -113,24 +179,7 @@ def lock_run_dir(run_dir: Path) -> None:
     key = str(Path(run_dir).resolve())
     if key in _held:
         return
-    path = Path(run_dir) / LOCK
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:  # a read-only run root, permissions, a link in the way
-        raise ConfigError(f"run directory {run_dir}: cannot write its lock {path}: "
-                          f"{exc.strerror or exc}") from None  # fmt: skip
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(
-            f"run directory {run_dir} is in use by process {holder} (lock {path}); "
-            "wait for it to finish or stop it first"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[key] = fd
+    _held[key] = take_lock(Path(run_dir) / LOCK, f"run directory {run_dir}")
 
 
 def release_locks() -> None:

@@ -10,7 +10,7 @@ harness (`rlhflab.trainers.run_config`). Writes `<root>/YYYY-MM-DD-<slug>/`:
     sweep.json     what the campaign is: config file, fixed overrides, grid, seeds, metric, and
                    the resolved config of the first cell (so a changed config is detected)
     runs/<cell>-<timestamp>/   every run, complete (config, metrics, checkpoints, model: not for git;
-                   the folder's `.gitignore` keeps them out)
+                   the folder's `.gitignore` keeps them out, and the lock files)
     README.md      the question (a placeholder line), the command and the exact overrides, one row
                    per grid point with mean ± standard error over seeds of the headline held-out
                    metric (default: final_results.json's named `headline`, e.g. "correctness (task
@@ -29,6 +29,14 @@ harness's own resume). The campaign folder is found again by its slug (`<root>/*
 date); a different config, override list, grid, seed count or metric refuses with one line naming
 the difference.
 
+One sweep at a time: a sweep locks its campaign folder (`.lock`, the run directory's lock,
+`rlhflab.rundir.take_lock`) for as long as it runs, so a second sweep into the same folder is
+refused in one line naming the folder and the holder's PID instead of training cells twice. The
+kernel drops the lock when its process ends, however it ends: after a crash, the same command
+(or `--resume`) takes it over. `--only i/N` shares run at once: each holds the folder's lock
+shared and its own `.lock-only-<i>-of-<N>` exclusively, so a share runs once and never beside a
+whole sweep; `--report` holds the folder's lock shared (refused while a whole sweep runs).
+
 Many GPUs: cells are independent runs. `--only i/N` runs the cells j with j mod N = i (0 ≤ i < N)
 and writes no report; `--report` trains nothing and gathers every finished run into README.md
 (docs/sweeps.md shows a Slurm job array and one process per GPU on one node).
@@ -36,9 +44,11 @@ and writes no report; `--report` trains nothing and gathers every finished run i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -48,7 +58,7 @@ from pathlib import Path
 from rlhflab.compare import metric_series
 from rlhflab.errors import ConfigError
 from rlhflab.eval.accuracy import mean_and_stderr
-from rlhflab.rundir import newest_complete_run
+from rlhflab.rundir import LOCK, newest_complete_run, take_lock
 from rlhflab.serialize import write_json_atomic, write_text_atomic
 from rlhflab.tracking import read_metrics
 
@@ -218,6 +228,27 @@ def _finished_run(runs: Path, name: str) -> Path | None:
     return found[0] if found else None
 
 
+@contextlib.contextmanager
+def lock_campaign(out: Path, share: tuple[int, int] | None, *, report_only: bool):
+    """Hold the lock of the campaign folder `out` (which must exist) for the `with` block
+    (module doc): exclusive for a whole sweep, shared for `--report` and for an `--only i/N`
+    share, which also holds its own `.lock-only-<i>-of-<N>` exclusively.
+
+    Raises:
+        ConfigError: another sweep holds it ("campaign folder <out> is in use by process <pid>
+            (lock <file>); ..."), or the lock cannot be written.
+    """
+    what = f"campaign folder {out}"
+    fds = [take_lock(out / LOCK, what, shared=report_only or share is not None)]
+    try:
+        if share is not None:
+            fds.append(take_lock(out / f"{LOCK}-only-{share[0]}-of-{share[1]}", what))
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def run_sweep(
     config: str,
     *,
@@ -242,7 +273,8 @@ def run_sweep(
 
     Raises:
         ConfigError: bad grid/seeds/only/slug, a config that does not validate for some cell
-            (before any run starts), or a campaign folder started with other settings.
+            (before any run starts), a campaign folder started with other settings, or one
+            another sweep is writing (`lock_campaign`).
     """
     from rlhflab.config import load_config
     from rlhflab.next_steps import check_start_model
@@ -281,39 +313,43 @@ def run_sweep(
             f"sweep --resume: no campaign '{out.name[11:]}' under {out.parent} to continue "
             f"(no {MANIFEST}); leave out --resume to start it"
         )
-    check_manifest(out, manifest)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / MANIFEST, manifest)
-    if not (out / ".gitignore").exists():
-        write_text_atomic(out / ".gitignore", "runs/\n")
-    ran, skipped = [], []
-    if not report_only:
-        from rlhflab.trainers import run_config
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"sweep: cannot create {out}: {exc.strerror or exc}") from None
+    with lock_campaign(out, share, report_only=report_only):  # before anything is read or written
+        check_manifest(out, manifest)
+        write_json_atomic(out / MANIFEST, manifest)
+        if not (out / ".gitignore").exists():
+            write_text_atomic(out / ".gitignore", "runs/\n.lock*\n")
+        ran, skipped = [], []
+        if not report_only:
+            from rlhflab.trainers import run_config
 
-        check_start_model(cfgs[cells[0][3]])
-        mine = [c for j, c in enumerate(cells) if share is None or j % share[1] == share[0]]
-        for k, (_, p, s, name) in enumerate(mine, 1):
-            if _finished_run(runs, name) is not None:
-                skipped.append(name)
-                print_fn(f"sweep [{k}/{len(mine)}] {name}: finished, skipped")
-                continue
-            print_fn(f"sweep [{k}/{len(mine)}] {name}: {point_label(p)}, seed {s}")
-            run_config(load_config(config, [*cell_overrides(p, s, name), "run.resume=auto"]))
-            ran.append(name)
-    summary: dict = {"out_dir": str(out), "ran": ran, "skipped": skipped, "cells": len(cells),
-                     "readme": None}  # fmt: skip
-    if share is None:
-        results = gather(out, manifest, cells)
-        write_json_atomic(out / "results.json", results)
-        plot_sweep(results, out)
-        readme = out / "README.md"
-        write_text_atomic(readme, render_readme(results, out))
-        summary.update(readme=str(readme), metric=metric, metric_name=results["metric_name"],
-                       points=[{"label": pt["label"], "metric": pt["metric"]}
-                               for pt in results["points"]])  # fmt: skip
-    else:
-        print_fn(f"sweep: share {only} done; gather with the same command and --report")
-    return summary
+            check_start_model(cfgs[cells[0][3]])
+            mine = [c for j, c in enumerate(cells) if share is None or j % share[1] == share[0]]
+            for k, (_, p, s, name) in enumerate(mine, 1):
+                if _finished_run(runs, name) is not None:
+                    skipped.append(name)
+                    print_fn(f"sweep [{k}/{len(mine)}] {name}: finished, skipped")
+                    continue
+                print_fn(f"sweep [{k}/{len(mine)}] {name}: {point_label(p)}, seed {s}")
+                run_config(load_config(config, [*cell_overrides(p, s, name), "run.resume=auto"]))
+                ran.append(name)
+        summary: dict = {"out_dir": str(out), "ran": ran, "skipped": skipped, "cells": len(cells),
+                         "readme": None}  # fmt: skip
+        if share is None:
+            results = gather(out, manifest, cells)
+            write_json_atomic(out / "results.json", results)
+            plot_sweep(results, out)
+            readme = out / "README.md"
+            write_text_atomic(readme, render_readme(results, out))
+            summary.update(readme=str(readme), metric=metric, metric_name=results["metric_name"],
+                           points=[{"label": pt["label"], "metric": pt["metric"]}
+                                   for pt in results["points"]])  # fmt: skip
+        else:
+            print_fn(f"sweep: share {only} done; gather with the same command and --report")
+        return summary
 
 
 def _tail_mean(rows: list[dict], key: str) -> float | None:

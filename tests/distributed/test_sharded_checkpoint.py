@@ -2,13 +2,15 @@
 shards (per-rank safetensors and a JSON index), and a run resumes from them at another world
 size — 2 ranks → 1 process and 1 process → 2 ranks — computing the next steps as the
 uninterrupted run does (float64, tolerances of tests/distributed/test_distributed.py). A damaged
-shard file is refused naming the file. The slice arithmetic itself is unit-tested in
-tests/test_checkpoint_sharded.py."""
+shard file is refused naming the file, and so is a shard swapped in from another run of the same
+shapes or from a model of another shape, behind a recomputed manifest. The slice arithmetic
+itself is unit-tested in tests/test_checkpoint_sharded.py."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -29,7 +31,13 @@ from test_distributed import (  # noqa: F401 (base_model is a fixture)
     base_model,
 )
 
-from rlhflab.checkpoint import committed_checkpoints, load_checkpoint
+from rlhflab.checkpoint import (
+    COMMITTED,
+    MANIFEST,
+    committed_checkpoints,
+    load_checkpoint,
+    sha256_file,
+)
 from rlhflab.checkpoint.sharded import read_tensors
 from rlhflab.errors import CheckpointError
 
@@ -164,6 +172,68 @@ def test_a_damaged_shard_is_refused_naming_the_file(runs, tmp_path, damage, mess
     with pytest.raises(CheckpointError, match=f"file {shard.name} {message}") as err:
         load_checkpoint(ck)
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def other_runs(base_model, tmp_path_factory):  # noqa: F811
+    """Two more 2-rank FSDP2 runs of 2 steps: another run of the same model (same shapes,
+    another seed) and a run of a model of another shape (built with vocabulary 320, not the
+    base's 300)."""
+    tmp = tmp_path_factory.mktemp("sharded_other")
+    raw = _sft(base_model)
+    raw.update(train={**raw["train"], "steps": 2}, eval={"n": 0}, seed=7)
+    same = _run(2, _write_cfg(tmp / "same.yaml", raw), tmp / "same")
+    build = {"size": "tiny", "vocab_size": 320, "max_position_embeddings": 64,
+             "tokenizer_texts": 300}  # fmt: skip
+    raw["model"] = {"build": build, "dtype": "float64"}
+    other = _run(2, _write_cfg(tmp / "other.yaml", raw), tmp / "other")
+    return {"same shapes": same, "another shape": other}
+
+
+def _reseal(ck: Path) -> None:
+    """Recompute the manifest's sizes and sha256s and the COMMITTED marker as the checkpointer
+    computes them (what a hand-made checkpoint "fixed" after swapping a file looks like)."""
+    manifest = json.loads((ck / MANIFEST).read_text())
+    manifest["files"] = {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(ck.iterdir())
+        if p.name not in (MANIFEST, COMMITTED)
+    }
+    (ck / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (ck / COMMITTED).write_text(sha256_file(ck / MANIFEST) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("same shapes", r"file {f} is of run [0-9a-f]{{32}}, the checkpoint of run [0-9a-f]{{32}}: "
+                        r"it comes from another run"),
+        ("another shape", r"file {f} holds \S+ as \[\d+(, \d+)*\] F64, model\.shards\.json says "
+                          r"\[\d+(, \d+)*\] float64: a file of another model"),
+    ],
+)  # fmt: skip
+def test_a_swapped_shard_is_refused_on_resume_naming_the_file(
+    runs, other_runs, tmp_path, source, message
+):
+    """Rank 1's model shard of step 2 replaced by rank 1's shard of another 2-rank run, the
+    manifest and COMMITTED recomputed: `rlhflab train --resume` refuses in one line naming the
+    file (exit 2), before anything is loaded or written."""
+    cfg, run = runs
+    root = tmp_path / "runs"
+    copy = Path(shutil.copytree(run[2], root / run[2].name))
+    ck = copy / STEP2
+    fname = "model-rank00001-of-00002.safetensors"
+    shutil.copy(other_runs[source] / STEP2 / fname, ck / fname)
+    _reseal(ck)
+    before = (copy / "metrics.jsonl").read_bytes()
+    args = ["train", str(cfg), f"run.root={root}", "parallel.strategy=fsdp2", "--resume", str(ck)]
+    res = _rlhflab(1, args)  # the run's own config: only the swapped file is wrong
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(rf"error: checkpoint {re.escape(str(ck))}: " + message.format(f=fname),
+                        lines[0]), lines[0]  # fmt: skip
+    assert (copy / "metrics.jsonl").read_bytes() == before
 
 
 def test_two_ranks_resume_in_one_process(runs, tmp_path):

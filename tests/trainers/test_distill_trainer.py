@@ -164,6 +164,72 @@ def test_teacher_with_another_tokenizer_is_refused(tmp_path, models):
     assert not list(tmp_path.glob("on_policy-*"))  # refused before anything is written
 
 
+def test_reward_model_teacher_is_refused(tmp_path, models):
+    """A reward model made from the student (`...ForSequenceClassification`, the student's
+    tokenizer and vocabulary): AutoModelForCausalLM would load its body with a random LM head."""
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.models.reward import reward_model_from_causal_lm
+
+    rm_dir = tmp_path / "rm"
+    rm = reward_model_from_causal_lm(load_model(models["student"]))
+    rm.save_pretrained(rm_dir)
+    load_tokenizer(models["student"]).save_pretrained(rm_dir)
+    assert rm.config.architectures is None or "ForSequenceClassification" in str(
+        json.loads((rm_dir / "config.json").read_text())["architectures"]
+    )
+    raw = preset("on_policy", tmp_path / "runs", models)
+    raw["teacher"]["name_or_path"] = str(rm_dir)
+    with pytest.raises(ConfigError) as exc:
+        run_config(config_from_dict(raw))
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(f"teacher.name_or_path: {rm_dir} is a ")
+    assert "ForSequenceClassification, not a causal LM" in msg
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_teacher_with_the_students_weights_is_refused_unless_allowed(tmp_path, models):
+    """The student's model directory copied elsewhere (another path, the same tensors) as the
+    teacher: refused in one line; with teacher.allow_same_as_student a one-line warning."""
+    import shutil
+    import warnings
+
+    same = shutil.copytree(models["student"], tmp_path / "copy")
+    raw = preset("on_policy", tmp_path / "runs", models, train={"steps": 1, "micro_batch_size": 4},
+                 eval={"n": 0})  # fmt: skip
+    raw["teacher"]["name_or_path"] = str(same)
+    with pytest.raises(ConfigError) as exc:
+        run_config(config_from_dict(raw))
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"teacher.name_or_path: the teacher ({same}) has the student's own "
+                          f"weights ({models['student']})")  # fmt: skip
+    assert msg.endswith("set teacher.allow_same_as_student: true to run it anyway")
+    raw["teacher"]["allow_same_as_student"] = True
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        res = run_config(config_from_dict(raw))
+    assert res["steps"] == 1
+    notes = [str(w.message) for w in record if "own weights" in str(w.message)]
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert notes[0].endswith("(teacher.allow_same_as_student is set)")
+
+
+def test_same_weights_compares_in_the_teachers_dtype(tiny_model):
+    """`same_weights`: a copy is the same, in bf16 too (the student's cast to the teacher's
+    dtype); one element changed, or another model, is not."""
+    import copy
+
+    from rlhflab.trainers.distill import same_weights
+
+    twin = copy.deepcopy(tiny_model)
+    assert same_weights(tiny_model, twin)
+    assert same_weights(tiny_model, copy.deepcopy(tiny_model).to(torch.bfloat16))
+    with torch.no_grad():
+        name, p = sorted(twin.named_parameters())[len(list(twin.parameters())) // 3]
+        p.view(-1)[0] += 1.0
+    assert not same_weights(tiny_model, twin), name
+
+
 def test_sdpo_with_no_correct_sibling_stops_with_a_clear_error(tmp_path, models):
     # A model built from scratch never solves a sum: after sdpo.max_rounds draws, a DataError.
     raw = preset("sdpo", tmp_path, models, model={"build": tiny_build()},

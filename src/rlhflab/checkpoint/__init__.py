@@ -13,7 +13,8 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-<NNNNNNNN>/`:
     config.json                the model's transformers config (`architectures` names its class)
     generation_config.json     its generation config (models that generate)
     tokenizer files            tokenizer.json, tokenizer_config.json, ... (when the trainer has one)
-    manifest.json              every file's size and sha256, library and torch versions, config hash
+    manifest.json              every file's size and sha256, library and torch versions, config
+                               hash, the run's id and the step
     COMMITTED                  written last: the sha256 of manifest.json
 
 The module named "model" is written as `model.safetensors` with the state-dict names
@@ -33,6 +34,15 @@ checkpoint cannot execute code.
 
 Loading (`load_checkpoint`) verifies COMMITTED, the manifest's hash, and every file's size and
 sha256 before anything is restored; any mismatch is a `CheckpointError` naming the file.
+
+Provenance: a recomputed manifest does not make a foreign file pass. The run's id
+(`<run_dir>/run_id`, `rlhflab.rundir.run_id`) and the step are in the manifest, in every sharded
+index and in the safetensors metadata of every tensor file (`rlhflab.run_id`, `rlhflab.step`);
+loading refuses a file whose run or step is not the checkpoint's, and a shard file whose
+header (tensor names, shapes, dtypes) is not what its index records; resuming refuses a
+checkpoint whose run id is not its run directory's (`check_run`). Checkpoints of format 1
+(before run ids) are resumed with a one-line warning, their files checked for everything but
+their run and step.
 
 Retention (`keep_last`) runs only after a commit and never deletes the newest committed checkpoint
 nor the one this run resumed from. After resuming from an older checkpoint, the first commit also
@@ -106,7 +116,9 @@ from rlhflab.checkpoint.format import (
     sha256_file,
 )
 from rlhflab.checkpoint.resume import (
+    check_run,
     find_resume_checkpoint,
+    provenance_note,
     version_note,
 )
 from rlhflab.checkpoint.sharded import TensorReader, read_tensors
@@ -132,6 +144,7 @@ __all__ = [
     "TensorReader",
     "changed_keys",
     "check_config_change",
+    "check_run",
     "check_state_schema",
     "checkpoint_bytes",
     "committed_checkpoints",
@@ -141,6 +154,7 @@ __all__ = [
     "flatten_config",
     "is_disk_full",
     "load_checkpoint",
+    "provenance_note",
     "python_rng_state",
     "raise_if_disk_full",
     "read_tensors",

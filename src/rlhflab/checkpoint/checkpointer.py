@@ -33,10 +33,11 @@ from rlhflab.checkpoint.format import (
     committed_checkpoints,
     drop_later_checkpoints,
     sha256_file,
+    stamp,
     step_of,
 )
 from rlhflab.checkpoint.hf_files import write_hf_files
-from rlhflab.checkpoint.resume import version_note
+from rlhflab.checkpoint.resume import provenance_note, version_note
 from rlhflab.checkpoint.sharded import (
     TensorReader,
     index_name,
@@ -58,6 +59,7 @@ from rlhflab.checkpoint.state import (
 )
 from rlhflab.errors import CheckpointError, Interrupted
 from rlhflab.models.lora import is_lora, load_trainable_state, trainable_state
+from rlhflab.rundir import run_id
 from rlhflab.serialize import encode_nonfinite, match_umask, redact_json, write_json_atomic
 
 
@@ -78,6 +80,9 @@ class Checkpointer:
             that a checkpoint directory loads with transformers' `from_pretrained`.
 
     Global RNG streams (python `random`, numpy, torch CPU and CUDA) are always included.
+    Every file carries the run's id (`rlhflab.rundir.run_id`, written on construction when the
+    run directory has none) and the step (`rlhflab.checkpoint.format.stamp`). A collective
+    under torchrun: every rank constructs it.
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class Checkpointer:
         self.protected = resumed_from.path.name if resumed_from is not None else None
         self.files_written = 0  # counter for the checkpoint_file fault point
         self.last_saved: int | None = None
+        self.run_id: str = distributed.main_then_share(lambda: run_id(self.run_dir, create=True))
 
     def due(self, step: int) -> bool:
         """A periodic checkpoint is due after optimizer step `step`."""
@@ -149,7 +155,7 @@ class Checkpointer:
         ranks = distributed.all_gather_object(rng_state(self.generators))
         tmp, shards = None, None
         if split or split_opts:
-            tmp, shards = self._save_shards(final, split, split_opts)
+            tmp, shards = self._save_shards(final, split, split_opts, step)
         if not distributed.is_main():
             distributed.barrier()  # rank 0 commits
             self.last_saved = step
@@ -180,7 +186,7 @@ class Checkpointer:
         tmp.mkdir()
         return tmp
 
-    def _save_shards(self, final: Path, split: set[str], split_opts: set[str]):
+    def _save_shards(self, final: Path, split: set[str], split_opts: set[str], step: int):
         """Every rank writes its own shards of the sharded modules (`split`) and of their
         optimizers' state into the temporary directory rank 0 made (`rlhflab.checkpoint.sharded`
         files), fsynced and hashed by the rank that wrote them. A collective. Returns (the
@@ -201,7 +207,7 @@ class Checkpointer:
                 entries = {}
 
                 def fill(p, pieces=pieces, entries=entries):
-                    entries.update(write_rank_file(p, pieces))
+                    entries.update(write_rank_file(p, pieces, stamp(self.run_id, step)))
 
                 self._write(tmp, fname, fill)
                 f = tmp / fname
@@ -228,11 +234,15 @@ class Checkpointer:
         if tmp is None:
             tmp = self._new_tmp(final)
         shards = shards or {}
+        meta = stamp(self.run_id, step)  # every tensor file's header: run id and step
+        pt = {**_PT, **meta}
         hashed = {}  # the shard files, hashed by the ranks that wrote them
         try:
             w = distributed.world_size()
             for name, (_, parts) in shards.items():
-                index = merge_index(name, w, [p["entries"] for p in parts])
+                index = merge_index(
+                    name, w, [p["entries"] for p in parts], run_id=self.run_id, step=step
+                )
                 text = json.dumps(index, indent=1)
                 self._write(tmp, index_name(name), lambda p, t=text: p.write_text(t))
                 for part in parts:
@@ -249,11 +259,11 @@ class Checkpointer:
                 full = full_models[name]
                 if is_lora(module):  # the adapters (and a head trained beside them) only
                     tensors = trainable_state(module, full)
-                    write = lambda p, t=tensors: save_file(t, str(p), metadata=_PT)  # noqa: E731
+                    write = lambda p, t=tensors: save_file(t, str(p), metadata=pt)  # noqa: E731
                 elif full is None:
-                    write = lambda p, m=module: save_model(m, str(p), metadata=_PT)  # noqa: E731
+                    write = lambda p, m=module: save_model(m, str(p), metadata=pt)  # noqa: E731
                 else:
-                    write = lambda p, t=full: save_file(t, str(p), metadata=_PT)  # noqa: E731
+                    write = lambda p, t=full: save_file(t, str(p), metadata=pt)  # noqa: E731
                 self._write(tmp, f"{name}.safetensors", write)
             write_hf_files(
                 self.modules.get("model"),
@@ -268,11 +278,13 @@ class Checkpointer:
                     opt_meta[name] = shards[name][0]
                     continue
                 tensors, opt_meta[name] = _optimizer_state(opt, full_optims[name])
-                self._write(tmp, f"{name}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
+                self._write(
+                    tmp, f"{name}.safetensors", lambda p, t=tensors: save_file(t, str(p), meta)
+                )
             rng = dict(ranks[0]["tensors"])
             for r, st in enumerate(ranks[1:], start=1):
                 rng.update({f"rank{r}.{k}": v for k, v in st["tensors"].items()})
-            self._write(tmp, "rng.safetensors", lambda p: save_file(rng, str(p)))
+            self._write(tmp, "rng.safetensors", lambda p: save_file(rng, str(p), meta))
             offsets = {
                 f.name: f.stat().st_size
                 for f in (self.run_dir / "metrics.jsonl", self.run_dir / "samples.jsonl")
@@ -300,6 +312,7 @@ class Checkpointer:
             }
             manifest = {
                 "format_version": FORMAT_VERSION,
+                "run_id": self.run_id,
                 "step": step,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "files": files,
@@ -445,10 +458,10 @@ class Checkpointer:
                 f"resuming a checkpoint of {saved_world} rank(s) with "
                 f"{distributed.world_size()}: every rank starts from rank 0's random streams"
             )
-        note = version_note(ckpt)
-        if note:
-            warnings.warn(note, stacklevel=2)
-            tracker.print(note)
+        for note in (version_note(ckpt), provenance_note(ckpt)):
+            if note:
+                warnings.warn(note, stacklevel=2)
+                tracker.print(note)
         tracker.print(f"resumed from {ckpt.path} (step {ckpt.step} of {total_steps})")
         tracker.advance(ckpt.step, {})
         return state

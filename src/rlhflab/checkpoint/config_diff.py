@@ -38,6 +38,7 @@ HARMLESS_KEYS = (
     "train.max_seconds",
     "parallel.timeout_s",
     "data.made_by",
+    "teacher.allow_same_as_student",  # whether a run starts, not what it computes
 )
 
 CONFIG_CHANGES = "config_changes.jsonl"

@@ -8,6 +8,7 @@ optimizer's state), and reads back only the slices its shards need:
     <name>.shards.json                      the index (JSON, no pickle), written by rank 0:
 
     {"format": "rlhflab.sharded", "version": 1, "world_size": 2,
+     "run_id": "<the run's id>", "step": 12,
      "files": ["<name>-rank00000-of-00002.safetensors", ...],
      "tensors": {"<tensor>": {"shape": [5, 3], "dtype": "float64",
                               "shards": [{"file": "<name>-rank00000-of-00002.safetensors",
@@ -16,11 +17,15 @@ optimizer's state), and reads back only the slices its shards need:
 `offsets` / `lengths` are the box a file's piece covers in the global tensor, per dimension (what
 torch.distributed.checkpoint records as a chunk's `offsets` / `sizes`); the pieces of a tensor tile
 it exactly. A replicated tensor (a buffer, AdamW's scalar `step`) is written once, by rank 0, as
-one piece covering the whole tensor. Ranks with an empty shard write no piece.
+one piece covering the whole tensor. Ranks with an empty shard write no piece. Each rank file
+carries the run id and step in its safetensors metadata (`rlhflab.checkpoint.format.stamp`), as
+the index does; `check_shard_files` compares every file's header (tensor names, shapes, dtypes)
+with the index before anything is loaded (`load_checkpoint` calls it).
 
     shard_file_name / index_name     the file names
     write_rank_file(path, pieces)    one rank's safetensors file; its index entries
     merge_index(name, world, parts)  the index from every rank's entries (coverage checked)
+    check_shard_files(dir, index)    every file's header against the index (names, shapes, dtypes)
     TensorReader(dir, name)          reads whole tensors or boxes of them from a sharded
                                      checkpoint or from an ordinary full `<name>.safetensors`
     read_tensors(dir, name)          every tensor whole (world size 1; consolidation)
@@ -79,10 +84,13 @@ def index_name(name: str) -> str:
     return f"{name}.shards.json"
 
 
-def write_rank_file(path: Path, pieces: dict[str, Piece | None]) -> dict[str, dict]:
+def write_rank_file(
+    path: Path, pieces: dict[str, Piece | None], metadata: dict[str, str] | None = None
+) -> dict[str, dict]:
     """Write one rank's pieces to the safetensors file `path` (None entries are skipped: another
-    rank saves them); returns this file's index entries, {tensor: {"shape", "dtype",
-    "offsets", "lengths"}} (lists of ints; dtype as torch names it, e.g. "float64").
+    rank saves them), with `metadata` in its header (the run id and step); returns this file's
+    index entries, {tensor: {"shape", "dtype", "offsets", "lengths"}} (lists of ints; dtype as
+    torch names it, e.g. "float64").
 
     Raises:
         ValueError: a piece does not fit inside its global shape.
@@ -106,14 +114,22 @@ def write_rank_file(path: Path, pieces: dict[str, Piece | None]) -> dict[str, di
             "offsets": offset,
             "lengths": lengths,
         }
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata=metadata)
     match_umask(path)  # safetensors writes 0600 whatever the umask
     return entries
 
 
-def merge_index(name: str, world: int, parts: Sequence[dict[str, dict]]) -> dict:
+def merge_index(
+    name: str,
+    world: int,
+    parts: Sequence[dict[str, dict]],
+    *,
+    run_id: str | None = None,
+    step: int | None = None,
+) -> dict:
     """The index of `name` (the JSON object described above) from the entries
-    `write_rank_file` returned on each rank, in rank order.
+    `write_rank_file` returned on each rank, in rank order, recording the run id and step
+    of the checkpoint (left out when None).
 
     Raises:
         ValueError: the ranks disagree on a tensor's shape or dtype, or its pieces do not
@@ -134,13 +150,70 @@ def merge_index(name: str, world: int, parts: Sequence[dict[str, dict]]) -> dict
         have = sum(math.prod(s["lengths"]) for s in t["shards"])
         if have != math.prod(t["shape"]):
             raise ValueError(f"{key}: pieces hold {have} of {math.prod(t['shape'])} elements")
-    return {
-        "format": INDEX_FORMAT,
-        "version": INDEX_VERSION,
-        "world_size": world,
-        "files": files,
-        "tensors": dict(sorted(tensors.items())),
-    }
+    index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "world_size": world}
+    if run_id is not None:
+        index.update(run_id=run_id, step=step)
+    return {**index, "files": files, "tensors": dict(sorted(tensors.items()))}
+
+
+def check_shard_files(path: Path, index_file: str, listed: set[str]) -> None:
+    """Compare the index `index_file` of the checkpoint directory `path` with its files'
+    safetensors headers (no tensor is read): each file it names is in the checkpoint's manifest
+    (`listed`) and holds exactly the tensors the index places in it, each piece with the
+    shape (`lengths`) and dtype the index records. So a file swapped in from a model of another
+    shape is refused before loading, whatever the manifest says.
+
+    Raises:
+        CheckpointError: one line naming the checkpoint, the file and the first difference.
+    """
+    path = Path(path)
+    where = f"checkpoint {path}: {index_file}"
+    tensors = _parse_index(path / index_file)
+    expected: dict[str, dict[str, tuple[list[int], torch.dtype]]] = {}
+    for key, t in tensors.items():
+        for s in t["shards"]:
+            expected.setdefault(s["file"], {})[key] = (s["lengths"], t["dtype"])
+    files = read_index(path / index_file)["files"]
+    for fname in files:
+        if fname not in listed:
+            raise CheckpointError(f"{where} names file {fname}, which the manifest does not list")
+        want = expected.get(fname, {})
+        try:
+            with safe_open(str(path / fname), framework="pt") as f:
+                have = {}
+                for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    sl = f.get_slice(key)
+                    have[key] = (list(sl.get_shape()), sl.get_dtype())
+        except Exception as exc:  # safetensors' own error type for a malformed header
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CheckpointError(f"checkpoint {path}: file {fname} unreadable: {msg}") from None
+        extra, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+        if extra or missing:
+            what = f"holds {extra[:3]} that the index does not place there" if extra else (
+                f"lacks {missing[:3]} that the index places there")  # fmt: skip
+            raise CheckpointError(f"checkpoint {path}: file {fname} {what} ({index_file})")
+        for key in sorted(want):
+            shape, code = have[key]
+            dtype = _SAFETENSORS_DTYPES.get(code)
+            if (shape, dtype) != want[key]:
+                w_shape, w_dtype = want[key]
+                raise CheckpointError(
+                    f"checkpoint {path}: file {fname} holds {key} as {shape} {code}, "
+                    f"{index_file} says {w_shape} {str(w_dtype).removeprefix('torch.')}: "
+                    "a file of another model"
+                )
+
+
+def read_index(path: Path) -> dict:
+    """The JSON object of an index file; CheckpointError naming it when it is not one."""
+    try:
+        index = json.loads(Path(path).read_text())
+        if not isinstance(index, dict) or not isinstance(index.get("files"), list):
+            raise ValueError("not an index object")
+        return index
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} unreadable: {msg}") from None
 
 
 class TensorReader:

@@ -26,6 +26,9 @@ class TeacherConfig(Strict):
     # mixed_precision), else float32
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     trust_remote_code: bool = False
+    # A teacher with the student's own weights is refused (its KL gradient is float noise that
+    # AdamW scales up to full-size updates); true runs it anyway, with a warning (a control run).
+    allow_same_as_student: bool = False
 
     @model_validator(mode="after")
     def _path(self) -> TeacherConfig:

@@ -22,6 +22,13 @@ Each step reads top to bottom (`Distill.step`):
 The run's life (run directory, resume, checkpoints, stop signals, results) is the harness's
 (rlhflab.trainers.loop). The teacher is frozen and not checkpointed: it is reloaded from
 teacher.name_or_path (a config key, so a resume with another teacher is refused).
+
+Teachers are checked at start (`load_teacher`): a causal LM (its saved `architectures` a
+`...ForCausalLM` / `...LMHeadModel`; a reward model, `...ForSequenceClassification`, would load
+with a random LM head) with the student's tokenizer and vocabulary size, and not the student's
+own weights (`same_weights`): then the on-policy KL is 0, its gradient float noise (norm ~4e-8),
+which AdamW, dividing by sqrt(v), turns into updates of full size, so the run trains on noise.
+That is refused unless `teacher.allow_same_as_student: true` (a control run), which warns.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import dataclasses
 import itertools
 import random
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -102,6 +110,60 @@ def check_same_tokenizer(student_tok, teacher_tok, student: str, teacher: str) -
             f"{'' if same_specials else ', special tokens differ'}); cross-tokenizer distillation "
             "is not supported"
         )
+
+
+#: Endings of the class names of causal LMs in a config's `architectures` (transformers'
+#: `...ForCausalLM`, GPT-2's `GPT2LMHeadModel`; rlhflab's own `GPTForCausalLM`).
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def check_causal_lm(teacher, name: str) -> None:
+    """Raise ConfigError (one line naming `teacher.name_or_path`) when the loaded teacher's
+    saved `architectures` name no causal LM (`CAUSAL_LM_SUFFIXES`), e.g. a reward model
+    (`Qwen3ForSequenceClassification`): `AutoModelForCausalLM` loads such a checkpoint's body and
+    leaves its LM head random, so it would teach noise. A config without `architectures` passes
+    (nothing says what it is)."""
+    archs = list(getattr(teacher.config, "architectures", None) or [])
+    if archs and not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in archs):
+        raise ConfigError(
+            f"teacher.name_or_path: {name} is a {', '.join(archs)}, not a causal LM "
+            "(...ForCausalLM): a teacher must be a language model with the student's "
+            "vocabulary, not a reward model or classifier"
+        )
+
+
+def _comparable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under the names of a plain model: a LoRA model's base weights
+    (`base_layer` / `original_module` names folded, adapters left out, as they start at zero)."""
+    from rlhflab.models.lora import is_lora
+
+    if not is_lora(model):
+        return model.state_dict()
+    out = {}
+    for k, v in model.get_base_model().state_dict().items():
+        if "lora_" in k or ".modules_to_save." in k:
+            continue
+        out[k.replace(".base_layer.", ".").replace(".original_module.", ".")] = v
+    return out
+
+
+def same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
+    """Whether the teacher holds the student's weights: the same names and shapes, and every
+    tensor equal once the student's is cast to the teacher's dtype (a bf16 teacher of an fp32
+    student counts as the same). Three tensors (first, middle, last by name) are compared
+    first, so different models are told apart without reading them all. Compares on the
+    calling process (rank 0 holds the student's weights when it is sharded later)."""
+    s, t = _comparable_state(student), teacher.state_dict()
+    if s.keys() != t.keys() or any(s[k].shape != t[k].shape for k in s) or not s:
+        return False
+    keys = sorted(s)
+    for k in [keys[0], keys[len(keys) // 2], keys[-1], *keys]:
+        a, b = s[k], t[k]
+        if a.is_meta or b.is_meta:
+            return False
+        if not torch.equal(b.detach().cpu(), a.detach().to("cpu", b.dtype)):
+            return False
+    return True
 
 
 def _forward_head(model, rollout: Rollout, autocast, head_fn):
@@ -216,6 +278,7 @@ class Distill(Trainer):
         except ModelError as exc:
             raise ModelError(f"teacher.name_or_path: {exc}") from None
         student_name = cfg.model.name_or_path or "model.build"
+        check_causal_lm(teacher, tc.name_or_path)
         check_same_tokenizer(tokenizer, teacher_tok, student_name, tc.name_or_path)
         v_s = student.get_output_embeddings().weight.size(0)
         v_t = teacher.get_output_embeddings().weight.size(0)
@@ -224,8 +287,31 @@ class Distill(Trainer):
                 f"teacher.name_or_path: the teacher's LM head has {v_t} rows, the student's "
                 f"({student_name}) {v_s}: the vocabularies must have the same size"
             )
+        self._check_not_the_student(student, teacher, student_name)
         teacher.eval().requires_grad_(False)
         return distributed.wrap(teacher, cfg.parallel)
+
+    def _check_not_the_student(self, student, teacher, student_name: str) -> None:
+        """Refuse (or, with `teacher.allow_same_as_student`, warn about) a teacher holding the
+        student's own weights (module doc). Decided on rank 0, which holds the student's
+        weights; every rank learns it."""
+        tc = self.cfg.teacher
+        what = (
+            f"teacher.name_or_path: the teacher ({tc.name_or_path}) has the student's own "
+            f"weights ({student_name}): the KL is 0 and its gradient float noise, which AdamW "
+            "turns into full-size updates"
+        )
+
+        def decide() -> bool:
+            same = same_weights(student, teacher)
+            if same and not tc.allow_same_as_student:
+                raise ConfigError(
+                    f"{what}; set teacher.allow_same_as_student: true to run it anyway"
+                )
+            return same
+
+        if distributed.main_then_share(decide) and distributed.is_main():
+            warnings.warn(f"{what} (teacher.allow_same_as_student is set)", stacklevel=2)
 
     def describe(self) -> str:
         teacher = self.cfg.teacher.name_or_path or "self (correct sibling as demonstration)"
