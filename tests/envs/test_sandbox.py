@@ -259,15 +259,47 @@ def test_environment_run_tool_refuses_then_unsafe_local_prints_one_line(no_bwrap
     assert env.run_tool(ToolCall("python", "print(2)")) == "2"
 
 
-def test_unsafe_local_is_a_validated_config_field(tmp_path):
+@pytest.mark.slow
+def test_unsafe_local_is_a_validated_config_field():
     from rlhflab.config import load_config
+    from rlhflab.config.policy_gradient import EnvConfig
     from rlhflab.errors import ConfigError
 
+    assert EnvConfig.model_validate({"class": "m:E"}).tools.unsafe_local is False
+    cfg = EnvConfig.model_validate({"class": "m:E", "tools": {"unsafe_local": True}})
+    assert cfg.tools.unsafe_local is True
     preset = Path(__file__).resolve().parents[2] / "configs" / "multiturn" / "calculator_grpo.yaml"
-    cfg = load_config(preset, ["env.tools.unsafe_local=true"])
-    assert cfg.env.tools.unsafe_local is True
-    assert load_config(preset, []).env.tools.unsafe_local is False
-    with pytest.raises(ConfigError, match="unsafe_local"):
-        load_config(preset, ["env.tools.unsafe_local=maybe"])
-    with pytest.raises(ConfigError, match="unsafe_locl"):
-        load_config(preset, ["env.tools.unsafe_locl=true"])
+    with pytest.raises(ConfigError, match=r"env\.tools\.unsafe_local: .*boolean"):
+        load_config(preset, ["env.tools.unsafe_local=1"])  # a security switch: true/false only
+
+
+def test_a_root_caller_starts_bwrap_as_nobody_where_the_runtime_allows(isolated):
+    # A root trainer whose Python runtime every user can read (here the system's /usr/bin/python3)
+    # starts bwrap as host uid 65534: the code is unprivileged on the host too, and RLIMIT_NPROC
+    # binds, so even fork_exec (no audit event) cannot start a process.
+    system_python = shutil.which("python3", path="/usr/bin")
+    if os.geteuid() != 0 or system_python is None:
+        pytest.skip("needs a root caller and /usr/bin/python3")
+    code = textwrap.dedent(
+        """
+        import _posixsubprocess, os, sys
+        r, w = os.pipe()
+        _posixsubprocess.fork_exec([sys.executable, "-c", "pass"], [os.fsencode(sys.executable)],
+                                   False, (w,), None, None, -1, -1, -1, -1, -1, -1, r, w, True,
+                                   True, -1, None, None, None, -1, None, False)
+        print("started")
+        """
+    )
+    script = (
+        "import json, sys\nfrom rlhflab.envs import tools\n"
+        f"print(json.dumps([tools.sandbox_isolation(), tools.python_sandbox({code!r})]))"
+    )
+    env = {**os.environ, "PYTHONPATH": SRC, "RLHFLAB_TEST_SECRET": SECRET}
+    res = subprocess.run(
+        [system_python, "-c", script], capture_output=True, text=True, env=env, timeout=60
+    )
+    if res.returncode != 0 and "Error" in res.stderr and "import" in res.stderr.lower():
+        pytest.skip(f"rlhflab.envs.tools does not import under {system_python}")
+    how, out = json.loads(res.stdout)
+    assert how.startswith("bwrap started as uid 65534"), how
+    assert out.startswith("error: ") and "started" not in out, out

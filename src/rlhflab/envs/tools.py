@@ -390,15 +390,17 @@ def _runtime_binds() -> tuple[list[str], list[str]]:
     exe = _interpreter()
     args: list[str] = []
     sources = []
+    for d in (base, *([] if exe.startswith(base + os.sep) else [os.path.dirname(exe)])):
+        args += ["--ro-bind", d, d]
+        sources.append(d)
     for d in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32"):
+        if d == base or d.startswith(base + os.sep):
+            continue  # bound with the base installation
         if os.path.islink(d):
             args += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
             sources.append(d)
-    for d in (base, *([] if exe.startswith(base + os.sep) else [os.path.dirname(exe)])):
-        args += ["--ro-bind", d, d]
-        sources.append(d)
     args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     scheme_vars = {"base": base, "platbase": base, "installed_base": base}
     hidden = {sysconfig.get_path(k, vars=scheme_vars) for k in ("purelib", "platlib")}
@@ -474,7 +476,8 @@ def _net_isolation() -> list[str]:
     if exe is None:
         return []
     try:
-        ok = subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=5).returncode == 0
+        probe = [exe, "-rn", _interpreter(), "-I", "-S", "-c", ""]  # no PATH lookup inside
+        ok = subprocess.run(probe, capture_output=True, timeout=5).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [exe, "-rn"] if ok else []
