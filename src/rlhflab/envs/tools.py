@@ -8,10 +8,12 @@ Tool-call formats (`parse_tool_call`), first match wins:
   {"expression": "12*34"}}</tool_call>`` (the first string argument is the tool's input).
 
 Model output never runs in the trainer's process: `calculator` only walks an `ast` of numbers and
-arithmetic operators (no `eval`), with bounded sizes; `python_sandbox` runs code in a child
-process under resource limits (see its docstring for each limit and how it is enforced). Every
-tool returns one string: its output, or a one-line error (`"error: ..."`); none raises on bad
-model input.
+arithmetic operators (no `eval`), with bounded sizes; `python_sandbox` runs code in a fresh
+bubblewrap sandbox (its own user, PID, mount and network namespaces; only a read-only Python
+runtime and a private tmpfs) under resource limits, and refuses to run it where no such
+isolation works unless told `unsafe_local` (see its docstring, and docs/multiturn.md for the
+threat model). Every tool returns one string: its output, or a one-line error (`"error: ..."`);
+none raises on bad model input.
 """
 
 from __future__ import annotations
@@ -410,6 +412,17 @@ def _runtime_binds() -> tuple[list[str], list[str]]:
     return args, sources
 
 
+def _limits(cpu_s: int, memory_mb: int) -> dict[int, tuple[int, int]]:
+    """The rlimits of a call: CPU seconds, address space, file size, open files, no cores."""
+    return {
+        resource.RLIMIT_CPU: (cpu_s, cpu_s + 1),
+        resource.RLIMIT_AS: (memory_mb << 20, memory_mb << 20),
+        resource.RLIMIT_FSIZE: (16 << 20, 16 << 20),
+        resource.RLIMIT_NOFILE: (64, 64),
+        resource.RLIMIT_CORE: (0, 0),
+    }
+
+
 @dataclass(frozen=True)
 class _Bwrap:
     argv: tuple[str, ...]  # bwrap and its options, up to the command
@@ -452,12 +465,17 @@ def _isolation() -> _Bwrap | str:
         candidates.append(SANDBOX_UID)  # a root trainer starts bwrap as nobody where it can
     candidates.append(None)
     why = ""
-    for run_as in candidates:
-        argv = _bwrap_argv(exe, features, run_as)
+    # --disable-userns needs a kernel that lets bwrap cap nested namespaces: tried first
+    tries = [
+        (r, f) for r in candidates for f in (features, features.replace("--disable-userns", ""))
+    ]
+    for run_as, feats in dict.fromkeys(tries):
+        argv = _bwrap_argv(exe, feats, run_as)
         cmd = [*argv, _interpreter(), "-I", "-S", "-c", _child_script(SANDBOX_DIR)]
         try:
             res = _run_child(cmd, b"print('ok')", cwd="/", env={"PATH": "/usr/bin:/bin"},
-                             limits={}, timeout_s=20, out_cap=64, run_as=run_as)  # fmt: skip
+                             limits=_limits(2, 512), timeout_s=20, out_cap=64,
+                             run_as=run_as)  # fmt: skip
         except OSError as exc:
             why = f"bwrap could not start: {exc}"
             continue
@@ -557,13 +575,7 @@ def python_sandbox(
     iso = _isolation()
     if isinstance(iso, str):
         check_sandbox(unsafe_local)
-    limits = {
-        resource.RLIMIT_CPU: (cpu_s, cpu_s + 1),
-        resource.RLIMIT_AS: (memory_mb << 20, memory_mb << 20),
-        resource.RLIMIT_FSIZE: (16 << 20, 16 << 20),
-        resource.RLIMIT_NOFILE: (64, 64),
-        resource.RLIMIT_CORE: (0, 0),
-    }
+    limits = _limits(cpu_s, memory_mb)
     source = code.encode("utf-8", "replace")
     out_cap = 4 * max_output_chars + 4
     with contextlib.ExitStack() as stack:
