@@ -551,8 +551,8 @@ def python_sandbox(
     too when the caller is root and the Python runtime is readable by all); a file system of
     only the Python runtime (this interpreter's base installation with its site-packages
     hidden, and the shared-library directories), read-only, plus a private 64 MB tmpfs at
-    /sandbox as the working directory (no /etc, /proc, /tmp, home or run directory of the
-    host); an empty environment; `--die-with-parent` and `--new-session`. The child runs
+    /sandbox as the working directory (of /etc only ld.so.cache; no /proc, /tmp, home or run
+    directory of the host); an empty environment; `--die-with-parent` and `--new-session`. The child runs
     `python -I -S`.
 
     Limits: CPU time `cpu_s` (RLIMIT_CPU: "error: killed (CPU time limit)"); wall-clock
@@ -563,8 +563,8 @@ def python_sandbox(
     only the last 4 KB of stderr kept. At the end of every call the process group is killed
     and, under bwrap, the whole PID namespace with it; every wait is bounded. Output beyond
     `max_output_chars` is cut. A second layer inside the child, an audit hook (PEP 578), refuses
-    process creation, signals, sockets, ctypes, writes and directory opens outside the working
-    directory, and the introspection that reaches the hook; it is not a boundary on its own.
+    process creation, os.kill, sockets, ctypes, writes and directory opens outside the working
+    directory, and gc's object walks; it is not a boundary on its own.
 
     Raises:
         SandboxUnavailable: bubblewrap cannot isolate the code here and `unsafe_local` is
@@ -604,7 +604,10 @@ def python_sandbox(
         # bwrap reports a child killed by signal N as exit code 128 + N
         sig = -rc if rc < 0 else rc - 128 if isinstance(iso, _Bwrap) and rc > 128 else 0
         if sig:
-            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = f"signal {sig}"
             why = "CPU time limit" if name == "SIGXCPU" else name
             text += f"error: killed ({why})"
         else:
