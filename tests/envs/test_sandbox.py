@@ -5,7 +5,7 @@ caller's environment, and as root where the tests run as root.
 The isolated sandbox needs bubblewrap with unprivileged user namespaces: these tests skip (with
 the reason) where it does not work, and fail instead under RLHFLAB_REQUIRE_BWRAP=1 (CI). The
 `unsafe_local` mode (no OS isolation; bwrap hidden from PATH) runs the tests its own layers
-(audit hook, rlimits, bounded reads) are meant to pass."""
+(audit hook, rlimits, bounded reads) are meant to pass (fixtures: tests/envs/conftest.py)."""
 
 import json
 import os
@@ -21,50 +21,16 @@ from pathlib import Path
 import pytest
 
 from rlhflab.envs import tools
-from rlhflab.envs.tools import SandboxUnavailable, check_sandbox, python_sandbox
+from rlhflab.envs.tools import SandboxUnavailable, python_sandbox
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 SECRET = "rlhflab-secret-" + uuid.uuid4().hex
 
 
-def _require_bwrap() -> None:
-    try:
-        check_sandbox()
-    except SandboxUnavailable as exc:
-        if os.environ.get("RLHFLAB_REQUIRE_BWRAP") == "1":
-            pytest.fail(f"RLHFLAB_REQUIRE_BWRAP=1 but the isolated sandbox does not work: {exc}")
-        pytest.skip(f"needs bubblewrap with unprivileged user namespaces: {exc}")
-
-
-@pytest.fixture
-def no_bwrap(monkeypatch, tmp_path):
-    """PATH without bwrap (unshare kept): the machine has no working isolation tool."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    if shutil.which("unshare"):
-        (bin_dir / "unshare").symlink_to(shutil.which("unshare"))
-    monkeypatch.setenv("PATH", str(bin_dir))
-    tools._isolation.cache_clear()
-    yield
-    monkeypatch.undo()
-    tools._isolation.cache_clear()
-
-
-@pytest.fixture(params=["bwrap", "unsafe_local"])
-def mode(request, monkeypatch):
-    """Each test under the isolated sandbox and under `unsafe_local` (no bwrap on PATH)."""
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch):
+    """A secret in the caller's environment (the trainer's API keys)."""
     monkeypatch.setenv("RLHFLAB_TEST_SECRET", SECRET)
-    if request.param == "bwrap":
-        _require_bwrap()
-        return {}
-    request.getfixturevalue("no_bwrap")
-    return {"unsafe_local": True}
-
-
-@pytest.fixture
-def isolated(monkeypatch):
-    monkeypatch.setenv("RLHFLAB_TEST_SECRET", SECRET)
-    _require_bwrap()
 
 
 def _caller(code: str, *, timeout_s: float, hang_s: float = 60, **kw) -> dict:
@@ -120,7 +86,7 @@ def _gone(marker: str, within_s: float = 10.0) -> bool:
 # -- escapes of issue #37 ----------------------------------------------------------------------
 
 
-def test_fork_exec_in_its_own_session_holding_the_pipe_is_killed_and_cannot_block(mode):
+def test_fork_exec_in_its_own_session_holding_the_pipe_is_killed_and_cannot_block(sandbox):
     # _posixsubprocess.fork_exec raises no audit event; the process starts its own session
     # (outside the killed process group) and inherits the output pipe.
     marker = "rlhflab-escape-" + uuid.uuid4().hex
@@ -136,10 +102,10 @@ def test_fork_exec_in_its_own_session_holding_the_pipe_is_killed_and_cannot_bloc
         """
     )
     try:
-        res = _caller(code, timeout_s=2, hang_s=30, **mode)
+        res = _caller(code, timeout_s=2, hang_s=30, **sandbox)
         assert not res["hung"], "the tool call blocked on a process holding its output pipe"
         assert res["alive"]
-        if not mode:  # the isolated sandbox kills the whole PID namespace at the end of a call
+        if not sandbox:  # the isolated sandbox kills the whole PID namespace at the end of a call
             assert _gone(marker), "a process the tool started outlived the call"
     finally:
         for pid in _pids_with(marker):  # leftovers of the unisolated run
@@ -153,28 +119,28 @@ def test_pidfd_signal_cannot_kill_the_caller(isolated):
     assert res["alive"] and res["rc"] == 0, res
 
 
-def test_dir_fd_cannot_create_a_file_outside(mode, tmp_path):
+def test_dir_fd_cannot_create_a_file_outside(sandbox, tmp_path):
     # os.open(name, flags, dir_fd=fd): the audit event carries the relative name only
     target = tmp_path / "escape_dir_fd.txt"
     code = (
         f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
         "os.close(os.open('escape_dir_fd.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd))"
     )
-    out = python_sandbox(code, **mode)
+    out = python_sandbox(code, **sandbox)
     assert out.startswith("error: ") and not target.exists(), out
 
 
-def test_the_code_cannot_switch_the_write_rule_off(mode, tmp_path):
+def test_the_code_cannot_switch_the_write_rule_off(sandbox, tmp_path):
     # the old hook kept its settings in __main__'s globals
     target = tmp_path / "escape_main.txt"
     code = f"import __main__\n__main__._cwd = ''\nopen({str(target)!r}, 'w').write('x')"
-    out = python_sandbox(code, **mode)
+    out = python_sandbox(code, **sandbox)
     assert out.startswith("error: ") and not target.exists(), out
 
 
-def test_300_mb_of_output_does_not_grow_the_caller(mode):
+def test_300_mb_of_output_does_not_grow_the_caller(sandbox):
     code = "import sys\nb = 'x' * (1 << 20)\nfor _ in range(300):\n    sys.stdout.write(b)"
-    res = _caller(code, timeout_s=30, **mode)
+    res = _caller(code, timeout_s=30, **sandbox)
     assert res["alive"] and res["out"] == "x" * tools.MAX_OUTPUT_CHARS
     assert res["hwm_growth_kb"] < 100 * 1024, res["hwm_growth_kb"]  # was ~890 MB
 
@@ -194,7 +160,7 @@ def test_host_files_are_unreachable_by_absolute_path(isolated, tmp_path):
 # -- what held before and still holds ----------------------------------------------------------
 
 
-def test_secrets_are_unreachable_proc_included(mode):
+def test_secrets_are_unreachable_proc_included(sandbox):
     code = textwrap.dedent(
         f"""
         import os
@@ -207,7 +173,7 @@ def test_secrets_are_unreachable_proc_included(mode):
                 print(type(exc).__name__)
         """
     )
-    out = python_sandbox(code, max_output_chars=100_000, **mode)
+    out = python_sandbox(code, max_output_chars=100_000, **sandbox)
     assert SECRET not in out and out.count("\n") >= 5, out
 
 
@@ -223,13 +189,13 @@ def test_secrets_are_unreachable_proc_included(mode):
     ],
     ids=["os.system", "fork", "subprocess", "socket", "ctypes", "10GB"],
 )
-def test_still_refused(mode, code):
-    out = python_sandbox(code, timeout_s=10, **mode)
+def test_still_refused(sandbox, code):
+    out = python_sandbox(code, timeout_s=10, **sandbox)
     assert out.startswith("error: ") and "\n" not in out and "connected" not in out, out
 
 
-def test_the_work_directory_is_private_and_writable(mode):
-    out = python_sandbox("open('a.txt', 'w').write('hi')\nprint(open('a.txt').read())", **mode)
+def test_the_work_directory_is_private_and_writable(sandbox):
+    out = python_sandbox("open('a.txt', 'w').write('hi')\nprint(open('a.txt').read())", **sandbox)
     assert out == "hi"
 
 
