@@ -13,6 +13,13 @@ which the 0.5 M-parameter from-scratch model cannot compute in its head. Per see
 Writes <out>/results.json and <out>/multiturn_calculator.png (calls per episode and success
 over training, every seed). Usage:
     python -m bench.multiturn_calculator --seeds 0 1 2 --out bench/multiturn_results
+
+Sandbox check (issue #37): `--calc-tool python` runs every calculator call as Python code in the
+python tool's sandbox (bench/python_calc_env.py; the output equals the calculator's), and
+`--sft-model DIR` reuses an SFT model (one seed) instead of training one, so the GRPO stage runs
+once per sandbox from the same SFT model and seed:
+    python -m bench.multiturn_calculator --seeds 0 --sft-model M --calc-tool python --out O
+(under the rlhflab version whose sandbox is measured, e.g. with PYTHONPATH set to its src/).
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ def run_seed(seed: int, out: Path, args) -> dict:
     from rlhflab.config import load_config
     from rlhflab.data.tasks import make_splits
     from rlhflab.envs.calculator_demos import demonstrations
-    from rlhflab.trainers import policy_gradient, sft
+    from rlhflab.trainers import sft
 
     root = out / f"seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
+    if args.sft_model is not None:
+        return grpo_seed(seed, root, str(args.sft_model), float("nan"), args)
     sft_cfg = load_config(
         CONFIGS / "calculator_sft.yaml",
         [f"seed={seed}", f"run.root={root}", f"train.steps={args.sft_steps}"],
@@ -52,20 +61,41 @@ def run_seed(seed: int, out: Path, args) -> dict:
     )
     t0 = time.perf_counter()
     sft_res = sft.train(sft_cfg)
-    t_sft = time.perf_counter() - t0
-    grpo_cfg = load_config(
-        CONFIGS / "calculator_grpo.yaml",
-        [
-            f"seed={seed}",
-            f"run.root={root}",
-            f"model.name_or_path={sft_res['model_dir']}",
-            f"train.steps={args.grpo_steps}",
-            f"eval.every={args.eval_every}",
-        ],
-    )
+    return grpo_seed(seed, root, sft_res["model_dir"], time.perf_counter() - t0, args)
+
+
+def grpo_seed(seed: int, root: Path, sft_model: str, t_sft: float, args) -> dict:
+    """The GRPO stage of one seed from `sft_model`; with `--calc-tool python` every calculator
+    call runs in the python sandbox (bench/python_calc_env.py) and its counts are reported."""
+    from rlhflab.config import load_config
+    from rlhflab.trainers import policy_gradient
+
+    overrides = [
+        f"seed={seed}",
+        f"run.root={root}",
+        f"model.name_or_path={sft_model}",
+        f"train.steps={args.grpo_steps}",
+        f"eval.every={args.eval_every}",
+    ]
+    if args.calc_tool == "python":
+        overrides.append(
+            f"env.class={Path(__file__).parent / 'python_calc_env.py'}:PythonCalculatorEnv"
+        )
+    grpo_cfg = load_config(CONFIGS / "calculator_grpo.yaml", overrides)
     t0 = time.perf_counter()
     res = policy_gradient.train(grpo_cfg)
-    return summarize(res, seed, t_sft, time.perf_counter() - t0)
+    summary = summarize(res, seed, t_sft, time.perf_counter() - t0)
+    if args.calc_tool == "python":
+        import sys
+
+        from rlhflab.envs import tools
+
+        env_mod = next(m for n, m in sys.modules.items() if n.startswith("rlhflab_user_env_"))
+        stats = dict(env_mod.STATS)
+        stats["sandbox_ms_per_call"] = 1000 * stats["sandbox_s"] / max(stats["calls"], 1)
+        stats["isolation"] = tools.sandbox_isolation()
+        summary["sandbox"] = stats
+    return summary
 
 
 def resume_seed(seed: int, run_dir: Path) -> dict:
@@ -146,6 +176,11 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("bench/multiturn_results"))
+    ap.add_argument("--sft-model", type=Path, default=None, help="reuse this SFT model (no SFT)")
+    ap.add_argument(
+        "--calc-tool", choices=["calculator", "python"], default="calculator",
+        help="python: every calculator call runs in the python tool's sandbox",
+    )  # fmt: skip
     ap.add_argument(
         "--combine", type=Path, nargs="+", default=None,
         help="no runs: merge the results.json of these output folders (seeds run in parallel)",

@@ -54,9 +54,10 @@ def test_calculator_refuses_with_one_line(expr):
     assert out.startswith("error: ") and "\n" not in out
 
 
-def test_sandbox_runs_code_in_a_temporary_directory():
+def test_sandbox_runs_code_in_a_temporary_directory(sandbox):
     out = python_sandbox(
-        "import os\nopen('a.txt', 'w').write('hi')\nprint(open('a.txt').read(), os.getcwd())"
+        "import os\nopen('a.txt', 'w').write('hi')\nprint(open('a.txt').read(), os.getcwd())",
+        **sandbox,
     )
     text, cwd = out.split()
     assert text == "hi" and cwd != os.getcwd() and not os.path.exists(cwd)  # removed afterwards
@@ -74,19 +75,18 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_sandbox_refuses_cleanly(name):
-    out = python_sandbox(HOSTILE[name], timeout_s=10)
+def test_sandbox_refuses_cleanly(name, sandbox):
+    out = python_sandbox(HOSTILE[name], timeout_s=10, **sandbox)
     assert out.startswith("error: "), out
     assert "\n" not in out and "connected" not in out
     assert not os.path.exists("/tmp/rlhflab_sandbox_escape.txt")
 
 
-def test_sandbox_kills_an_infinite_loop():
-    out = python_sandbox("while True:\n    pass", timeout_s=1.0, cpu_s=1)
+def test_sandbox_kills_an_infinite_loop(sandbox):
+    out = python_sandbox("while True:\n    pass", timeout_s=1.0, cpu_s=1, **sandbox)
     assert out.startswith("error: ") and ("timed out" in out or "CPU time" in out), out
 
 
-def test_sandbox_reports_the_exception_in_one_line():
-    assert (
-        python_sandbox("print(1)\nraise ValueError('bad\\nthing')") == "1\nerror: ValueError: bad"
-    )
+def test_sandbox_reports_the_exception_in_one_line(sandbox):
+    out = python_sandbox("print(1)\nraise ValueError('bad\\nthing')", **sandbox)
+    assert out == "1\nerror: ValueError: bad"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, StrictBool, field_validator, model_validator
 
 from rlhflab.config.base import Strict, _check_clip_bounds, _check_kwargs, _check_name
 from rlhflab.config.sections import (
@@ -307,6 +307,14 @@ class ValueConfig(Strict):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 
+class ToolsConfig(Strict):
+    """How the environment's tools run (rlhflab.envs.tools, docs/multiturn.md)."""
+
+    # true: run the python tool's model-written code without OS isolation (bubblewrap) where
+    # none works here; the run prints one line saying so at start. false: such code is refused.
+    unsafe_local: StrictBool = False
+
+
 class EnvConfig(Strict):
     """A multi-turn environment (rlhflab.envs, docs/multiturn.md): the user's class and its
     arguments, and the per-episode limits. With `env` set, a rollout is one episode per sample
@@ -320,6 +328,7 @@ class EnvConfig(Strict):
     # tokens after the opening prompt (model turns + observations); None: the context length
     max_episode_tokens: int | None = Field(None, ge=1)
     tool_timeout_s: float = Field(5.0, gt=0)  # wall-clock limit of one python tool call
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
 
 class PGTrainConfig(TrainBase):

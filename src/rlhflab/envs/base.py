@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhflab.envs.tools import TOOLS, ToolCall, python_sandbox
+from rlhflab.envs.tools import TOOLS, UNSAFE_SETTING, ToolCall, check_sandbox, python_sandbox
 from rlhflab.errors import ConfigError
 
 __all__ = ["Environment", "StepResult", "as_step_result", "load_env"]
@@ -50,9 +50,11 @@ class Environment:
     """Optional base class of environments (see the module docstring for the protocol).
 
     Attributes set by the trainer after construction: `tool_timeout_s` (wall-clock limit of one
-    python tool call, seconds)."""
+    python tool call, seconds) and `tool_unsafe_local` (`env.tools.unsafe_local`: run the python
+    tool without OS isolation where none works)."""
 
     tool_timeout_s: float = 5.0
+    tool_unsafe_local: bool = False
 
     def reset(self, problem: Any) -> list[dict]:
         """The opening messages of an episode on `problem`."""
@@ -64,9 +66,15 @@ class Environment:
 
     def run_tool(self, call: ToolCall) -> str:
         """The output of a parsed tool call (`rlhflab.envs.tools.TOOLS`), or a one-line
-        "error: ..." for an unknown tool. The python tool runs sandboxed with `tool_timeout_s`."""
+        "error: ..." for an unknown tool. The python tool runs sandboxed with `tool_timeout_s`.
+
+        Raises:
+            SandboxUnavailable: a python call where no OS isolation works and
+                `tool_unsafe_local` is False (`rlhflab.envs.tools.python_sandbox`)."""
         if call.name == "python":
-            return python_sandbox(call.input, timeout_s=self.tool_timeout_s)
+            return python_sandbox(
+                call.input, timeout_s=self.tool_timeout_s, unsafe_local=self.tool_unsafe_local
+            )
         tool = TOOLS.get(call.name)
         if tool is None:
             return f"error: unknown tool '{call.name}' (tools: {', '.join(sorted(TOOLS))})"
@@ -100,9 +108,19 @@ def as_step_result(value: Any, where: str) -> StepResult:
     return StepResult(obs, float(reward), bool(done), info)
 
 
-def load_env(spec: str, args: dict | None = None, *, tool_timeout_s: float = 5.0) -> Any:
+def load_env(
+    spec: str,
+    args: dict | None = None,
+    *,
+    tool_timeout_s: float = 5.0,
+    unsafe_local: bool = False,
+    print_fn=None,
+) -> Any:
     """Construct the environment `spec` names: 'path/to/file.py:ClassName' (a file, relative to
-    the working directory) or 'package.module:ClassName', called with `**args`.
+    the working directory) or 'package.module:ClassName', called with `**args`; set its
+    `tool_timeout_s` and `tool_unsafe_local`. With `unsafe_local` (`env.tools.unsafe_local:
+    true`) and no working OS isolation here, prints one line saying that the python tool runs
+    model-written code unisolated (`print_fn`, default: stderr).
 
     Raises:
         ConfigError: one line naming `env.class` or `env.args` — a spec without ':', a missing
@@ -145,4 +163,13 @@ def load_env(spec: str, args: dict | None = None, *, tool_timeout_s: float = 5.0
         msg = " ".join(str(exc).split())
         raise ConfigError(f"env.args: {name}(**args) failed: {type(exc).__name__}: {msg}") from None
     env.tool_timeout_s = tool_timeout_s
+    env.tool_unsafe_local = unsafe_local
+    if unsafe_local:
+        how = check_sandbox(unsafe_local=True)
+        if how.startswith("none"):
+            line = (
+                f"warning: {UNSAFE_SETTING}: the python tool runs model-written code without OS "
+                f"isolation (rlimits and an audit hook only; {how.split(';')[0]})"
+            )
+            (print_fn or (lambda m: print(m, file=sys.stderr)))(line)
     return env

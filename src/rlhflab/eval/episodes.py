@@ -73,7 +73,9 @@ def load_and_run_episodes(
     from rlhflab.models.loading import context_length, load_model, load_tokenizer
     from rlhflab.rollout.engines import make_engine
 
-    environment = load_env(env.class_, env.args, tool_timeout_s=env.tool_timeout_s)
+    environment = load_env(
+        env.class_, env.args, tool_timeout_s=env.tool_timeout_s, unsafe_local=env.tools.unsafe_local
+    )
     tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(model_path, device=device, gguf_file=gguf_file).eval()

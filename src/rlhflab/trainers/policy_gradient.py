@@ -517,7 +517,9 @@ class PolicyGradient(Trainer):
             max_episode_tokens=e.max_episode_tokens or context,
             context_length=context,
         )
-        return load_env(e.class_, e.args, tool_timeout_s=e.tool_timeout_s)
+        return load_env(
+            e.class_, e.args, tool_timeout_s=e.tool_timeout_s, unsafe_local=e.tools.unsafe_local
+        )
 
     def _draw_episodes(self, chosen: list[int], step: int) -> ScoredBatch:
         """Phases 1-2 with an environment: group_size episodes per chosen problem (rows
