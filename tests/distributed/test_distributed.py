@@ -29,6 +29,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import rlhflab
 from rlhflab.checkpoint.sharded import read_tensors
 from rlhflab.config import config_from_dict
 from rlhflab.trainers import run_config
@@ -464,11 +465,18 @@ def test_bad_config_is_one_line_printed_once(base_model, tmp_path):
     cfg = _write_cfg(tmp_path / "bad.yaml", raw)
     res = _rlhflab(2, ["train", str(cfg), f"run.root={tmp_path / 'runs'}"], timeout=180)
     assert res.returncode != 0
-    errors = [line for line in res.stderr.splitlines() if "error:" in line]
-    assert errors == [
+    reason = (
         "error: rollout.prompts_per_step: 3 prompts do not split over 2 ranks (whole groups "
         "go to one rank)"
-    ]
+    )
+    # Under bare torchrun: the ranks' own line once (rank 0 prints, rank 1 does not) ...
+    assert [line for line in res.stderr.splitlines() if line.startswith("error:")] == [reason]
+    # ... and torchrun's failure report names it as each failed rank's root cause (from the
+    # error file the ranks write), never a Python traceback of ours.
+    report = [line for line in res.stderr.splitlines() if "traceback :" in line]
+    assert report and all(line.split("traceback :", 1)[1].strip() == reason for line in report)
+    pkg = Path(rlhflab.__file__).resolve().parent  # wherever it is installed
+    assert f'File "{pkg}' not in res.stderr  # (torchrun's own traceback follows, as it always does)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 

@@ -27,6 +27,9 @@ CRASH_1 = "error: rank 1 failed with exit code 1 (its output is above)"
          (2, "rank 0: error: nan")),
         # rank 1 told of rank 0's refusal left first, recording nothing: rank 0's line
         ({1: (2, 4.0, None), 0: (2, 5.0, "error: locked")}, (2, "error: locked")),
+        # rank 1 (told of the refusal) left first; torchrun stopped rank 0 after it had recorded
+        # the line: still that line (the launcher printed nothing once, under load)
+        ({1: (2, 4.0, None), 0: (-15, 5.0, "error: locked")}, (2, "error: locked")),
         ({0: (2, 4.0)}, (2, None)),  # nothing recorded (the worker printed its line)
         ({0: (143, 7.0, None), 1: (-15, 7.0, None)}, (143, None)),  # SIGTERM after a checkpoint
         ({0: (3, 7.0, None)}, (3, None)),  # a health stop

@@ -657,7 +657,10 @@ def _say_error(line: str, shared: bool = False, every_rank: bool = False) -> Non
     (`distributed.launch.record_error`), the root cause torchrun reports; under
     `rlhflab train --nproc` the launcher prints it, once for all ranks, instead of the ranks."""
     text, mine = (line, True) if every_rank else _rank_line(line, shared)
-    if os.environ.get("TORCHELASTIC_ERROR_FILE") and (mine or not shared):
+    # Every failing rank records it, also a rank told of rank 0's refusal (`shared`): torchrun
+    # may stop rank 0 (SIGTERM) before rank 0 records it, and then the launcher finds the line
+    # only there (it printed nothing at all when only rank 0 recorded).
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from rlhflab.distributed.launch import record_error
 
         if record_error(text) and os.environ.get("RLHFLAB_NPROC_LAUNCHER") == "1":

@@ -30,7 +30,6 @@ Run as `python -m rlhflab.distributed.launch --standalone --nproc-per-node=N -m 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -64,8 +63,10 @@ def record_error(line: str) -> bool:
         return False
     info = {"py_callstack": line, "timestamp": str(int(time.time())), LINE_KEY: line}
     try:
+        from rlhflab.serialize import to_json  # the one JSON writer (secrets redacted)
+
         with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+            f.write(to_json({"message": {"message": line, "extraInfo": info}}))
     except OSError:
         return False
     return True
@@ -96,8 +97,9 @@ def exit_status(failures: dict[int, tuple]) -> tuple[int, str | None]:
 
     Returns:
         (code, line): code 2/3/130/143 with the recorded line of the root cause (or, when it
-        recorded none, e.g. a rank told of rank 0's refusal, the first recorded line of a worker
-        that exited with the same code), None when no worker recorded one (it printed its own);
+        recorded none, the first recorded line of a worker that exited with the same code, else
+        of any worker, e.g. rank 0 stopped by torchrun after recording it), None when no worker
+        recorded one (it printed its own);
         code 1 (or the worker's other code) for a crash, 128 + N for a worker killed by signal N,
         each with a one-line `error: ...` naming the rank.
     """
@@ -110,6 +112,10 @@ def exit_status(failures: dict[int, tuple]) -> tuple[int, str | None]:
     code = pool[rank][0]
     if code in OWN_EXIT_CODES:
         lines = [pool[r][2] for r in order if pool[r][0] == code and len(pool[r]) > 2]
+        # then any worker's: rank 0 may have recorded it and been stopped by torchrun (SIGTERM)
+        # before it exited by itself
+        everyone = sorted(failures, key=lambda r: (failures[r][1], r))
+        lines += [failures[r][2] for r in everyone if len(failures[r]) > 2]
         return code, next((x for x in lines if x), None)
     if code > 0:
         return code, f"error: rank {rank} failed with exit code {code} (its output is above)"

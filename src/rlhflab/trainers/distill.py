@@ -140,7 +140,7 @@ def _comparable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not is_lora(model):
         return model.state_dict()
     out = {}
-    for k, v in model.get_base_model().state_dict().items():
+    for k, v in model.state_dict().items():  # adapters are injected in place (no PeftModel)
         if "lora_" in k or ".modules_to_save." in k:
             continue
         out[k.replace(".base_layer.", ".").replace(".original_module.", ".")] = v
