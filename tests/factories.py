@@ -128,3 +128,21 @@ def saved_qwen3_105m(path: Path, *, tokenizer: bool = False) -> int:
         texts = [f"{i} + {i % 7} = {i + i % 7}" for i in range(300)]
         train_tokenizer(texts, vocab_size=300).save_pretrained(path)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def reseal(ck: Path) -> None:
+    """Recompute a checkpoint's manifest (sizes and sha256s) and COMMITTED marker as the
+    checkpointer computes them (`Checkpointer._save_main`): what someone who swaps a file and
+    "fixes" the manifest does, so that only the checks beyond the manifest can refuse it."""
+    import json
+
+    from rlhflab.checkpoint import COMMITTED, MANIFEST, sha256_file
+
+    manifest = json.loads((ck / MANIFEST).read_text())
+    manifest["files"] = {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(ck.iterdir())
+        if p.name not in (MANIFEST, COMMITTED)
+    }
+    (ck / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (ck / COMMITTED).write_text(sha256_file(ck / MANIFEST) + "\n")

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from factories import reseal
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_checkpoint_resume import run_cli, sft_raw
@@ -46,19 +47,6 @@ def two_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("prov")
     return [Path(run_config(config_from_dict(_raw(root / f"r{i}", "sft")))["run_dir"])
             for i in (0, 1)]  # fmt: skip
-
-
-def reseal(ck: Path) -> None:
-    """Recompute the manifest's sizes and hashes and the COMMITTED marker, as the checkpointer
-    does (`Checkpointer._save_main`): what someone who swaps a file and "fixes" the manifest does."""
-    manifest = json.loads((ck / MANIFEST).read_text())
-    manifest["files"] = {
-        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(ck.iterdir())
-        if p.name not in (MANIFEST, COMMITTED)
-    }
-    (ck / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    (ck / COMMITTED).write_text(sha256_file(ck / MANIFEST) + "\n")
 
 
 def _copy(run: Path, tmp: Path) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from factories import reseal
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_distributed import (  # noqa: F401 (base_model is a fixture)
@@ -32,11 +33,8 @@ from test_distributed import (  # noqa: F401 (base_model is a fixture)
 )
 
 from rlhflab.checkpoint import (
-    COMMITTED,
-    MANIFEST,
     committed_checkpoints,
     load_checkpoint,
-    sha256_file,
 )
 from rlhflab.checkpoint.sharded import read_tensors
 from rlhflab.errors import CheckpointError
@@ -190,19 +188,6 @@ def other_runs(base_model, tmp_path_factory):  # noqa: F811
     return {"same shapes": same, "another shape": other}
 
 
-def _reseal(ck: Path) -> None:
-    """Recompute the manifest's sizes and sha256s and the COMMITTED marker as the checkpointer
-    computes them (what a hand-made checkpoint "fixed" after swapping a file looks like)."""
-    manifest = json.loads((ck / MANIFEST).read_text())
-    manifest["files"] = {
-        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(ck.iterdir())
-        if p.name not in (MANIFEST, COMMITTED)
-    }
-    (ck / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    (ck / COMMITTED).write_text(sha256_file(ck / MANIFEST) + "\n")
-
-
 @pytest.mark.parametrize(
     ("source", "message"),
     [
@@ -224,7 +209,7 @@ def test_a_swapped_shard_is_refused_on_resume_naming_the_file(
     ck = copy / STEP2
     fname = "model-rank00001-of-00002.safetensors"
     shutil.copy(other_runs[source] / STEP2 / fname, ck / fname)
-    _reseal(ck)
+    reseal(ck)
     before = (copy / "metrics.jsonl").read_bytes()
     args = ["train", str(cfg), f"run.root={root}", "parallel.strategy=fsdp2", "--resume", str(ck)]
     res = _rlhflab(1, args)  # the run's own config: only the swapped file is wrong
