@@ -298,6 +298,15 @@ class ParallelConfig(Strict):
     timeout_s: float = Field(600.0, gt=0)  # a collective waiting longer fails the job
 
 
+class PerfConfig(Strict):
+    """Per-stage timing and throughput (`rlhflab.throughput`, docs/metrics.md `perf/`)."""
+
+    # one card's dense bf16 peak in TFLOP/s for `perf/mfu_*`; None: the card's entry of the peak
+    # table on CUDA (`rlhflab.throughput.PEAK_TFLOPS`), no MFU on CPU or an unknown card
+    peak_tflops: float | None = Field(None, gt=0)
+    stage_timers: bool = True  # false: no perf/<stage>_s keys (measures the timers' own cost)
+
+
 class HealthConfig(Strict):
     """`health`: live checks of the run (rlhflab.health; meanings and thresholds in docs/health.md).
 
@@ -372,6 +381,7 @@ class TrainerConfig(Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    perf: PerfConfig = Field(default_factory=PerfConfig)
 
     @model_validator(mode="after")
     def _rollout_keys_read(self) -> TrainerConfig:

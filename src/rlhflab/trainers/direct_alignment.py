@@ -328,34 +328,39 @@ class DirectAlignment(Trainer):
     def step(self, step: int) -> tuple[dict, dict]:
         cfg, B = self.cfg, self.cfg.train.batch_size
         if self.verifiable and step > 1 and (step - 1) % self.steps_per_round == 0:
-            self._next_round(step)
+            with self.timer.stage("rollout"):  # a new round: sampling and its reference pass
+                self._next_round(step)
         t0 = time.perf_counter()
         batch_idx = self.stream.take(B)  # the global batch; this rank trains on its share
         local_idx = distributed.shard(batch_idx)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        n_tokens = 0
-        for s in range(0, len(local_idx), cfg.train.micro_batch_size):
-            mb = [self.rows[i] for i in local_idx[s : s + cfg.train.micro_batch_size]]
-            losses, stats, tokens = (self._unpaired_loss if self.unpaired else self._paired_loss)(
-                mb
-            )
-            n_tokens += tokens
-            # the global step's mean over pairs (B counts every rank's pairs), whatever the
-            # micro-batching and the number of ranks
-            loss = losses.sum() / B
-            loss = faults.corrupt("loss", step, loss)
-            loss.backward()
-            sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
-            for k, val in stats.items():
-                sums[k] = sums.get(k, 0.0) + upcast(val).sum().item() / B
-        faults.hit("step_mid", step)
-        sums = distributed.sum_dict({**sums, "n_tokens": n_tokens})  # global sums
-        n_tokens = sums.pop("n_tokens")
-        grad_norm = grad_norm_and_clip(self.model, cfg.optim.max_grad_norm)
-        if self.guard.check(step, {"train/loss": sums["train/loss"], "optim/grad_norm": grad_norm}):
-            self.optimizer.step()
-            self.scheduler.step()
+        with self.timer.stage("update"):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            n_tokens = 0
+            for s in range(0, len(local_idx), cfg.train.micro_batch_size):
+                mb = [self.rows[i] for i in local_idx[s : s + cfg.train.micro_batch_size]]
+                losses, stats, tokens = (
+                    self._unpaired_loss if self.unpaired else self._paired_loss
+                )(mb)
+                n_tokens += tokens
+                # the global step's mean over pairs (B counts every rank's pairs), whatever the
+                # micro-batching and the number of ranks
+                loss = losses.sum() / B
+                loss = faults.corrupt("loss", step, loss)
+                loss.backward()
+                sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
+                for k, val in stats.items():
+                    sums[k] = sums.get(k, 0.0) + upcast(val).sum().item() / B
+            faults.hit("step_mid", step)
+            sums = distributed.sum_dict({**sums, "n_tokens": n_tokens})  # global sums
+            n_tokens = sums.pop("n_tokens")
+            grad_norm = grad_norm_and_clip(self.model, cfg.optim.max_grad_norm)
+            if self.guard.check(
+                step, {"train/loss": sums["train/loss"], "optim/grad_norm": grad_norm}
+            ):
+                self.optimizer.step()
+                self.scheduler.step()
+        self.timer.count(trained=n_tokens)
         self.last_loss = sums["train/loss"]
         if self.unpaired:  # means over desirable / undesirable examples
             nd = sums.pop("kto/desirable_n") * B
@@ -368,7 +373,6 @@ class DirectAlignment(Trainer):
             **sums,
             "optim/grad_norm": float(grad_norm),
             "optim/lr": self.scheduler.get_last_lr()[0],
-            "perf/step_s": dt,
             "perf/tokens_per_s": n_tokens / dt,
         }
         return metrics, {}

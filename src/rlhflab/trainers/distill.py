@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import itertools
 import random
-import time
 import warnings
 from pathlib import Path
 
@@ -364,21 +363,30 @@ class Distill(Trainer):
     # -- One step --------------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict, dict]:
         cfg = self.cfg
-        t0 = time.perf_counter()
         on_policy = True
         if cfg.loss.lmbda < 1:  # GKD: the same draw on every rank (same seed, same stream)
             on_policy = bool(torch.rand((), generator=self.mix_rng).item() < cfg.loss.lmbda)
         info: dict = {}
-        if cfg.teacher.source == "self":
-            batch, info = self.sdpo_batch(step)
-            t_rollout, keep = self.sibling_rollout(batch)
-        else:
-            chosen = self.prompt_stream.take(cfg.rollout.prompts_per_step)
-            batch = self.draw(chosen, step, teacher=not on_policy)
-            t_rollout, keep = batch.rollout, torch.ones_like(batch.rewards)
-        t_sample = time.perf_counter() - t0
-        stats = self.update(batch.rollout, t_rollout, keep, step)
-        self.engine.update_weights(self.model.named_parameters())
+        timer = self.timer
+        with timer.stage("rollout"):
+            if cfg.teacher.source == "self":
+                batch, info = self.sdpo_batch(step)
+                t_rollout, keep = self.sibling_rollout(batch)
+            else:
+                chosen = self.prompt_stream.take(cfg.rollout.prompts_per_step)
+                batch = self.draw(chosen, step, teacher=not on_policy)
+                t_rollout, keep = batch.rollout, torch.ones_like(batch.rewards)
+        local = batch.rollout.attention_mask  # the global batch; this rank trains 1/world of it
+        tokens = float(local.sum()) / distributed.world_size()
+        timer.count(
+            generated=float(batch.rollout.mask.sum()), trained=float(batch.rollout.mask.sum())
+        )
+        timer.forward("rollout", tokens, local.size(1))
+        timer.train("update", tokens, local.size(1))  # the student's; the teacher's not counted
+        with timer.stage("update"):  # the teacher's forward passes run inside the update
+            stats = self.update(batch.rollout, t_rollout, keep, step)
+        with timer.stage("weight_sync"):
+            self.engine.update_weights(self.model.named_parameters())
         self.last_batch = batch
         mask = batch.rollout.mask
         metrics = {
@@ -388,8 +396,6 @@ class Distill(Trainer):
             "rollout/response_length": mask.sum(1).mean().item(),
             "rollout/truncated_frac": batch.rollout.truncated.float().mean().item(),
             "optim/lr": self.scheduler.get_last_lr()[0],
-            "perf/step_s": time.perf_counter() - t0,
-            "perf/rollout_s": t_sample,
             "verifier/errors": self.verifier.n_errors,
             **info,
         }

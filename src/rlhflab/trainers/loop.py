@@ -9,8 +9,9 @@ its share of the checkpoint; `run` owns everything around them, in this order:
     1. the run directory (new, or the checkpoint's own) and its lock, the metrics tracker, the
        sample writer, the health monitor, the non-finite guard, the checkpointer
     2. resume from the checkpoint, or the step-0 evaluation of a fresh run
-    3. the step loop: step → health checks → log → periodic evaluation → samples → progress →
-       checkpoint and stop signals (SIGTERM / SIGINT, health stops) → time budget
+    3. the step loop: step → health checks → periodic evaluation → samples → log (the step's
+       timings included) → progress → checkpoint and stop signals (SIGTERM / SIGINT, health
+       stops) → time budget
     4. the end-of-training checkpoint, the final evaluation, the model, plots and
        `final_results.json` (rank 0 writes; every rank returns the same results)
 
@@ -36,6 +37,7 @@ from rlhflab.models.card import write_trained_model_card
 from rlhflab.plots import plot_run
 from rlhflab.rundir import SampleWriter
 from rlhflab.serialize import write_json_atomic
+from rlhflab.throughput import StageTimer
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
@@ -267,6 +269,9 @@ class Trainer:
     samples: SampleWriter | None
     health: HealthMonitor
     guard: NonFiniteGuard
+    # the step's stage timer (`rlhflab.throughput`); the harness sets an enabled one. Trainers
+    # name their phases with `with self.timer.stage("update"): ...` (a no-op outside the harness)
+    timer: StageTimer = StageTimer(enabled=False)
 
     def __init__(self, cfg, env: Env) -> None:
         self.cfg, self.env = cfg, env
@@ -298,9 +303,10 @@ class Trainer:
         raise NotImplementedError
 
     def periodic(self, step: int, metrics: dict) -> dict:
-        """After step `step` (not the last) is logged: periodic evaluations (samples are
-        `write_samples`'); returns metrics to add to the step's (they reach the progress line,
-        not metrics.jsonl, which the evaluations write themselves). By default the held-out
+        """After step `step` (not the last), before its line is logged (its time is the step's
+        `perf/eval_s`): periodic evaluations (samples are `write_samples`'); returns metrics to
+        add to the step's (they reach the progress line, not the step's metrics.jsonl line;
+        the evaluations write their own, before it). By default the held-out
         evaluation every `eval.every` steps."""
         every = getattr(getattr(self.cfg, "eval", None), "every", 0)
         if self.has_heldout() and every and step % every == 0:
@@ -331,6 +337,40 @@ class Trainer:
         return {}
 
 
+def perf_setup(cfg, trainer: Trainer, device) -> tuple[StageTimer, dict, float | None]:
+    """The run's stage timer (with the trained model's shape for FLOPs, when its config has
+    one), the `perf/` keys every line repeats, and one card's peak TFLOP/s for MFU.
+
+    Peak: `perf.peak_tflops`, else on CUDA the card's entry of `throughput.PEAK_TFLOPS`
+    (`perf/peak_tflops` is logged), else None (no MFU: CPU, or a card not in the table).
+    On CUDA, `perf/plan_peak_gib` is `rlhflab plan`'s prediction of the per-GPU peak for this
+    config (`throughput.planned_peak_gib`, computed once here) beside the measured
+    `perf/peak_mem_gib`; on CPU neither is logged."""
+    from rlhflab import throughput
+
+    timer = StageTimer(device, enabled=cfg.perf.stage_timers)
+    static: dict = {}
+    model_cfg = getattr(getattr(trainer, "model", None), "config", None)
+    try:
+        timer.shape = throughput.shape_from_hf_config(model_cfg) if model_cfg else None
+    except (ValueError, AttributeError, TypeError):
+        timer.shape = None  # a model without the usual config fields: no FLOPs
+    timer.lm_head = cfg.trainer != "reward_model"
+    peak = cfg.perf.peak_tflops
+    if peak is None and timer.cuda:
+        peak = throughput.peak_tflops_of(torch.cuda.get_device_name(device))
+    if peak is not None:
+        static["perf/peak_tflops"] = peak
+    if timer.cuda and timer.enabled and timer.shape is not None:
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        planned = throughput.planned_peak_gib(
+            cfg, timer.shape, gpus=distributed.world_size(), gpu_memory_gib=total
+        )
+        if planned is not None:
+            static["perf/plan_peak_gib"] = planned
+    return timer, (static if timer.enabled else {}), peak
+
+
 def run(cfg, make: type[Trainer]) -> dict:
     """Run one training run of trainer family `make` under config `cfg`; returns the final
     results (also written to the run directory's `final_results.json` by rank 0).
@@ -359,6 +399,7 @@ def run(cfg, make: type[Trainer]) -> dict:
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
     trainer.run_dir, trainer.tracker, trainer.samples = run_dir, tracker, samples
     trainer.health, trainer.guard = health, guard
+    trainer.timer, perf_static, peak_tflops = perf_setup(cfg, trainer, device)
     tracker.print(f"run directory: {run_dir}  ({trainer.describe()})")
     closers = (tracker.close,) if samples is None else (tracker.close, samples.close)
     parts = trainer.checkpointed()
@@ -388,16 +429,26 @@ def run(cfg, make: type[Trainer]) -> dict:
     budget = TimeBudget(cfg.train.max_seconds, total, t_start)
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
         for step in range(steps_done + 1, total + 1):
+            # The step's wall time (perf/step_s): from here to its log line, measured by this
+            # clock, apart from the stage timer's own; its checkpoint comes after the line.
+            t_step = time.perf_counter()
+            trainer.timer.begin()
             metrics, health_inputs = trainer.step(step)
             steps_done = step
             if cfg.train.nan_policy == "skip":
                 metrics["train/nan_skips"] = guard.skipped
             metrics.update(health.check(step, metrics, **health_inputs))
-            if step % cfg.tracking.log_every == 0 or step == total:
-                tracker.log(step, metrics)
+            logged = dict(metrics)  # the evaluation logs its own line
             if step < total:
-                metrics.update(trainer.periodic(step, metrics))
+                with trainer.timer.stage("eval"):
+                    metrics.update(trainer.periodic(step, metrics))
             trainer.write_samples(step)
+            step_s = time.perf_counter() - t_step
+            logged.update(trainer.timer.end(step_s, devices=distributed.world_size(),
+                                            peak_tflops=peak_tflops))  # fmt: skip
+            logged.update(perf_static, **{"perf/step_s": step_s})
+            if step % cfg.tracking.log_every == 0 or step == total:
+                tracker.log(step, logged)
             tracker.advance(step, metrics)
             checkpointer.end_step(step, stop, trainer.state, on_stop=closers, halt=health.halt())
             if budget.expired(step):  # per invocation; never after the last step

@@ -94,24 +94,43 @@ def local_share(batch: ScoredBatch, batch_size: int, group_size: int) -> StepDat
     return StepData(batch=batch, local=local, r0=r0, r1=r1)
 
 
+def count_work(timer, data: StepData, batch: ScoredBatch, cfg) -> None:
+    """The step's work for `timer` (`rlhflab.throughput`): tokens generated (global batch) and
+    trained (completion tokens of the global batch: what the loss counts), and this rank's model
+    FLOPs of the rollout (prefill + decode ≈ a forward over every real token at the padded
+    width) and of the update (every real token, `update_epochs` times). The no-gradient passes
+    are counted by `no_grad_passes`."""
+    rollout = data.local.rollout
+    tokens, width = float(rollout.attention_mask.sum()), rollout.attention_mask.size(1)
+    completion = float(batch.rollout.mask.sum())
+    timer.count(generated=completion, trained=completion)
+    timer.forward("rollout", tokens, width)
+    timer.train("update", tokens * cfg.train.update_epochs, width)
+
+
 def no_grad_passes(data: StepData, learners: Learners, reference, cfg, autocast_dtype,
-                   need_logp_old: bool) -> None:  # fmt: skip
+                   need_logp_old: bool, timer) -> None:  # fmt: skip
     """Phase 3: log-probs of the pre-update policy (when an optimizer step other than the first
     uses them, or the KL goes into the reward), of the reference policy (when there is one) and
-    the critic's values (when there is one), in micro-batches without gradients; set on `data`."""
+    the critic's values (when there is one), in micro-batches without gradients; set on `data`.
+    `timer` (`rlhflab.throughput.StageTimer`): stages logp_old, ref and values, and their FLOPs."""
     rollout, model, value_model = data.local.rollout, learners.model, learners.value_model
-    with distributed.gathered(model):
+    tokens, width = float(rollout.attention_mask.sum()), rollout.attention_mask.size(1)
+    with timer.stage("logp_old"), distributed.gathered(model):
         data.logp_old = (
             no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
         )
+        if need_logp_old:
+            timer.forward("logp_old", tokens, width)
     data.logp_ref = None
     if reference is not None:
-        with reference.scoring() as ref_model:
+        with timer.stage("ref"), reference.scoring() as ref_model:
             data.logp_ref = no_grad_logps(ref_model, rollout, cfg, autocast_dtype)
+            timer.forward("ref", tokens, width)
     if ADVANTAGES[cfg.loss.advantage].needs_token_probs:
-        with distributed.gathered(model):
+        with timer.stage("logp_old"), distributed.gathered(model):
             data.sum_pi_squared = no_grad_sum_pi_squared(model, rollout, cfg, autocast_dtype)
-    with distributed.gathered(value_model):
+    with timer.stage("values"), distributed.gathered(value_model):
         data.values_old = (
             no_grad_values(value_model, rollout, cfg, autocast_dtype)
             if value_model is not None
@@ -371,7 +390,7 @@ def _optimizer_step(data: StepData, learners: Learners, guard, cfg, stats: Updat
 
 
 def step_metrics(data: StepData, stats: UpdateStats, cfg, *, sampling_stats: dict,
-                 kl_coef: float, lr: float, dt: float, t_rollout: float,
+                 kl_coef: float, lr: float, dt: float,
                  verifier_errors: int) -> tuple[dict, float | None]:  # fmt: skip
     """Phase 6: the step's metrics on the global batch (names in docs/metrics.md; the masked
     sums reduced over ranks), and the KL per completion (summed over tokens) on the first
@@ -404,8 +423,6 @@ def step_metrics(data: StepData, stats: UpdateStats, cfg, *, sampling_stats: dic
             "policy/loss": stats.loss_total / optimizer_steps,
             "optim/grad_norm": torch.stack(stats.grad_norms).mean().item(),
             "optim/lr": lr,
-            "perf/step_s": dt,
-            "perf/rollout_s": t_rollout,
             "perf/tokens_per_s": batch.rollout.mask.sum().item() / dt,
             "verifier/errors": verifier_errors,
         }

@@ -330,37 +330,41 @@ class PolicyGradient(Trainer):
 
     # -- One step --------------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict, dict]:
-        cfg, learners = self.cfg, self.learners
+        cfg, learners, timer = self.cfg, self.learners, self.timer
         t0 = time.perf_counter()
-        if self.async_rollouts is not None:  # 1-2 ran behind: wait for this step's batch
-            batch, sampling_stats, _ = self.async_rollouts.next(step, self.model)
-            verifier_errors = sampling_stats.pop("verifier_errors")  # as of that batch
-        else:
-            batch, sampling_stats = self.rollout_and_score(step)  # 1-2: the global batch
-            verifier_errors = self.verifier.n_errors
-        data = pg_phases.local_share(batch, self.batch_size, self.group_size)  # this rank's
-        t_rollout = time.perf_counter() - t0
-        greedy_stats = {}
-        if ADVANTAGES[cfg.loss.advantage].needs_greedy:  # ReMax: the greedy baseline's reward
-            greedy_stats = pg_phases.greedy_baseline(
-                data, partial(self.greedy_rewards, step=step), self.group_size
-            )
+        with timer.stage("rollout"):
+            if self.async_rollouts is not None:  # 1-2 ran behind: wait for this step's batch
+                batch, sampling_stats, _ = self.async_rollouts.next(step, self.model)
+                verifier_errors = sampling_stats.pop("verifier_errors")  # as of that batch
+            else:
+                batch, sampling_stats = self.rollout_and_score(step)  # 1-2: the global batch
+                verifier_errors = self.verifier.n_errors
+            data = pg_phases.local_share(batch, self.batch_size, self.group_size)  # this rank's
+            greedy_stats = {}
+            if ADVANTAGES[cfg.loss.advantage].needs_greedy:  # ReMax: the greedy baseline
+                greedy_stats = pg_phases.greedy_baseline(
+                    data, partial(self.greedy_rewards, step=step), self.group_size
+                )
+        pg_phases.count_work(timer, data, batch, cfg)
         pg_phases.no_grad_passes(data, learners, self.reference, cfg, self.autocast_dtype,
-                                 self.need_logp_old)  # fmt: skip
-        kl_ref = self.kl_to_reference(data)  # before the update: the rollout's own policy
+                                 self.need_logp_old, timer=timer)  # fmt: skip
+        with timer.stage("ref"):
+            kl_ref = self.kl_to_reference(data)  # before the update: the rollout's own policy
         pg_phases.advantages(data, cfg, self.kl.coef, self.advantage_kwargs)
         if cfg.loss.rollout_correction.enabled:
             pg_phases.rollout_correction(data, cfg)
-        stats = pg_phases.update(
-            data, learners, self.guard, cfg, step=step, kl_coef=self.kl.coef,
-            surrogate_fn=self.surrogate_fn, shuffle_rng=self.shuffle_rng,
-            autocast_dtype=self.autocast_dtype,
-        )  # fmt: skip
-        self.engine.update_weights(self.model.named_parameters())  # "hf": nothing to do
+        with timer.stage("update"):
+            stats = pg_phases.update(
+                data, learners, self.guard, cfg, step=step, kl_coef=self.kl.coef,
+                surrogate_fn=self.surrogate_fn, shuffle_rng=self.shuffle_rng,
+                autocast_dtype=self.autocast_dtype,
+            )  # fmt: skip
+        with timer.stage("weight_sync"):
+            self.engine.update_weights(self.model.named_parameters())  # "hf": nothing to do
         metrics, kl_seq = pg_phases.step_metrics(
             data, stats, cfg, sampling_stats=sampling_stats, kl_coef=self.kl.coef,
             lr=learners.scheduler.get_last_lr()[0], dt=time.perf_counter() - t0,
-            t_rollout=t_rollout, verifier_errors=verifier_errors,
+            verifier_errors=verifier_errors,
         )  # fmt: skip
         if kl_ref is not None:
             metrics["policy/kl_ref"] = kl_ref

@@ -24,7 +24,6 @@ metrics (+ best-of-N when eval.best_of_n is set) at the end, and the saved rewar
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -167,40 +166,39 @@ class RewardModelTrainer(Trainer):
 
     def step(self, step: int) -> tuple[dict, dict]:
         cfg, model, device = self.cfg, self.model, self.device
-        t0 = time.perf_counter()
         batch = [self.train_items[i] for i in self.stream.take(cfg.train.batch_size)]  # global
         # counted once for the whole optimizer step, over the global batch (every rank)
         denom = loss_denominator(cfg, batch)
         local = distributed.shard(batch)  # this rank's contiguous share
-        self.optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
-        acc_sum = acc_n = 0.0
-        for s in range(0, len(local), cfg.train.micro_batch_size):
-            mb = local[s : s + cfg.train.micro_batch_size]
-            losses, weight, stats = rm_losses(
-                cfg, model, mb, self.tokenizer.pad_token_id, device, self.autocast_dtype
-            )
-            loss = losses.sum() / denom
-            loss = faults.corrupt("loss", step, loss)
-            loss.backward()
-            step_loss += loss.detach().cpu()
-            acc_sum += float((stats["accuracy"] * weight).sum())
-            acc_n += float(weight.sum())
-        faults.hit("step_mid", step)
-        step_loss = distributed.all_reduce_sum(step_loss)
-        acc = distributed.sum_dict({"sum": acc_sum, "n": acc_n})
-        acc_sum, acc_n = acc["sum"], acc["n"]
-        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
-        if self.guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
-            self.optimizer.step()
-            self.scheduler.step()
+        with self.timer.stage("update"):
+            self.optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
+            acc_sum = acc_n = 0.0
+            for s in range(0, len(local), cfg.train.micro_batch_size):
+                mb = local[s : s + cfg.train.micro_batch_size]
+                losses, weight, stats = rm_losses(
+                    cfg, model, mb, self.tokenizer.pad_token_id, device, self.autocast_dtype
+                )
+                loss = losses.sum() / denom
+                loss = faults.corrupt("loss", step, loss)
+                loss.backward()
+                step_loss += loss.detach().cpu()
+                acc_sum += float((stats["accuracy"] * weight).sum())
+                acc_n += float(weight.sum())
+            faults.hit("step_mid", step)
+            step_loss = distributed.all_reduce_sum(step_loss)
+            acc = distributed.sum_dict({"sum": acc_sum, "n": acc_n})
+            acc_sum, acc_n = acc["sum"], acc["n"]
+            grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+            if self.guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
+                self.optimizer.step()
+                self.scheduler.step()
         self.last_loss = float(step_loss)
         metrics = {
             "train/loss": self.last_loss,
             "rm/accuracy": acc_sum / max(acc_n, 1.0),
             "optim/grad_norm": float(grad_norm),
             "optim/lr": self.scheduler.get_last_lr()[0],
-            "perf/step_s": time.perf_counter() - t0,
         }
         return metrics, {}
 

@@ -162,35 +162,40 @@ class SFT(Trainer):
         # counted once before the micro-batches.
         num_tokens = sum(sum(pairs[i][2]) for i in batch_idx)
         local_idx = distributed.shard(batch_idx)
-        self.optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
-        for s in range(0, len(local_idx), cfg.train.micro_batch_size):
-            idx = local_idx[s : s + cfg.train.micro_batch_size]
-            mb = pack(
-                [pairs[i][0] for i in idx], [pairs[i][1] for i in idx], self.tokenizer.pad_token_id
-            )
-            mb = mb.to(self.device)
-            loss_mask = mb.mask.clone()  # (B, T): 1 on trained completion tokens
-            for r, i in enumerate(idx):
-                loss_mask[r, : len(pairs[i][2])] = torch.tensor(pairs[i][2])
-            logp, _ = completion_logps(model, mb, autocast_dtype=self.autocast_dtype)
-            loss = aggregate(-logp, loss_mask, "token_mean", num_tokens=num_tokens)
-            loss = faults.corrupt("loss", step, loss)
-            loss.backward()
-            step_loss += loss.detach().cpu()
-        faults.hit("step_mid", step)
-        step_loss = distributed.all_reduce_sum(step_loss)  # the global batch's loss
-        grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
-        if self.guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
-            self.optimizer.step()
-            self.scheduler.step()
+        self.timer.count(trained=num_tokens)
+        with self.timer.stage("update"):
+            self.optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
+            for s in range(0, len(local_idx), cfg.train.micro_batch_size):
+                idx = local_idx[s : s + cfg.train.micro_batch_size]
+                mb = pack(
+                    [pairs[i][0] for i in idx],
+                    [pairs[i][1] for i in idx],
+                    self.tokenizer.pad_token_id,
+                )
+                mb = mb.to(self.device)
+                loss_mask = mb.mask.clone()  # (B, T): 1 on trained completion tokens
+                for r, i in enumerate(idx):
+                    loss_mask[r, : len(pairs[i][2])] = torch.tensor(pairs[i][2])
+                logp, _ = completion_logps(model, mb, autocast_dtype=self.autocast_dtype)
+                tokens, width = float(mb.attention_mask.sum()), mb.attention_mask.size(1)
+                self.timer.train("update", tokens, width)
+                loss = aggregate(-logp, loss_mask, "token_mean", num_tokens=num_tokens)
+                loss = faults.corrupt("loss", step, loss)
+                loss.backward()
+                step_loss += loss.detach().cpu()
+            faults.hit("step_mid", step)
+            step_loss = distributed.all_reduce_sum(step_loss)  # the global batch's loss
+            grad_norm = grad_norm_and_clip(model, cfg.optim.max_grad_norm)
+            if self.guard.check(step, {"train/loss": step_loss, "optim/grad_norm": grad_norm}):
+                self.optimizer.step()
+                self.scheduler.step()
         self.last_loss = float(step_loss)
         dt = time.perf_counter() - t0
         metrics = {
             "train/loss": self.last_loss,
             "optim/grad_norm": float(grad_norm),
             "optim/lr": self.scheduler.get_last_lr()[0],
-            "perf/step_s": dt,
             "perf/tokens_per_s": num_tokens / dt,
         }
         return metrics, {"sample": mb}
