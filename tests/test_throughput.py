@@ -230,3 +230,16 @@ def test_distill_stage_split(tmp_path, sft_model):
                       "max_new_tokens": 6}  # fmt: skip
     rows = _check_stage_sums(run_config(config_from_dict(raw))["run_dir"], 2)
     assert all(r["perf/rollout_s"] > 0 and r["perf/update_s"] > 0 for r in rows)
+
+
+def test_stage_split_plot(tmp_path):
+    from rlhflab.plots import plot_run, plot_stage_split
+
+    rows = [
+        {"step": s, "perf/step_s": 1.0, **{k: 1.0 / len(STAGE_KEYS) for k in STAGE_KEYS}}
+        for s in range(1, 31)
+    ]
+    stages = throughput.STAGES
+    assert plot_stage_split([{"step": 1, "perf/step_s": 1.0}], tmp_path, stages) is None
+    written = plot_run(rows, tmp_path / "plots", stages=stages)
+    assert tmp_path / "plots" / "stage_split.png" in written

@@ -21,7 +21,10 @@ MAIN_CURVES: dict[str, list[str]] = {
 
 
 def plot_run(
-    rows: list[dict], out_dir: Path, curves: dict[str, list[str]] | None = None
+    rows: list[dict],
+    out_dir: Path,
+    curves: dict[str, list[str]] | None = None,
+    stages: tuple[str, ...] = (),
 ) -> list[Path]:
     """One PNG per curve group whose keys appear in `rows`; returns the files written.
 
@@ -30,6 +33,8 @@ def plot_run(
         out_dir: directory for the PNGs (created).
         curves: {file stem: [metric keys]}; defaults to MAIN_CURVES plus one group per held-out
             set of `eval.sets` (`eval_set_curves`: plots/eval_<set>.png).
+        stages: the step's stage names (`rlhflab.throughput.STAGES`): plots/stage_split.png
+            (`plot_stage_split`); () for none.
     """
     import matplotlib
 
@@ -62,7 +67,55 @@ def plot_run(
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
+    stage_plot = plot_stage_split(rows, out_dir, stages) if stages else None
+    if stage_plot is not None:
+        written.append(stage_plot)
     return written
+
+
+def plot_stage_split(
+    rows: list[dict], out_dir: Path, stages: tuple[str, ...], max_bars: int = 20
+) -> Path | None:
+    """plots/stage_split.png: where the steps' time went, as stacked bars of the mean seconds per
+    stage (`perf/<stage>_s` of each of `stages`, `rlhflab.throughput.STAGES`) over groups of consecutive logged steps
+    (at most `max_bars` bars), the measured mean `perf/step_s` marked on each bar. None (nothing
+    written) when no row has the stage keys (runs before issue #38, `perf.stage_timers: false`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [f"perf/{s}_s" for s in stages]
+    steps = [r for r in rows if all(isinstance(r.get(k), int | float) for k in keys)]
+    if not steps:
+        return None
+    size = -(-len(steps) // max_bars)  # ceil: steps per bar
+    groups = [steps[i : i + size] for i in range(0, len(steps), size)]
+    labels = [
+        str(g[0]["step"]) if len(g) == 1 else f"{g[0]['step']}-{g[-1]['step']}" for g in groups
+    ]
+    fig, ax = plt.subplots(figsize=(max(5, 0.45 * len(groups) + 2), 3.4), dpi=100)
+    bottom = [0.0] * len(groups)
+    xs = range(len(groups))
+    for stage, key in zip(stages, keys, strict=True):
+        means = [sum(r[key] for r in g) / len(g) for g in groups]
+        if not any(means):
+            continue
+        ax.bar(xs, means, bottom=bottom, label=stage, width=0.8)
+        bottom = [b + m for b, m in zip(bottom, means, strict=True)]
+    step_means = [sum(r.get("perf/step_s", 0.0) for r in g) / len(g) for g in groups]
+    ax.scatter(xs, step_means, marker="_", s=200, color="black", label="perf/step_s", zorder=3)
+    ax.set_xticks(list(xs), labels, rotation=45 if len(groups) > 8 else 0, fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds per step (mean)")
+    ax.set_title("stage split")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+    fig.tight_layout()
+    path = Path(out_dir) / "stage_split.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def eval_set_curves(rows: list[dict]) -> dict[str, list[str]]:

@@ -19,6 +19,7 @@ from rlhflab import distributed, faults
 from rlhflab.checkpoint import python_rng_state, set_python_rng_state
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
 from rlhflab.errors import ConfigError, DataError, ModelError, NonFiniteError
+from rlhflab.throughput import STAGES
 
 
 def seed_everything(seed: int) -> None:
@@ -600,6 +601,7 @@ def write_stopped_results(cfg, exc, wall_s: float) -> dict | None:
         "world_size": distributed.world_size(),
     }
     metrics = Path(run_dir) / "metrics.jsonl"
-    plot_run(read_metrics(metrics) if metrics.exists() else [], Path(run_dir) / "plots")
+    rows = read_metrics(metrics) if metrics.exists() else []
+    plot_run(rows, Path(run_dir) / "plots", stages=STAGES)
     write_json_atomic(Path(run_dir) / "final_results.json", results)
     return results

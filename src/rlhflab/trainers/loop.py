@@ -37,7 +37,7 @@ from rlhflab.models.card import write_trained_model_card
 from rlhflab.plots import plot_run
 from rlhflab.rundir import SampleWriter
 from rlhflab.serialize import write_json_atomic
-from rlhflab.throughput import StageTimer
+from rlhflab.throughput import STAGES, StageTimer
 from rlhflab.tracking import Tracker, read_metrics
 from rlhflab.trainers.common import (
     NonFiniteGuard,
@@ -474,7 +474,7 @@ def run(cfg, make: type[Trainer]) -> dict:
         "world_size": distributed.world_size(),
     }
     if distributed.is_main():
-        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots", stages=STAGES)
         write_json_atomic(run_dir / "final_results.json", results)
         if cfg.run.save_model:  # the model card says what the model is (rlhflab.models.card)
             write_trained_model_card(run_dir / "model", cfg, results)
