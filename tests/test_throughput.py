@@ -243,3 +243,30 @@ def test_stage_split_plot(tmp_path):
     assert plot_stage_split([{"step": 1, "perf/step_s": 1.0}], tmp_path, stages) is None
     written = plot_run(rows, tmp_path / "plots", stages=stages)
     assert tmp_path / "plots" / "stage_split.png" in written
+
+
+def test_cuda_peak_memory_per_stage_with_a_fake_device(monkeypatch):
+    """The CUDA bookkeeping, without a GPU: torch.cuda's peak-memory calls replaced by a fake
+    allocator whose peak is reset at each stage boundary; each stage gets the largest peak seen
+    while it was active, and every boundary synchronizes."""
+    import torch
+
+    state = {"peak": 0, "syncs": 0}
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda: state.__setitem__("syncs", state["syncs"] + 1)
+    )
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.__setitem__("peak", 0))
+    timer = throughput.StageTimer("cuda:0")
+    timer.begin()
+    state["peak"] = 1 * 2**30  # other
+    with timer.stage("rollout"):
+        state["peak"] = 3 * 2**30
+    with timer.stage("update"):
+        state["peak"] = 5 * 2**30
+    with timer.stage("rollout"):
+        state["peak"] = 2 * 2**30  # a second rollout block: its peak is the larger of the two
+    out = timer.end(1.0)
+    assert out["perf/peak_mem_rollout_gib"] == 3.0 and out["perf/peak_mem_update_gib"] == 5.0
+    assert out["perf/peak_mem_other_gib"] == 1.0 and out["perf/peak_mem_gib"] == 5.0
+    assert state["syncs"] == 7  # two per block, one at the end

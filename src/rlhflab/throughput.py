@@ -218,8 +218,18 @@ class StageTimer:
         self.shape = None  # the trained model's ModelShape (set by the harness); None: no FLOPs
         self.lm_head = True  # False for a reward model (a score head instead of the LM head)
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (CUDA, timers enabled; else nothing): the harness
+        calls it before each read of its own step clock, so that the step and its stages see the
+        same work."""
+        if self.enabled and self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
     def begin(self) -> None:
-        """Open a step: every stage at zero, `other` active."""
+        """Open a step: every stage at zero, `other` active (on CUDA: peak memory reset; call
+        `synchronize` first)."""
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.flops, self.peak_bytes = {}, {}
         self.generated_tokens = self.trained_tokens = 0.0
@@ -227,7 +237,6 @@ class StageTimer:
         if self.enabled and self.cuda:
             import torch
 
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         self._t = time.perf_counter()
 

@@ -431,6 +431,8 @@ def run(cfg, make: type[Trainer]) -> dict:
         for step in range(steps_done + 1, total + 1):
             # The step's wall time (perf/step_s): from here to its log line, measured by this
             # clock, apart from the stage timer's own; its checkpoint comes after the line.
+            # (On CUDA both ends wait for the queued kernels, as the stage boundaries do.)
+            trainer.timer.synchronize()
             t_step = time.perf_counter()
             trainer.timer.begin()
             metrics, health_inputs = trainer.step(step)
@@ -443,6 +445,7 @@ def run(cfg, make: type[Trainer]) -> dict:
                 with trainer.timer.stage("eval"):
                     metrics.update(trainer.periodic(step, metrics))
             trainer.write_samples(step)
+            trainer.timer.synchronize()
             step_s = time.perf_counter() - t_step
             logged.update(trainer.timer.end(step_s, devices=distributed.world_size(),
                                             peak_tflops=peak_tflops))  # fmt: skip
