@@ -113,6 +113,7 @@ def main() -> None:
         "median_step_s_off": statistics.median(off),
         "median_paired_diff_s": statistics.median(diffs),
         "median_paired_diff_frac": statistics.median(diffs) / statistics.median(off),
+        "paired_diffs_s": diffs,  # on − off per pair: their spread is the machine's noise
         "stage_block_s": block_s,
         "bookkeeping_per_step_s": block_s * blocks_per_step,
         "bookkeeping_frac_of_step": block_s * blocks_per_step / statistics.median(off),
