@@ -162,7 +162,6 @@ def test_sft_stage_split(sft_model):
     assert sft_model["steps"] == 6
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["grpo", "ppo"])
 def test_policy_gradient_stage_split(tmp_path, sft_model, variant):
     extra = {}
@@ -186,7 +185,6 @@ def test_policy_gradient_stage_split(tmp_path, sft_model, variant):
             assert r["perf/ref_s"] > 0 and r["perf/values_s"] > 0 and r["perf/logp_old_s"] > 0
 
 
-@pytest.mark.slow
 def test_dpo_stage_split(tmp_path, sft_model):
     raw = tiny_dpo(tmp_path, sft_model["model_dir"])
     raw["train"] = {**raw["train"], "steps": 2}
@@ -194,7 +192,6 @@ def test_dpo_stage_split(tmp_path, sft_model):
     assert all(r["perf/update_s"] > 0 for r in rows)
 
 
-@pytest.mark.slow
 def test_reward_model_stage_split(tmp_path):
     raw = {
         "trainer": "reward_model",
@@ -212,7 +209,6 @@ def test_reward_model_stage_split(tmp_path):
     assert all(r["perf/update_s"] > 0 for r in rows)
 
 
-@pytest.mark.slow
 def test_distill_stage_split(tmp_path, sft_model):
     preset = Path(__file__).resolve().parents[1] / "configs" / "distill" / "on_policy.yaml"
     raw = yaml.safe_load(preset.read_text())
