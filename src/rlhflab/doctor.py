@@ -552,41 +552,66 @@ def _engine_worker(out: str) -> None:
                                   "sides": sides, "vllm_skip": vllm_skip})  # fmt: skip
 
 
+#: The plan row's model: a random Qwen3 shape of ~0.1 B parameters (the tiny model's memory is
+#: all fixed overhead) with the tiny model's tokenizer; its GRPO batch; the prompt length planned.
+PLAN_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=64, intermediate_size=3072, vocab_size=4096,
+                  max_position_embeddings=256)  # fmt: skip
+PLAN_PROMPT_LEN = 64
+
+
 def check_plan(ctx: Context) -> Row:
     if not ctx.cuda:
         raise Skipped("no CUDA device: plan predicts GPU memory (max_memory_allocated)")
     out = ctx.work / "plan.json"
-    import yaml
-
-    raw = trainer_config("policy_gradient", ctx.work / "plan", ctx.base_model(), True)
-    cfg = ctx.work / "plan.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    run_child([sys.executable, "-m", "rlhflab.doctor", "plan", str(cfg), str(out)],
-              ctx.timeout_s, env=ctx.env())  # fmt: skip
+    run_child([sys.executable, "-m", "rlhflab.doctor", "plan", ctx.base_model(), str(ctx.work),
+               str(out)], ctx.timeout_s, env=ctx.env())  # fmt: skip
     res = json.loads(out.read_text())
     pred, meas = res["predicted_GiB"], res["measured_GiB"]
-    text = (f"GRPO 2 steps: plan {pred * 1024:.0f} MiB per GPU, measured peak "
-            f"{meas * 1024:.0f} MiB (max_memory_allocated), ratio {meas / pred:.2f}")  # fmt: skip
+    text = (f"GRPO 2 steps, {res['parameters'] / 1e6:.0f} M params: plan {pred:.2f} GiB per GPU, "
+            f"measured peak {meas:.2f} GiB (max_memory_allocated), measured/plan "
+            f"{meas / pred:.2f}")  # fmt: skip
     return Row("plan", "pass", text, res)
 
 
-def _plan_worker(cfg_path: str, out: str) -> None:
+def _plan_worker(base_model: str, work: str, out: str) -> None:
+    """2 GRPO steps in this process on a `PLAN_SHAPE` model saved with `base_model`'s tokenizer;
+    `rlhflab plan`'s per_gpu_gib of the same config (prompt length `PLAN_PROMPT_LEN`) beside the
+    run's `torch.cuda.max_memory_allocated`."""
     import torch
+    import yaml
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from rlhflab.config import load_config
     from rlhflab.plan import plan
     from rlhflab.serialize import write_json_atomic
     from rlhflab.trainers import run_config
 
-    cfg = load_config(cfg_path, [])
+    model_dir = Path(work, "plan-model")
+    tok = AutoTokenizer.from_pretrained(base_model)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**PLAN_SHAPE, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)  # fmt: skip
+    model = Qwen3ForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    del model
+    raw = trainer_config("policy_gradient", Path(work, "plan-runs"), str(model_dir), True)
+    raw["rollout"].update(prompts_per_step=16, group_size=8, max_new_tokens=32)
+    raw["train"]["micro_batch_size"] = 32
+    cfg_path = Path(work, "plan.yaml")
+    cfg_path.write_text(yaml.safe_dump(raw))
     torch.cuda.reset_peak_memory_stats()
-    res = run_config(cfg)
+    run_config(load_config(str(cfg_path), []))
     measured = torch.cuda.max_memory_allocated() / 2**30
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
-    p = plan(res["model_dir"], gpus=1, gpu_memory_gib=total, config=cfg_path,
-             overrides=[f"train.micro_batch_size={cfg.train.micro_batch_size}"], suggest=False)  # fmt: skip
+    p = plan(str(model_dir), gpus=1, gpu_memory_gib=total, config=str(cfg_path),
+             overrides=["train.micro_batch_size=32"], prompt_len=PLAN_PROMPT_LEN, suggest=False)  # fmt: skip
     write_json_atomic(Path(out), {"predicted_GiB": p["per_gpu_gib"], "measured_GiB": measured,
-                                  "ratio": measured / p["per_gpu_gib"]})  # fmt: skip
+                                  "ratio_measured_over_plan": measured / p["per_gpu_gib"],
+                                  "binding_phase": p.get("binding_phase"), "parameters": params,
+                                  "prompt_len_planned": PLAN_PROMPT_LEN})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -754,7 +779,7 @@ def _worker_main(argv: list[str]) -> int:
     elif kind == "engine":
         _engine_worker(rest[0])
     elif kind == "plan":
-        _plan_worker(rest[0], rest[1])
+        _plan_worker(rest[0], rest[1], rest[2])
     else:
         print(f"error: rlhflab.doctor: unknown worker {kind!r}", file=sys.stderr)
         return 2
