@@ -127,3 +127,14 @@ def test_a_broken_trainer_fails_its_row_with_the_reason(tmp_path):
         "error: step 1: train/loss is nan; stopped before the optimizer step "
         "(train.nan_policy: raise) (exit code 2)"
     )
+
+
+def test_rows_past_the_budget_are_skipped_saying_so(tmp_path):
+    from rlhflab.doctor import run_doctor
+
+    report = run_doctor(only=["versions"], budget_s=1, out=tmp_path / "d.json")
+    assert report["rows"] == [{"name": "versions", "status": "skip", "numbers": {},
+                               "reason": "not run: the --budget of 1 s was spent",
+                               "seconds": 0.0}]  # fmt: skip
+    assert report["exit_code"] == 0
+    assert json.loads((tmp_path / "d.json").read_text())["rows"] == report["rows"]

@@ -704,11 +704,14 @@ def run_check(name: str, fn: Callable[[Context], Row], ctx: Context) -> Row:
 
 def run_doctor(*, quick: bool = False, out: str | Path | None = None, only: list[str] | None = None,
                peak_tflops: float | None = None, timeout_s: float | None = None,
+               budget_s: float | None = None,
                echo: Callable[[Row], None] | None = None) -> dict:  # fmt: skip
     """Run the checks (all, `QUICK_ROWS` with `quick`, or the rows named in `only`, plus
     train/sft when a selected row needs its model); write the report JSON to `out` (atomically)
     when given. Returns {"quick", "rows": [Row.to_dict()], "failed", "exit_code", "wall_s",
-    "peak_tflops"}. `echo(row)` is called as each row ends (progress).
+    "peak_tflops"}. `timeout_s`: seconds per row (`TIMEOUT_S` by default); `budget_s`: seconds
+    for the whole run: a row's timeout is cut to what is left, and rows that would start with
+    under 5 s left are skipped, saying so. `echo(row)` is called as each row ends (progress).
     Raises ConfigError naming the unknown rows of `only`."""
     from rlhflab.errors import ConfigError
 
@@ -731,14 +734,19 @@ def run_doctor(*, quick: bool = False, out: str | Path | None = None, only: list
     try:
         ctx = Context(work, quick, limit, peak_tflops)
         for name, fn in table.items():
-            row = run_check(name, fn, ctx)
+            left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
+            if left is not None and left < 5:
+                row = Row(name, "skip", f"not run: the --budget of {budget_s:.0f} s was spent")
+            else:
+                ctx.timeout_s = limit if left is None else min(limit, left)
+                row = run_check(name, fn, ctx)
             rows.append(row)
             if echo:
                 echo(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {
-        "quick": quick, "only": only, "peak_tflops": peak_tflops,
+        "quick": quick, "only": only, "peak_tflops": peak_tflops, "budget_s": budget_s,
         "rows": [r.to_dict() for r in rows],
         "failed": [r.name for r in rows if r.status == "fail"],
         "exit_code": exit_code(rows), "wall_s": round(time.perf_counter() - t0, 1),

@@ -13,6 +13,9 @@ Commands:
     pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
+    plan --model M --gpu-memory GIB     per-GPU memory estimate of a run (docs/plan.md)
+    doctor [--quick] [--out PATH]       check this machine end to end: one table, one JSON, exit 1
+                                        on any failed row (docs/doctor.md)
 
 A command prints a few summary lines on stdout; `--json` prints its whole results object there
 instead (the summary lines then go to stderr). Every line printed is redacted like the files.
@@ -468,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "measured matmul as a share of it")  # fmt: skip
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds per row (default 150 with --quick, else 240)")  # fmt: skip
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help="seconds for the whole run: rows left when it is spent are skipped, "
+                   "saying so")  # fmt: skip
     p.set_defaults(func=_cmd_doctor)
     return parser
 

@@ -435,6 +435,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.budget is not None and not args.budget > 0:
+        raise ConfigError(f"--budget: must be > 0 seconds, got {args.budget}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ConfigError(f"--peak-tflops: must be > 0, got {args.peak_tflops}")
 
@@ -443,7 +445,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
 
     report = run_doctor(quick=args.quick, out=args.out, only=args.only,
-                        peak_tflops=args.peak_tflops, timeout_s=args.timeout, echo=echo)  # fmt: skip
+                        peak_tflops=args.peak_tflops, timeout_s=args.timeout,
+                        budget_s=args.budget, echo=echo)  # fmt: skip
     render(report)
     print(f"report: {args.out}")
     return report["exit_code"]
