@@ -553,9 +553,9 @@ def _engine_worker(out: str) -> None:
 
 
 #: The plan row's model: a random Qwen3 shape of ~0.1 B parameters (the tiny model's memory is
-#: all fixed overhead) with the tiny model's tokenizer; its GRPO batch; the prompt length planned.
+#: all fixed overhead) with the tiny model's tokenizer and vocabulary; the prompt length planned.
 PLAN_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=64, intermediate_size=3072, vocab_size=4096,
+                  num_key_value_heads=8, head_dim=64, intermediate_size=3072,
                   max_position_embeddings=256)  # fmt: skip
 PLAN_PROMPT_LEN = 64
 
@@ -590,7 +590,8 @@ def _plan_worker(base_model: str, work: str, out: str) -> None:
     model_dir = Path(work, "plan-model")
     tok = AutoTokenizer.from_pretrained(base_model)
     torch.manual_seed(0)
-    cfg = Qwen3Config(**PLAN_SHAPE, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+    shape = dict(PLAN_SHAPE, vocab_size=len(tok))  # every sampled id decodes
+    cfg = Qwen3Config(**shape, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)  # fmt: skip
     model = Qwen3ForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
