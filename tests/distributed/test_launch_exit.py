@@ -35,6 +35,9 @@ CRASH_1 = "error: rank 1 failed with exit code 1 (its output is above)"
         ({0: (3, 7.0, None)}, (3, None)),  # a health stop
         ({1: (1, 5.0, None), 0: (2, 6.0, "error: z")}, (1, CRASH_1)),
         ({1: (-9, 3.0, None), 0: (-15, 4.0, None)}, (137, "error: rank 1 was killed by SIGKILL")),
+        # rank 1 killed, rank 0 stopped by torchrun in the same poll (equal timestamps): rank 1
+        ({0: (-15, 4.0, None), 1: (-9, 4.0, None)}, (137, "error: rank 1 was killed by SIGKILL")),
+        ({0: (-15, 4.0, None), 1: (-15, 4.0, None)}, (143, "error: rank 0 was killed by SIGTERM")),
     ],
 )  # fmt: skip
 def test_exit_status(failures, expected):

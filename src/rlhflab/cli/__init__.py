@@ -13,6 +13,9 @@ Commands:
     pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
     best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
+    plan --model M --gpu-memory GIB     per-GPU memory estimate of a run (docs/plan.md)
+    doctor [--quick] [--out PATH]       check this machine end to end: one table, one JSON, exit 1
+                                        on any failed row (docs/doctor.md)
 
 A command prints a few summary lines on stdout; `--json` prints its whole results object there
 instead (the summary lines then go to stderr). Every line printed is redacted like the files.
@@ -41,6 +44,7 @@ from pathlib import Path
 from rlhflab.cli.commands import (
     _cmd_best_of_n,
     _cmd_compare,
+    _cmd_doctor,
     _cmd_eval,
     _cmd_pipeline,
     _cmd_plan,
@@ -453,6 +457,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the frozen reference's dtype (default model.dtype, as today)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("doctor", help="check this machine: versions, devices, collectives, every "
+                       "trainer, the rollout engine; one table + JSON (docs/doctor.md)")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="the CI subset (docs/doctor.md)")
+    p.add_argument("--out", default="doctor.json", metavar="PATH",
+                   help="the report JSON (default doctor.json)")  # fmt: skip
+    p.add_argument("--only", action="append", metavar="ROW",
+                   help="run only this row (repeatable; rows that need the tiny model add "
+                   "train/sft)")  # fmt: skip
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="X",
+                   help="the device's peak dense bf16 TFLOPS: the devices row reports its "
+                   "measured matmul as a share of it")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds per row (default 150 with --quick, else 240)")  # fmt: skip
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help="seconds for the whole run: rows left when it is spent are skipped, "
+                   "saying so")  # fmt: skip
+    p.set_defaults(func=_cmd_doctor)
     return parser
 
 

@@ -55,7 +55,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_start_model(cfg)
     if args.nproc is not None:
         _check_gpus_for(args.nproc)
-        return _torchrun(args.nproc, args.argv)
+        return _torchrun(args.nproc, args.argv, one_rank_group=cfg.parallel.strategy in SHARDED)
     results = run_config(cfg)
     if os.environ.get("RANK", "0") == "0":
         from rlhflab.summary import summary_lines
@@ -97,8 +97,17 @@ def _check_gpus_for(nproc: int) -> None:
         )
 
 
-def _torchrun(nproc: int, argv: list[str]) -> int:
+#: The strategies for which `--nproc 1` joins a process group of one (`distributed.ONE_RANK_ENV`).
+SHARDED = ("ddp", "fsdp2")
+
+
+def _torchrun(nproc: int, argv: list[str], one_rank_group: bool = False) -> int:
     """Run `rlhflab <argv without --nproc>` under torchrun with `nproc` processes; its exit code.
+
+    With `nproc` 1 and `one_rank_group` (the config's strategy is ddp or fsdp2) the rank joins a
+    process group of one (`rlhflab.distributed.ONE_RANK_ENV`): the launched code path (NCCL on a
+    GPU, FSDP2 sharding over one rank, sharded checkpoints) on a one-GPU machine. Without it (a
+    strategy of none or auto) `--nproc 1` runs the single-process path under torchrun.
 
     The launcher is torchrun's own (`torch.distributed.run`) behind `rlhflab.distributed.launch`,
     which turns a worker's failure into the worker's exit code (2 for a user error, which the
@@ -115,6 +124,10 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
     env = dict(os.environ, RLHFLAB_NPROC_LAUNCHER="1")
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
+    if nproc == 1 and one_rank_group:
+        from rlhflab.distributed import ONE_RANK_ENV
+
+        env[ONE_RANK_ENV] = "1"
     # torchrun follows this process: killed (even by SIGKILL), it takes torchrun and the workers
     # with it instead of leaving them training as orphans.
     return subprocess.call(cmd, env=env, preexec_fn=arm_parent_death_signal)
@@ -413,3 +426,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   activation_checkpointing=args.activation_checkpointing)  # fmt: skip
     print(json.dumps(result, indent=2)) if args.json else render(result)
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    """`rlhflab doctor`: the table on stdout, a line per finished row on stderr, the JSON at
+    --out; exit code 1 when any row failed."""
+    from rlhflab.doctor import render, run_doctor
+
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.budget is not None and not args.budget > 0:
+        raise ConfigError(f"--budget: must be > 0 seconds, got {args.budget}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ConfigError(f"--peak-tflops: must be > 0, got {args.peak_tflops}")
+
+    def echo(row) -> None:
+        print(f"doctor: {row.name}: {row.status} ({row.seconds:.0f} s)", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    report = run_doctor(quick=args.quick, out=args.out, only=args.only,
+                        peak_tflops=args.peak_tflops, timeout_s=args.timeout,
+                        budget_s=args.budget, echo=echo)  # fmt: skip
+    render(report)
+    print(f"report: {args.out}")
+    return report["exit_code"]

@@ -15,6 +15,7 @@ What the trainers call (nothing else in the package touches torch.distributed):
     shard(rows)                        this rank's contiguous share of a global batch
     all_reduce_sum / _max / _min(t)    in place on a tensor, returned
     gather_cat(t)                      every rank's rows, concatenated in rank order
+    all_gather_tensor(t)               every rank's same-shape tensor, stacked (device backend)
     all_gather_object / broadcast_object
     any_rank(flag)                     True when any rank says True (stop signals, errors)
     main_then_share(fn)                rank 0 runs fn; its result, or its refusal, on every rank
@@ -83,9 +84,20 @@ _STATE: dict[str, Any] = {"strategy": "none", "device": None, "talked": False, "
 # ---------------------------------------------------------------------------------------------
 
 
+#: Set by `rlhflab train --nproc 1` with `parallel.strategy` ddp or fsdp2: the one rank torchrun
+#: starts joins a process group of one (NCCL on a GPU), so that a one-GPU machine runs the code
+#: path of a launched job (`launched()`), as `--nproc N` does with N ranks.
+ONE_RANK_ENV = "RLHFLAB_ONE_RANK_GROUP"
+
+
 def launched() -> bool:
-    """True when torchrun (or another launcher) started this process as one of several."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True when torchrun (or another launcher) started this process as one of several, or as
+    the one rank of `rlhflab train --nproc 1` with a ddp / fsdp2 strategy (`ONE_RANK_ENV` set and
+    torchrun's WORLD_SIZE=1 present)."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.strip() == "1" and os.environ.get(ONE_RANK_ENV) == "1":
+        return True
+    return int(world or "1") > 1
 
 
 def setup(strategy: str = "none", timeout_s: float = 600.0) -> None:
@@ -376,6 +388,18 @@ def gather_cat(t: torch.Tensor) -> torch.Tensor:
         return t
     parts = all_gather_object(t.detach().cpu())
     return torch.cat(parts).to(t.device)
+
+
+def all_gather_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t` (the same shape on every rank) stacked along a new dim 0 in rank order:
+    shape (world_size, *t.shape), on `t`'s device, through the backend of that device (NCCL for
+    CUDA tensors, gloo for CPU ones; `torch.distributed.all_gather`). With one process,
+    `t.unsqueeze(0)`. Used by `rlhflab doctor` to measure the all-gather FSDP2 runs."""
+    if not _talk():
+        return t.unsqueeze(0)
+    out = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
 
 
 def all_gather_object(obj: Any) -> list:

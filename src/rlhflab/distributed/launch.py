@@ -93,7 +93,8 @@ def exit_status(failures: dict[int, tuple]) -> tuple[int, str | None]:
 
     The root cause is the worker that exited by itself (code > 0) first (ties: the lowest rank):
     the others were usually stopped by torchrun because of it (SIGTERM, code -15). With no such
-    worker, the first worker ended by a signal.
+    worker, the first worker ended by a signal other than SIGTERM (ties: the lowest rank), else
+    the first one ended by SIGTERM.
 
     Returns:
         (code, line): code 2/3/130/143 with the recorded line of the root cause (or, when it
@@ -106,7 +107,10 @@ def exit_status(failures: dict[int, tuple]) -> tuple[int, str | None]:
     if not failures:
         return 0, None
     own = {r: v for r, v in failures.items() if v[0] > 0}
-    pool = own or failures
+    # torchrun stops the other workers with SIGTERM once one has died, often within the same
+    # poll (equal timestamps): a worker killed by another signal is the root cause
+    killed = {r: v for r, v in failures.items() if v[0] != -int(signal.SIGTERM)}
+    pool = own or killed or failures
     order = sorted(pool, key=lambda r: (pool[r][1], r))
     rank = order[0]
     code = pool[rank][0]

@@ -1,0 +1,140 @@
+"""`rlhflab doctor`: rows, their one-line reasons, the JSON report and the exit status; the quick
+run passes on this machine; a collective or a trainer broken on purpose (`RLHFLAB_FAULT`) fails
+its row with the one-line reason and exit status 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhflab.doctor import (
+    QUICK_ROWS,
+    CheckFailed,
+    Row,
+    exit_code,
+    failure_line,
+    one_line,
+    run_check,
+    run_child,
+)
+
+
+def test_a_row_is_one_line_and_has_a_known_status():
+    row = Row("x", "fail", "first\n  second\tthird")
+    assert row.reason == "first second third"
+    assert row.to_dict() == {"name": "x", "status": "fail", "reason": "first second third",
+                             "numbers": {}, "seconds": 0.0}  # fmt: skip
+    with pytest.raises(ValueError, match="status 'ok'"):
+        Row("x", "ok", "")
+    assert one_line("a" * 400, limit=10) == "a" * 9 + "…"
+
+
+def test_exit_status_is_1_on_any_fail_only():
+    ok, skip, bad = Row("a", "pass", ""), Row("b", "skip", "why"), Row("c", "fail", "why")
+    assert exit_code([ok, skip]) == 0
+    assert exit_code([]) == 0
+    assert exit_code([ok, bad, skip]) == 1
+
+
+def test_failure_line_prefers_the_error_line_then_the_exception():
+    err = "noise\nerror: step 1: train/loss is nan\nmore noise\n"
+    assert failure_line("", err, 2) == "error: step 1: train/loss is nan (exit code 2)"
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\n    raise\nKeyError: 'k'\n"
+    assert failure_line("out", tb, 1) == "KeyError: 'k' (exit code 1)"
+    assert failure_line("last words\n", "", -9) == "last words (killed by signal 9)"
+    assert failure_line("", "", 3) == "no output (exit code 3)"
+
+
+def test_a_check_that_raises_or_hangs_is_a_failed_row_not_a_crash():
+    def boom(ctx):
+        raise KeyError("k")
+
+    row = run_check("boom", boom, ctx=None)
+    assert (row.status, row.reason) == ("fail", "KeyError: 'k'")
+    with pytest.raises(CheckFailed, match=r"^timed out after 1 s \(killed\)$"):
+        run_child([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1)
+    with pytest.raises(CheckFailed, match=r"^error: bad \(exit code 2\)$"):
+        run_child([sys.executable, "-c", "import sys; print('error: bad', file=sys.stderr); "
+                   "sys.exit(2)"], timeout_s=60)  # fmt: skip
+
+
+def test_unknown_only_row_is_one_line_exit_2(tmp_path, capsys):
+    from rlhflab.cli import main
+
+    assert main(["doctor", "--only", "colective", "--out", str(tmp_path / "d.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only: unknown row(s) colective (rows: versions, devices,")
+    assert err.count("\n") == 1
+
+
+def _doctor(tmp_path, *args, **env):
+    out = tmp_path / "doctor.json"
+    e = {k: v for k, v in os.environ.items() if not k.startswith("RLHFLAB_")}
+    e.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env)
+    res = subprocess.run([sys.executable, "-m", "rlhflab", "doctor", "--out", str(out), *args],
+                         env=e, capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+    return res, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_quick_doctor_passes_here(tmp_path):
+    res, report = _doctor(tmp_path, "--quick")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == list(QUICK_ROWS)
+    for name, r in rows.items():
+        assert r["status"] in ("pass", "skip"), (name, r["reason"])
+        assert r["reason"] and "\n" not in r["reason"]
+        assert f"doctor: {name}: {r['status']}" in res.stderr
+        assert name in res.stdout  # the table
+    assert report["failed"] == [] and report["exit_code"] == 0 and report["quick"]
+    coll = rows["collective"]["numbers"]
+    assert coll["world"] == 2 and coll["ok"] and coll["all_reduce_GBps"] > 0
+    for family in ("sft", "policy_gradient", "direct_alignment", "reward_model", "distill"):
+        assert rows[f"train/{family}"]["numbers"]["steps"] == 2
+    assert rows["fsdp2/policy_gradient"]["numbers"]["world_size"] == 2
+    sides = rows["engine"]["numbers"]["sides"]
+    assert set(sides) == {"generate", "hf_eager", "hf_static"}
+    assert all(v["tokens_per_s"] > 0 for v in sides.values())
+    assert "all checks passed" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_broken_collective_fails_its_row_with_the_reason(tmp_path):
+    # rank 1 dies (SIGKILL) just before its first collective
+    res, report = _doctor(
+        tmp_path, "--only", "collective", RLHFLAB_FAULT="rank1:collective@1=sigkill"
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    (row,) = report["rows"]
+    assert row["status"] == "fail"
+    assert row["reason"] == "error: rank 1 was killed by SIGKILL (exit code 137)"
+    assert "FAIL: collective" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_broken_trainer_fails_its_row_with_the_reason(tmp_path):
+    # the loss of step 1 becomes NaN: the trainer refuses it (train.nan_policy: raise)
+    res, report = _doctor(tmp_path, "--only", "train/sft", RLHFLAB_FAULT="loss@1=nan")
+    assert res.returncode == 1, res.stderr[-3000:]
+    (row,) = report["rows"]
+    assert (row["name"], row["status"]) == ("train/sft", "fail")
+    assert row["reason"] == (
+        "error: step 1: train/loss is nan; stopped before the optimizer step "
+        "(train.nan_policy: raise) (exit code 2)"
+    )
+
+
+def test_rows_past_the_budget_are_skipped_saying_so(tmp_path):
+    from rlhflab.doctor import run_doctor
+
+    report = run_doctor(only=["versions"], budget_s=1, out=tmp_path / "d.json")
+    assert report["rows"] == [{"name": "versions", "status": "skip", "numbers": {},
+                               "reason": "not run: the --budget of 1 s was spent",
+                               "seconds": 0.0}]  # fmt: skip
+    assert report["exit_code"] == 0
+    assert json.loads((tmp_path / "d.json").read_text())["rows"] == report["rows"]
