@@ -189,7 +189,7 @@ def test_dpo_stage_split(tmp_path, sft_model):
     raw = tiny_dpo(tmp_path, sft_model["model_dir"])
     raw["train"] = {**raw["train"], "steps": 2}
     rows = _check_stage_sums(run_config(config_from_dict(raw))["run_dir"], 2)
-    assert all(r["perf/update_s"] > 0 for r in rows)
+    assert all(r["perf/update_s"] > 0 and r["perf/update_tflops"] > 0 for r in rows)
 
 
 def test_reward_model_stage_split(tmp_path):

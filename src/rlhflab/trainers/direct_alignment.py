@@ -398,11 +398,11 @@ class DirectAlignment(Trainer):
         (n,) to be summed) and its completion tokens: chosen and rejected in one forward,
         against the cached reference (reference-based losses)."""
         n, device = len(mb), self.device
-        logps, lengths = sequence_logps(
-            self.model, [r["prompt"] for r in mb] * 2,
-            [r["chosen"] for r in mb] + [r["rejected"] for r in mb], self.pad,
-            autocast_dtype=self.autocast_dtype,
-        )  # fmt: skip
+        prompts = [r["prompt"] for r in mb] * 2
+        completions = [r["chosen"] for r in mb] + [r["rejected"] for r in mb]
+        logps, lengths = sequence_logps(self.model, prompts, completions, self.pad,
+                                        autocast_dtype=self.autocast_dtype)  # fmt: skip
+        self._count_flops(prompts, completions)
         pc, pr = logps[:n], logps[n:]
         rc = rr = None
         if self.use_ref:
@@ -417,16 +417,22 @@ class DirectAlignment(Trainer):
         stats["logps/rejected"] = pr.detach()
         return losses, stats, int(lengths.sum())
 
+    def _count_flops(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
+        """The update's model FLOPs of one forward + backward over these rows (prompt +
+        completion tokens, at the micro-batch's padded width) for `self.timer`."""
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+        self.timer.train("update", sum(lengths), max(lengths))
+
     def _unpaired_loss(self, mb: list[dict]) -> tuple[torch.Tensor, dict, int]:
         """KTO: losses (n,) of a micro-batch of n labelled completions, their stats (kto/*,
         logps/completion; sums, turned into means over desirable / undesirable examples by
         `step`) and its tokens: the completions and their mismatched (x_i, y_j) in one forward."""
         n, device = len(mb), self.device
-        logps, lengths = sequence_logps(
-            self.model, [r["prompt"] for r in mb] * 2,
-            [r["completion"] for r in mb] + [r["kl_completion"] for r in mb], self.pad,
-            autocast_dtype=self.autocast_dtype,
-        )  # fmt: skip
+        prompts = [r["prompt"] for r in mb] * 2
+        completions = [r["completion"] for r in mb] + [r["kl_completion"] for r in mb]
+        logps, lengths = sequence_logps(self.model, prompts, completions, self.pad,
+                                        autocast_dtype=self.autocast_dtype)  # fmt: skip
+        self._count_flops(prompts, completions)
         pc, pr = logps[:n], logps[n:]
         ref = torch.tensor([r["ref"] for r in mb], dtype=pc.dtype, device=device)
         ref_kl = torch.tensor([r["ref_kl"] for r in mb], dtype=pc.dtype, device=device)
