@@ -138,3 +138,24 @@ def test_rows_past_the_budget_are_skipped_saying_so(tmp_path):
                                "seconds": 0.0}]  # fmt: skip
     assert report["exit_code"] == 0
     assert json.loads((tmp_path / "d.json").read_text())["rows"] == report["rows"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_the_launched_configs_split_over_any_number_of_ranks(ranks, tmp_path):
+    # issue: 4 prompts per step (or 4 DPO pairs) do not split over 8 GPUs; every global batch is
+    # the ranks times a per-rank share, loaded through the real config classes
+    import yaml
+
+    from rlhflab.config import load_config
+    from rlhflab.doctor import FAMILIES, trainer_config
+
+    for family in FAMILIES:
+        raw = trainer_config(family, tmp_path, "m", cuda=False, teacher="t", ranks=ranks)
+        path = tmp_path / f"{family}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        cfg = load_config(str(path), [])
+        if family in ("policy_gradient", "distill"):
+            assert cfg.rollout.prompts_per_step % ranks == 0
+        else:
+            assert cfg.train.batch_size % ranks == 0
+        assert cfg.train.steps == 2
