@@ -159,3 +159,20 @@ def test_the_launched_configs_split_over_any_number_of_ranks(ranks, tmp_path):
         else:
             assert cfg.train.batch_size % ranks == 0
         assert cfg.train.steps == 2
+
+
+def test_a_gpu_that_torch_cannot_see_fails_the_devices_row(monkeypatch):
+    # a CPU build of torch (or a driver mismatch) on a GPU box: the trainers would silently run on
+    # the CPU; the doctor says so
+    import torch
+
+    import rlhflab.doctor as doctor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(doctor, "_nvidia_smi_gpus", lambda: ["GPU 0: NVIDIA H100 (UUID: x)"])
+    row = run_check("devices", doctor.check_devices, ctx=None)
+    assert row.status == "fail"
+    assert row.reason.startswith(
+        "nvidia-smi lists 1 GPU(s) (GPU 0: NVIDIA H100 (UUID: x)) but torch.cuda.is_available() "
+        "is False: torch "
+    )

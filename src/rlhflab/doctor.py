@@ -202,10 +202,27 @@ def matmul_tflops(device: str, dtype, n: int, reps: int = 5) -> float:
     return tflops
 
 
+def _nvidia_smi_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists ([] without nvidia-smi, or when it fails within 20 s)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [x.strip() for x in out.stdout.splitlines() if x.startswith("GPU ")]
+
+
 def check_devices(ctx: Context) -> Row:
     import torch
 
     if not torch.cuda.is_available():
+        listed = _nvidia_smi_gpus()
+        if listed:
+            raise CheckFailed(
+                f"nvidia-smi lists {len(listed)} GPU(s) ({listed[0]}) but torch.cuda.is_available() "
+                f"is False: torch {torch.__version__} is a CPU build or does not match the driver"
+            )
         cpu = platform.processor() or platform.machine()
         n = os.cpu_count()
         tf = matmul_tflops("cpu", torch.float32, 512)
