@@ -138,3 +138,41 @@ def test_rows_past_the_budget_are_skipped_saying_so(tmp_path):
                                "seconds": 0.0}]  # fmt: skip
     assert report["exit_code"] == 0
     assert json.loads((tmp_path / "d.json").read_text())["rows"] == report["rows"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_the_launched_configs_split_over_any_number_of_ranks(ranks, tmp_path):
+    # issue: 4 prompts per step (or 4 DPO pairs) do not split over 8 GPUs; every global batch is
+    # the ranks times a per-rank share, loaded through the real config classes
+    import yaml
+
+    from rlhflab.config import load_config
+    from rlhflab.doctor import FAMILIES, trainer_config
+
+    for family in FAMILIES:
+        raw = trainer_config(family, tmp_path, "m", cuda=False, teacher="t", ranks=ranks)
+        path = tmp_path / f"{family}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        cfg = load_config(str(path), [])
+        if family in ("policy_gradient", "distill"):
+            assert cfg.rollout.prompts_per_step % ranks == 0
+        else:
+            assert cfg.train.batch_size % ranks == 0
+        assert cfg.train.steps == 2
+
+
+def test_a_gpu_that_torch_cannot_see_fails_the_devices_row(monkeypatch):
+    # a CPU build of torch (or a driver mismatch) on a GPU box: the trainers would silently run on
+    # the CPU; the doctor says so
+    import torch
+
+    import rlhflab.doctor as doctor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(doctor, "_nvidia_smi_gpus", lambda: ["GPU 0: NVIDIA H100 (UUID: x)"])
+    row = run_check("devices", doctor.check_devices, ctx=None)
+    assert row.status == "fail"
+    assert row.reason.startswith(
+        "nvidia-smi lists 1 GPU(s) (GPU 0: NVIDIA H100 (UUID: x)) but torch.cuda.is_available() "
+        "is False: torch "
+    )

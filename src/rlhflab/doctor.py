@@ -195,13 +195,34 @@ def matmul_tflops(device: str, dtype, n: int, reps: int = 5) -> float:
         a @ b
     if device == "cuda":
         torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+    tflops = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+    del a, b
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the doctor's own process holds no GPU memory for the rows
+    return tflops
+
+
+def _nvidia_smi_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists ([] without nvidia-smi, or when it fails within 20 s)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [x.strip() for x in out.stdout.splitlines() if x.startswith("GPU ")]
 
 
 def check_devices(ctx: Context) -> Row:
     import torch
 
     if not torch.cuda.is_available():
+        listed = _nvidia_smi_gpus()
+        if listed:
+            raise CheckFailed(
+                f"nvidia-smi lists {len(listed)} GPU(s) ({listed[0]}) but torch.cuda.is_available() "
+                f"is False: torch {torch.__version__} is a CPU build or does not match the driver"
+            )
         cpu = platform.processor() or platform.machine()
         n = os.cpu_count()
         tf = matmul_tflops("cpu", torch.float32, 512)
@@ -325,12 +346,14 @@ TASK = {
 
 
 def trainer_config(family: str, root: Path, base_model: str | None, cuda: bool,
-                   teacher: str | None = None) -> dict:  # fmt: skip
+                   teacher: str | None = None, ranks: int = 2) -> dict:  # fmt: skip
     """The raw config of a 2-step run of `family` on the tiny model (`base_model`: the
     train/sft row's model directory, for every family but sft; `teacher`, for distill: the
     train/direct_alignment row's model: DPO on gold-chosen pairs moves it away from the SFT
     start in 2 steps, while 2 GRPO steps of an untrained model may not, and the SFT model itself
-    is refused as its own teacher). Batches split over 2 ranks."""
+    is refused as its own teacher). Global batches (and the data they draw from) are `ranks`
+    times a per-rank share, so that they split over `ranks` processes (8 GPUs as well as 2)."""
+    k = ranks
     common = {"task": TASK, "eval": {"n": 0}, "tracking": {"console": False},
               "optim": {"lr": 1e-3}, "run": {"name": family, "root": str(root)}}  # fmt: skip
     model = {"name_or_path": base_model}
@@ -338,43 +361,45 @@ def trainer_config(family: str, root: Path, base_model: str | None, cuda: bool,
         return {"trainer": "sft", **common,
                 "model": {"build": {"size": "tiny", "vocab_size": 300,
                                     "max_position_embeddings": 64, "tokenizer_texts": 300}},
-                "train": {"steps": 2, "batch_size": 8, "micro_batch_size": 4, "max_len": 48}}  # fmt: skip
+                "train": {"steps": 2, "batch_size": 4 * k, "micro_batch_size": 4, "max_len": 48}}  # fmt: skip
     if family == "policy_gradient":
-        rollout = {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6}
+        rollout = {"prompts_per_step": 2 * k, "group_size": 4, "max_new_tokens": 6}
         if cuda:  # the GPU path: static decode (CUDA graph) with the bf16 generation copy
             rollout.update(decode="static", half_weights=True)
         return {"trainer": "policy_gradient", **common, "model": model, "rollout": rollout,
                 "train": {"steps": 2, "micro_batch_size": 8}}  # fmt: skip
     if family == "direct_alignment":
         return {"trainer": "direct_alignment", **common, "model": model,
-                "data": {"heldout_pairs": 4},
-                "verifiable": {"n_prompts": 8, "samples_per_prompt": 4, "max_new_tokens": 6,
+                "data": {"heldout_pairs": 2 * k},
+                "verifiable": {"n_prompts": 4 * k, "samples_per_prompt": 4, "max_new_tokens": 6,
                                "chosen": "gold"},
-                "train": {"steps": 2, "batch_size": 4, "micro_batch_size": 2},
+                "train": {"steps": 2, "batch_size": 2 * k, "micro_batch_size": 2},
                 "eval": {"n": 0, "pref_every": 0}}  # fmt: skip
     if family == "reward_model":
         return {"trainer": "reward_model", "kind": "orm", **common, "model": model,
-                "data": {"source": "task_samples", "n_prompts": 8, "samples_per_prompt": 2,
+                "data": {"source": "task_samples", "n_prompts": 4 * k, "samples_per_prompt": 2,
                          "max_new_tokens": 6, "max_len": 48},
-                "train": {"steps": 2, "batch_size": 8, "micro_batch_size": 4},
-                "eval": {"best_of_n": [1, 2], "n_problems": 4, "max_new_tokens": 6}}  # fmt: skip
+                "train": {"steps": 2, "batch_size": 4 * k, "micro_batch_size": 4},
+                "eval": {"best_of_n": [1, 2], "n_problems": 2 * k, "max_new_tokens": 6}}  # fmt: skip
     if family == "distill":
         return {"trainer": "distill", **common, "model": model,
                 "teacher": {"source": "model", "name_or_path": teacher},
-                "rollout": {"prompts_per_step": 4, "group_size": 1, "max_new_tokens": 6},
+                "rollout": {"prompts_per_step": 2 * k, "group_size": 1, "max_new_tokens": 6},
                 "train": {"steps": 2, "micro_batch_size": 2}}  # fmt: skip
     raise ValueError(f"unknown trainer family {family!r}")
 
 
 def _train(ctx: Context, name: str, family: str, strategy: str | None, nproc: int | None,
-           extra: list[str] | None = None, resume: str | None = None) -> dict:  # fmt: skip
-    """`rlhflab train` of `family`'s config (with `--nproc`); its final_results.json."""
+           extra: list[str] | None = None, resume: str | None = None,
+           cfg_ranks: int | None = None) -> dict:  # fmt: skip
+    """`rlhflab train` of `family`'s config (with `--nproc`); its final_results.json. The
+    config's batches split over `cfg_ranks` (default: nproc, else 2)."""
     import yaml
 
     base = None if family == "sft" else ctx.base_model()
     teacher = ctx.teacher_model() if family == "distill" else None
     root = ctx.work / name.replace("/", "-")
-    raw = trainer_config(family, root, base, ctx.cuda, teacher)
+    raw = trainer_config(family, root, base, ctx.cuda, teacher, cfg_ranks or nproc or 2)
     cfg = ctx.work / f"{name.replace('/', '-')}.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     cmd = [sys.executable, "-m", "rlhflab", "train", str(cfg)]
@@ -444,7 +469,16 @@ def check_resume(ctx: Context) -> Row:
     shards = sorted(p.name for p in ck[-1].glob("model-rank*")) if ck else []
     if len(shards) != ctx.ranks:
         raise CheckFailed(f"expected {ctx.ranks} model shards in the checkpoint, found {shards}")
-    res = _train(ctx, name, "policy_gradient", "fsdp2", 1, ["train.steps=3"], resume=run_dir)
+    res = _train(
+        ctx,
+        name,
+        "policy_gradient",
+        "fsdp2",
+        1,
+        ["train.steps=3"],
+        resume=run_dir,
+        cfg_ranks=ctx.ranks,
+    )  # the saved run's config (its batches on one rank)
     if res.get("world_size") != 1:
         raise CheckFailed(f"resumed at world_size {res.get('world_size')}, expected 1")
     nums = {"saved_world": ctx.ranks, "resumed_world": 1, "steps": res["steps"]}
