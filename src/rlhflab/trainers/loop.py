@@ -363,7 +363,8 @@ class Run:
     health checks, logging, periodic evaluation, samples, progress, checkpoint policy and stop
     signals, the time budget) and returns that step's metrics; None once the run is over (its
     last step done, or `train.max_seconds` ran out after the previous step). `finish()` writes
-    the end-of-training checkpoint, the final evaluation, the model, plots and results.
+    the end-of-training checkpoint, the final evaluation, the model, plots and results. Used
+    without `with`, SIGTERM and SIGINT keep the handlers they had (no checkpoint on a signal).
 
     Attributes: `trainer` (the `Trainer`; its `model`, `tokenizer` and, for trainers that
     sample, `engine`), `run_dir`, `steps_done`, `t_start` (`time.perf_counter()` at the start
