@@ -33,6 +33,7 @@ def _env(**extra) -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_every_bench_module_imports():
     """Each bench/*.py imports (a fresh process: the modules set environment defaults)."""
     names = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
