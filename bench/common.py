@@ -25,7 +25,12 @@ import torch
 
 THREADS = 1
 BENCH_DIR = Path(__file__).resolve().parent
-CACHE_DIR = BENCH_DIR / ".cache"  # models and the SFT checkpoint (git-ignored)
+# Models and the SFT checkpoint (git-ignored); RLHFLAB_BENCH_CACHE puts them elsewhere.
+CACHE_DIR = Path(os.environ.get("RLHFLAB_BENCH_CACHE") or BENCH_DIR / ".cache")
+# Smoke mode (`bench/run.py --smoke`, the test suite's tests/bench/test_bench_smoke.py): every row
+# once at its smallest size, to show that it runs; nothing it measures is a result. Set in the
+# environment so that the rows' subprocesses (memory, learning) see it too.
+SMOKE = os.environ.get("RLHFLAB_BENCH_SMOKE") == "1"
 
 # The two model scales of the issue.
 TINY = "tiny"  # rlhflab "base" Qwen3 shape: vocab 1024, hidden 256, 4 layers, ~4.2 M parameters
@@ -70,6 +75,14 @@ def setup(threads: int = THREADS) -> None:
         transformers.utils.logging.disable_progress_bar()
     except ImportError:
         pass
+
+
+def have_trl() -> bool:
+    """Whether TRL is importable (the `bench` extra). Without it the step rows run rlhflab's
+    side alone (smoke test; their TRL values are NaN)."""
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
 
 
 def machine() -> dict:
@@ -183,10 +196,22 @@ def words(n: int, seed: int) -> list[str]:
     return ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(n)]
 
 
+def vowel_reward(completions, **kwargs) -> list[float]:
+    """The benchmarks' reward (both frameworks, the same function, in TRL's reward-function
+    convention, which rlhflab's `reward.components[].function` also calls): the fraction of
+    vowels among a completion's letters. Cheap, deterministic and varied, so group advantages
+    are not all zero."""
+    out = []
+    for t in completions:
+        letters = [c for c in t.lower() if c.isalpha()]
+        out.append(sum(c in "aeiou" for c in letters) / max(1, len(letters)))
+    return out
+
+
 def tokenizer_texts() -> list[str]:
     """Text for the benchmark tokenizer: spell_backward-like questions and answers."""
     out = []
-    for w in words(20000, seed=0):
+    for w in words(1000 if SMOKE else 20000, seed=0):  # smoke: a faster, cruder tokenizer
         out.append(f"Spell this word backward (example: sun -> nus): {w}")
         out.append(w[::-1])
     return out
@@ -194,6 +219,8 @@ def tokenizer_texts() -> list[str]:
 
 def model_dir(kind: str) -> Path:
     """A saved model (safetensors + tokenizer) of the given scale, built once and cached."""
+    if SMOKE:
+        kind = TINY  # smoke: every row on the tiny model (the code path is the same)
     path = CACHE_DIR / kind
     if (path / "config.json").exists():
         return path
@@ -240,7 +267,7 @@ def prompt_texts(tokenizer, n: int, *, seed: int, length: int | None = None) -> 
 
     out = []
     for w in words(50 * n, seed=seed):
-        text = render_prompt(tokenizer, f"Spell this word backward (example: sun -> nus): {w}")
+        text = render_prompt(tokenizer, question(w))
         if length is None or len(encode_prompt(tokenizer, text)) == length:
             out.append(text)
         if len(out) == n:
@@ -248,6 +275,11 @@ def prompt_texts(tokenizer, n: int, *, seed: int, length: int | None = None) -> 
     if len(out) < n:
         raise RuntimeError(f"only {len(out)} prompts of {length} tokens")
     return out
+
+
+def question(word: str) -> str:
+    """A spell_backward-like question (the user text of a prompt)."""
+    return f"Spell this word backward (example: sun -> nus): {word}"
 
 
 def modal_prompt_length(tokenizer, seed: int = 0) -> int:

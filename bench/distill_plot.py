@@ -38,27 +38,32 @@ def draw(ax, curves, title):
     ax.legend(fontsize=7, loc="lower right")
 
 
-fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-draw(
-    a,
-    [
-        ("GRPO (the quickstart's stage 2)", "exp/pair/grpo_pair-20261126-083828", "k", "-"),
-        ("on-policy distillation, reverse KL", "exp/pair/op_pair-*", "tab:blue", "-"),
-    ],
-    "run side by side, same load (2 shared cores, 1 thread each)",
-)
-curves = [("GRPO (quickstart run, made the teacher)", "exp/qs/quickstart-*/grpo-*", "k", "-")]
-for s, pat in enumerate(["exp/runs/op_s0b-*", "exp/runs/op_s1-*", "exp/runs/op_s2-*"]):
-    curves.append(("on-policy distillation, 3 seeds" if s == 0 else None, pat, "tab:blue", "-"))
-for s, pat in enumerate(
-    ["exp/runs/gkd_b05_l05-*", "exp/runs/gkd_b05_l05_s1-*", "exp/runs/gkd_b05_l05_s2-*"]
-):
-    curves.append(("GKD β=0.5, λ=0.5, 3 seeds" if s == 0 else None, pat, "tab:green", "--"))
-draw(b, curves, "every seed (run at different times: the load differs)")
-a.set_ylabel("held-out greedy accuracy (%)")
-fig.suptitle(
-    "spell_backward: SFT model (46.0%) → distilled from the GRPO model (73.8%)", fontsize=10
-)
-fig.tight_layout()
-fig.savefig("docs/distillation_heldout_vs_wallclock.png", dpi=100)
-print("ok")
+def main() -> None:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    draw(
+        a,
+        [
+            ("GRPO (the quickstart's stage 2)", "exp/pair/grpo_pair-20261126-083828", "k", "-"),
+            ("on-policy distillation, reverse KL", "exp/pair/op_pair-*", "tab:blue", "-"),
+        ],
+        "run side by side, same load (2 shared cores, 1 thread each)",
+    )
+    curves = [("GRPO (quickstart run, made the teacher)", "exp/qs/quickstart-*/grpo-*", "k", "-")]
+    for s, pat in enumerate(["exp/runs/op_s0b-*", "exp/runs/op_s1-*", "exp/runs/op_s2-*"]):
+        curves.append(("on-policy distillation, 3 seeds" if s == 0 else None, pat, "tab:blue", "-"))
+    for s, pat in enumerate(
+        ["exp/runs/gkd_b05_l05-*", "exp/runs/gkd_b05_l05_s1-*", "exp/runs/gkd_b05_l05_s2-*"]
+    ):
+        curves.append(("GKD β=0.5, λ=0.5, 3 seeds" if s == 0 else None, pat, "tab:green", "--"))
+    draw(b, curves, "every seed (run at different times: the load differs)")
+    a.set_ylabel("held-out greedy accuracy (%)")
+    fig.suptitle(
+        "spell_backward: SFT model (46.0%) → distilled from the GRPO model (73.8%)", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig("docs/distillation_heldout_vs_wallclock.png", dpi=100)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,9 @@ import subprocess
 import sys
 import time
 
-SHAPE = dict(B=4, P=32, T=224)
+from bench import common
+
+SHAPE = dict(B=2, P=8, T=8) if common.SMOKE else dict(B=4, P=32, T=224)
 VARIANTS = ("ours", "naive", "trl_fused")
 
 
@@ -134,11 +136,15 @@ def _root():
 
 
 def run(*, reps: int, checkpointing: bool = False, variants=VARIANTS) -> dict:
-    """Alternate the variants, each rep in fresh subprocesses; returns {variant: [results]}."""
+    """Alternate the variants, each rep in fresh subprocesses; returns {variant: [results]}.
+    Smoke mode (`common.SMOKE`): the first variant without checkpointing in a fresh subprocess,
+    the others in this process (the same step, without a process start each; the numbers are
+    not results)."""
     res: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(reps):
         for v in variants:
-            res[v].append(measure(v, checkpointing))
+            fresh = not common.SMOKE or (v == variants[0] and not checkpointing)
+            res[v].append(measure(v, checkpointing) if fresh else worker(v, checkpointing))
     return res
 
 

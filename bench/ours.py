@@ -1,45 +1,34 @@
-"""rlhflab's training steps, assembled from the building blocks in the order the trainers run them.
+"""rlhflab's side of the benchmarks: the trainers themselves, as `rlhflab train` runs them.
 
-Each `step()` below is the body of one iteration of the trainer's step loop, with the trainer's
-own functions where they are module-level (imported from `rlhflab.trainers.*`), and the same
-tensors, denominators, metric reductions and host syncs. Left out: the tracker / jsonl writing,
-the samples file and held-out evaluation, which run outside the step's `perf/step_s` in the
-trainers too (apart from logging, which is a few dict writes).
+Each row writes a config in the trainer's own schema, as a user would (`grpo_config`,
+`dpo_config`, `rm_config`: the bench model, the row's data file, fp32, SDPA, one thread,
+checkpoints, held-out evaluation, samples and the saved model off, console off), and builds the
+run with the harness's public stepping API, `rlhflab.trainers.loop.Run`: set-up, run directory,
+the (here empty) step-0 evaluation. `OursRun.step()` is one `Run.step()`: one iteration of the
+harness's step loop — the trainer's step, health checks, logging, the checkpoint policy and stop
+signals, the time budget — the loop body `rlhflab train` runs, nothing re-assembled here.
+
+A step's time is the wall time of that call (what a user waits for per step). Each step's own
+timers are recorded beside it: every `perf/*` key the step's metrics carry, whichever the trainer
+reports (`perf/step_s`, per-stage times, `perf/tokens_per_s`).
+
+Fixed generation lengths: the rollout engine's stop set (`engine.stop_token_ids`, a public
+attribute of every engine, `rlhflab.rollout.engines.RolloutEngine`) is replaced by one id that
+never occurs (-1), so every completion has `max_new_tokens` tokens; TRL gets
+`generation_kwargs={"eos_token_id": None}`. There is no config key for this (a trained model
+should stop at EOS); it is the bench's only change to a trainer after set-up.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
+import json
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
-import torch
+from bench import common
 
-from rlhflab.data.formatting import encode_prompt
-from rlhflab.losses.advantages import group_zscore
-from rlhflab.losses.aggregate import aggregate
-from rlhflab.losses.kl import kl_penalty
-from rlhflab.losses.policy import ppo_clip
-from rlhflab.losses.preference import dpo
-from rlhflab.rollout.dynamic import ScoredBatch
-from rlhflab.rollout.engines import SamplingParams, make_engine
-from rlhflab.rollout.sampler import completion_logps, decode_completions
-from rlhflab.trainers.common import grad_norm_and_clip, make_optimizer, make_scheduler
-from rlhflab.trainers.direct_alignment import sequence_logps
-from rlhflab.trainers.policy_gradient import (
-    _accumulate,
-    _accumulate_update,
-    _no_grad_logps,
-    _rollout_metrics,
-    _update_metrics,
-)
-
-
-def optim_cfg(lr: float):
-    from rlhflab.config import OptimConfig
-
-    return OptimConfig(lr=lr, warmup_steps=0, schedule="constant", max_grad_norm=1.0)
+# The reward both sides call (TRL convention), by import path for rlhflab's config.
+VOWEL_REWARD = "bench.common:vowel_reward"
 
 
 def set_checkpointing(model, on: bool) -> None:
@@ -54,210 +43,173 @@ def set_checkpointing(model, on: bool) -> None:
         model.activation_checkpointing_disable()
 
 
-def text_reward(texts: list[str], *_ignored) -> list[float]:
-    """The benchmarks' reward (both frameworks): the fraction of vowels among a completion's
-    letters. Cheap, deterministic and varied, so group advantages are not all zero."""
-    out = []
-    for t in texts:
-        letters = [c for c in t.lower() if c.isalpha()]
-        out.append(sum(c in "aeiou" for c in letters) / max(1, len(letters)))
-    return out
+def _base(trainer: str, model_dir, root, *, steps: int, lr: float, name: str) -> dict:
+    """The sections every row's config shares: what the bench fixes and what it turns off."""
+    return {
+        "trainer": trainer,
+        "seed": 0,
+        "model": {
+            "name_or_path": str(model_dir),
+            "dtype": "float32",
+            "attn_implementation": "sdpa",
+            "gradient_checkpointing": False,  # TRL side: gradient_checkpointing=False
+        },
+        "optim": {
+            "lr": lr,
+            "weight_decay": 0.0,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "warmup_steps": 0,
+            "schedule": "constant",
+            "max_grad_norm": 1.0,
+        },
+        "precision": {"autocast": "none", "threads": common.THREADS},
+        "checkpoint": {"every": 0},  # none (a stop signal would still write one)
+        "tracking": {"console": False},
+        "run": {"name": name, "root": str(root), "save_model": False},
+    }
 
 
-class GRPOStep:
-    """policy_gradient.train's step with the grpo preset: group z-score (Bessel), PPO-clip ε 0.2,
-    seq_mean_token_mean, k3 KL in the loss with coefficient `beta` (reference model when > 0),
-    update_epochs 1, minibatches 1, one micro-batch of the whole batch, AdamW, grad clip 1.0.
-    On the first (here: only) optimizer step logp_old is the detached logp of the same forward.
-
-    Sampling goes through the rollout engine seam as in the trainer (`make_engine` with
-    `rollout.engine: hf`, `engine.generate(prompts, SamplingParams(n=group, ...))`, so a group's
-    prompt is prefilled once). `fixed_length`: the engine's stop set is replaced by one id that
-    never matches (-1), so every completion has `max_new` tokens (TRL: `eos_token_id=None`);
-    this one assignment is the bench's only hook into the engine."""
-
-    def __init__(
-        self, model, tokenizer, prompts: list[str], *, n_prompts, group, max_new, beta, lr,
-        fixed_length=True, reward_fn=text_reward, checkpointing=False,
-    ):  # fmt: skip
-        set_checkpointing(model, checkpointing)
-        self.model, self.tok = model, tokenizer
-        self.ids = [encode_prompt(tokenizer, p) for p in prompts]
-        self.stream = itertools.cycle(range(len(self.ids)))
-        self.n_prompts, self.group, self.max_new, self.beta = n_prompts, group, max_new, beta
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if beta > 0 else None
-        oc = optim_cfg(lr)
-        self.opt = make_optimizer(model, oc)
-        self.sched = make_scheduler(self.opt, oc, 10**6)
-        self.rng = torch.Generator().manual_seed(0)
-        self.shuffle = torch.Generator().manual_seed(1)
-        self.cfg = SimpleNamespace(
-            train=SimpleNamespace(micro_batch_size=n_prompts * group),
-            rollout=SimpleNamespace(temperature=1.0),
+def grpo_config(model_dir, root, prompts_file, *, steps: int, n_prompts: int, group: int,
+                max_new: int, beta: float, lr: float, task: dict | None = None) -> dict:  # fmt: skip
+    """`trainer: policy_gradient` with the grpo preset's loss (configs/pg/grpo.yaml: group
+    z-score with Bessel, PPO-clip ε 0.2, per-sequence token mean, k3 KL in the loss with
+    coefficient `beta`, a reference model when beta > 0), one update per batch, one micro-batch
+    of the whole batch, on the prompts of `prompts_file` (rendered texts, `data.template:
+    "{prompt}"`: used as they are) scored by `vowel_reward`; with `task` (a `task` section)
+    instead, the task's prompts scored by its verifier (`correctness`)."""
+    raw = _base("policy_gradient", model_dir, root, steps=steps, lr=lr, name="bench_grpo")
+    raw.update(
+        data={
+            "source": "dataset",
+            "path": str(prompts_file),
+            "template": "{prompt}",
+            "heldout_frac": 0.0,
+        },
+        rollout={
+            "prompts_per_step": n_prompts,
+            "group_size": group,
+            "max_new_tokens": max_new,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+        },
+        reward={"components": [{"function": VOWEL_REWARD, "weight": 1.0}]},
+        loss={
+            "advantage": "group_zscore",
+            "advantage_args": {"unbiased": True},
+            "whiten_advantages": False,
+            "surrogate": "ppo_clip",
+            "surrogate_args": {"eps_low": 0.2, "eps_high": 0.2},
+            "aggregation": "seq_mean_token_mean",
+        },
+        kl={"coef": beta, "estimator": "k3", "placement": "loss", "controller": "fixed"},
+        train={
+            "steps": steps,
+            "micro_batch_size": n_prompts * group,
+            "update_epochs": 1,
+            "minibatches": 1,
+        },
+        eval={"n": 0},
+    )
+    if task is not None:
+        raw.update(
+            task=task, data={"source": "task"}, reward={"components": [{"name": "correctness"}]}
         )
-        # The trainer's call, with rollout.engine "hf", no extra stop ids and no autocast (fp32).
-        rollout_cfg = SimpleNamespace(engine="hf", stop_token_ids=(), vllm=None)
-        self.engine = make_engine(rollout_cfg, model, tokenizer, autocast_dtype=None)
+    raw["tracking"].update(samples_every=10**6, samples_per_step=0)
+    return raw
+
+
+def dpo_config(model_dir, root, pairs_file, *, steps: int, batch: int, beta: float,
+               lr: float) -> dict:  # fmt: skip
+    """`trainer: direct_alignment`, the dpo loss (sigmoid, `beta`), `batch` pairs per step in
+    one micro-batch, from `pairs_file` (format pairs: the prompt is rendered with the chat
+    template); reference log-probs cached at set-up (its only mode; not timed)."""
+    raw = _base("direct_alignment", model_dir, root, steps=steps, lr=lr, name="bench_dpo")
+    raw.update(
+        data={"source": "file", "path": str(pairs_file), "format": "pairs", "heldout_pairs": 0},
+        loss={"name": "dpo", "args": {"beta": beta}},
+        train={"steps": steps, "batch_size": batch, "micro_batch_size": batch},
+        eval={"n": 0, "pref_every": 0},
+    )
+    raw["tracking"].update(samples_every=10**6, samples_per_step=0)
+    return raw
+
+
+def rm_config(model_dir, root, pairs_file, *, steps: int, batch: int, lr: float) -> dict:
+    """`trainer: reward_model`, kind preference (Bradley–Terry, no margin, no centring), `batch`
+    pairs per step in one micro-batch, from `pairs_file` (format pairs), no held-out rows."""
+    raw = _base("reward_model", model_dir, root, steps=steps, lr=lr, name="bench_rm")
+    raw.update(
+        kind="preference",
+        data={
+            "source": "preference",
+            "path": str(pairs_file),
+            "format": "pairs",
+            "heldout_frac": 0.0,
+            "max_len": 1024,
+        },
+        loss={"margin": None, "center_coef": 0.0},
+        train={"steps": steps, "batch_size": batch, "micro_batch_size": batch},
+    )
+    return raw
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """`rows` as a JSON-lines file (the rows' data file); returns `path`."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+class OursRun:
+    """One rlhflab run of config `raw` (a dict in the trainer's schema), built with
+    `rlhflab.trainers.loop.Run` and stepped by `step()`. `fixed_length`: the rollout engine's
+    stop set becomes (-1,) (see the module docstring). `model`, `tokenizer`: the trainer's.
+
+    `step_s`: each `step()`'s wall time; `perf`: each step's `perf/*` metrics (the trainer's own
+    timers and counters); `response_len`: each step's `rollout/response_len_mean`."""
+
+    def __init__(self, raw: dict, *, fixed_length: bool = False) -> None:
+        from rlhflab.config import config_from_dict
+        from rlhflab.trainers.direct_alignment import DirectAlignment
+        from rlhflab.trainers.loop import Run
+        from rlhflab.trainers.policy_gradient import PolicyGradient
+        from rlhflab.trainers.reward_model import RewardModelTrainer
+
+        trainers = {
+            "policy_gradient": PolicyGradient,
+            "direct_alignment": DirectAlignment,
+            "reward_model": RewardModelTrainer,
+        }
+        self.cfg = config_from_dict(raw)
+        self.session = Run(self.cfg, trainers[self.cfg.trainer])
+        self.trainer = self.session.trainer
+        self.model, self.tokenizer = self.trainer.model, self.trainer.tokenizer
         if fixed_length:
-            self.engine.stop_token_ids = (-1,)  # never matches: no early stop (bench hook)
-        self.sampling = SamplingParams(n=group, max_new_tokens=max_new, temperature=1.0)
-        self.reward_fn = reward_fn
-        self.tokens: list[int] = []
-        self.phases: dict[str, list[float]] = {"rollout": [], "ref": [], "update": []}
+            self.trainer.engine.stop_token_ids = (-1,)  # never matches: no early stop
+        self.step_s: list[float] = []
+        self.perf: list[dict[str, float]] = []
+        self.response_len: list[float] = []  # policy gradient: mean completion tokens per step
 
     def step(self) -> None:
-        model, G = self.model, self.group
-        B = self.n_prompts * G
+        """One iteration of the harness's step loop (`Run.step()`), timed."""
         t0 = time.perf_counter()
-        chosen = [next(self.stream) for _ in range(self.n_prompts)]
-        model.eval()
-        self.engine.wake()
-        rollout = self.engine.generate(
-            [self.ids[i] for i in chosen],
-            self.sampling,
-            generator=self.rng,
-            rows=list(range(B)),  # one process: the global rows are all rows
-            n_rows=B,
-            width=max(len(self.ids[i]) for i in chosen),
-        )
-        self.engine.sleep()
-        model.train()
-        texts = decode_completions(self.tok, rollout, self.engine.stop_token_ids)
-        rewards = torch.tensor(self.reward_fn(texts, chosen, G), dtype=torch.float32)
-        batch = ScoredBatch(rollout, rewards, {"correctness": rewards}, texts, [None] * B)
-        mask = rollout.mask
-        t1 = time.perf_counter()
-        logp_ref = _no_grad_logps(self.ref, rollout, self.cfg, None) if self.ref else None
-        t2 = time.perf_counter()
-        adv = group_zscore(rewards, group_size=G, unbiased=True)
-        sums, update_sums, loss_total, grad_norms = {}, {}, 0.0, []
-        perm = torch.randperm(B, generator=self.shuffle)
-        mb_rows = perm
-        num_tokens = mask[mb_rows].sum()
-        self.opt.zero_grad(set_to_none=True)
-        for s in range(0, B, self.cfg.train.micro_batch_size):
-            rows = mb_rows[s : s + self.cfg.train.micro_batch_size]
-            micro = rollout.select(rows)
-            logp, entropy = completion_logps(model, micro, temperature=1.0, with_entropy=True)
-            loss_tok, stats = ppo_clip(logp, logp.detach(), adv[rows], micro.mask)
-            if logp_ref is not None:
-                kl_tok = kl_penalty(logp, logp_ref[rows], "k3")
-                loss_tok = loss_tok + self.beta * kl_tok
-                stats = {**stats, "kl": kl_tok.detach()}
-            loss = aggregate(
-                loss_tok, micro.mask, "seq_mean_token_mean", num_tokens=num_tokens, num_seqs=B
-            )
-            loss.backward()
-            loss_total += float(loss.detach())
-            _accumulate_update(update_sums, micro.mask, stats)
-            _accumulate(sums, micro, stats, entropy, logp.detach())
-        grad_norms.append(grad_norm_and_clip(model, 1.0))
-        self.opt.step()
-        self.sched.step()
-        self.engine.update_weights(model.named_parameters())  # "hf": nothing to do
-        # Phase 6's reductions (host syncs) as the trainer does them.
-        metrics = _rollout_metrics(batch, G)
-        n_tok = sums.pop("tokens")
-        metrics.update({k: (v / n_tok).item() for k, v in sums.items()})
-        metrics.update(_update_metrics(update_sums))
-        metrics["optim/grad_norm"] = torch.stack(grad_norms).mean().item()
-        metrics["perf/tokens"] = mask.sum().item()
-        t3 = time.perf_counter()
-        self.tokens.append(int(metrics["perf/tokens"]))
-        self.phases["rollout"].append(t1 - t0)
-        self.phases["ref"].append(t2 - t1)
-        self.phases["update"].append(t3 - t2)
+        metrics = self.session.step()
+        dt = time.perf_counter() - t0
+        if metrics is None:
+            raise RuntimeError("the rlhflab run has no steps left (train.steps too small)")
+        self.step_s.append(dt)
+        self.perf.append({k: float(v) for k, v in metrics.items() if k.startswith("perf/")})
+        if "rollout/response_len_mean" in metrics:
+            self.response_len.append(float(metrics["rollout/response_len_mean"]))
 
+    def perf_means(self, skip: int) -> dict[str, float]:
+        """Mean of every `perf/*` key over the steps after the first `skip` (warm-up)."""
+        rows = self.perf[skip:]
+        keys = sorted({k for r in rows for k in r})
+        return {k: sum(r.get(k, 0.0) for r in rows) / max(1, len(rows)) for k in keys}
 
-class DPOStep:
-    """direct_alignment.train's step for the dpo loss: `batch_size` pairs, chosen and rejected of a
-    micro-batch in one forward (`sequence_logps`), cached reference log-probs (the trainer's
-    only mode), loss sum / B, per-micro-batch `.item()` of every stat, grad clip 1.0, AdamW."""
-
-    def __init__(
-        self, model, rows: list[dict], *, batch_size, micro_batch_size, beta, lr, pad_id,
-        checkpointing=False,
-    ):  # fmt: skip
-        from rlhflab.trainers.direct_alignment import cache_reference
-
-        set_checkpointing(model, checkpointing)
-        self.model, self.rows, self.B, self.mb = model, rows, batch_size, micro_batch_size
-        self.beta, self.pad = beta, pad_id
-        cache_reference(
-            model, rows, pad_id, unpaired=False, chunk=2 * micro_batch_size, autocast_dtype=None
-        )
-        oc = optim_cfg(lr)
-        self.opt = make_optimizer(model, oc)
-        self.sched = make_scheduler(self.opt, oc, 10**6)
-        self.order = itertools.cycle(range(len(rows)))
-
-    def step(self) -> None:
-        model, B = self.model, self.B
-        batch_idx = [next(self.order) for _ in range(B)]
-        self.opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        n_tokens = 0
-        for s in range(0, B, self.mb):
-            mb = [self.rows[i] for i in batch_idx[s : s + self.mb]]
-            n = len(mb)
-            comps = [r["chosen"] for r in mb] + [r["rejected"] for r in mb]
-            logps, lengths = sequence_logps(model, [r["prompt"] for r in mb] * 2, comps, self.pad)
-            n_tokens += int(lengths.sum())
-            pc, pr = logps[:n], logps[n:]
-            rc = torch.tensor([r["ref_chosen"] for r in mb])
-            rr = torch.tensor([r["ref_rejected"] for r in mb])
-            losses, stats = dpo(pc, pr, rc, rr, beta=self.beta)
-            stats = {f"dpo/{k}": v for k, v in stats.items()}
-            stats["logps/chosen"] = pc.detach()
-            stats["logps/rejected"] = pr.detach()
-            loss = losses.sum() / B
-            loss.backward()
-            sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
-            for k, val in stats.items():
-                sums[k] = sums.get(k, 0.0) + val.float().sum().item() / B
-        grad_norm = grad_norm_and_clip(model, 1.0)
-        self.opt.step()
-        self.sched.step()
-        float(grad_norm)
-
-
-class RMStep:
-    """reward_model.train's step for kind "preference", calling the trainer's own `rm_losses`
-    (chosen and rejected packed in one forward, scored at the last real token, Bradley–Terry) and
-    `loss_denominator` (pairs), grad clip 1.0, AdamW."""
-
-    def __init__(
-        self, model, items: list, *, batch_size, micro_batch_size, lr, pad_id, checkpointing=False
-    ):
-        set_checkpointing(model, checkpointing)
-        self.model, self.items, self.pad = model, items, pad_id
-        self.B, self.mb = batch_size, micro_batch_size
-        self.cfg = SimpleNamespace(
-            kind="preference", loss=SimpleNamespace(margin=None, center_coef=0.0)
-        )
-        oc = optim_cfg(lr)
-        self.opt = make_optimizer(model, oc)
-        self.sched = make_scheduler(self.opt, oc, 10**6)
-        self.order = itertools.cycle(range(len(items)))
-
-    def step(self) -> None:
-        from rlhflab.trainers.reward_model import loss_denominator, rm_losses
-
-        model = self.model
-        batch = [self.items[next(self.order)] for _ in range(self.B)]
-        denom = loss_denominator(self.cfg, batch)
-        self.opt.zero_grad(set_to_none=True)
-        step_loss = torch.zeros(())
-        acc_sum = acc_n = 0.0
-        for s in range(0, len(batch), self.mb):
-            mb = batch[s : s + self.mb]
-            losses, weight, stats = rm_losses(self.cfg, model, mb, self.pad, "cpu", None)
-            loss = losses.sum() / denom
-            loss.backward()
-            step_loss += loss.detach().cpu()
-            acc_sum += float((stats["accuracy"] * weight).sum())
-            acc_n += float(weight.sum())
-        grad_norm = grad_norm_and_clip(model, 1.0)
-        self.opt.step()
-        self.sched.step()
-        float(step_loss), float(grad_norm)
+    def finish(self) -> dict:
+        """`Run.finish()`: the run's end (no model saved, no evaluation: off in the config)."""
+        return self.session.finish()

@@ -4,7 +4,9 @@
 
 Runs one warm-up step of each framework, then profiles one step of each and prints the operators
 with the most self CPU time, and the share of matrix multiplications (aten::mm / addmm / bmm)
-and attention in each step.
+and attention in each step. The rows are `bench/steps.py`'s: rlhflab's profiled step is the
+trainer's own, one `rlhflab.trainers.loop.Run.step()` (`bench/ours.py`), TRL's one step of its
+`train()` loop.
 """
 
 from __future__ import annotations

@@ -1,20 +1,27 @@
 """Run the rlhflab-vs-TRL benchmarks and write bench/RESULTS.md and bench/results.json.
 
-    python bench/run.py [--only NAME ...] [--reps N] [--quick]
+    python bench/run.py [--only NAME ...] [--reps N] [--quick] [--smoke --out DIR]
 
 Results of benchmarks not run this time are kept from the previous results_full.json, so
 `--only` re-measures some rows and leaves the others. See bench/README.md for what is timed.
+`--smoke` runs every row (or the `--only` ones) once at its smallest size, to show that it runs
+(the test suite's tests/bench/test_bench_smoke.py); its numbers are not results, and it writes
+them to `--out` (default: a temporary directory), never to bench/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if "--smoke" in sys.argv[1:]:  # before bench.common reads it; the rows' subprocesses inherit it
+    os.environ["RLHFLAB_BENCH_SMOKE"] = "1"
 
 from bench import common, report
 from bench.common import Pair
@@ -45,7 +52,7 @@ def _memory(name: str, reps: int) -> Pair:
     from bench import memory
 
     ckpt = name.endswith("ckpt")
-    variants = ("ours", "naive") if ckpt else memory.VARIANTS
+    variants = ("ours", "naive") if ckpt or not common.have_trl() else memory.VARIANTS
     res = memory.run(reps=1 if ckpt else reps, checkpointing=ckpt, variants=variants)
     mib = 2**20
     inc = {v: [r["step_peak"] / mib for r in rs] for v, rs in res.items()}
@@ -73,10 +80,11 @@ def _memory(name: str, reps: int) -> Pair:
 def _learning(quick: bool) -> Pair:
     from bench import learning
 
-    lrs = [3e-4] if quick else [1e-4, 3e-4, 1e-3]
-    budget = 30.0 if quick else 60.0
+    lrs = [3e-4] if quick or common.SMOKE else [1e-4, 3e-4, 1e-3]
+    budget = 1.0 if common.SMOKE else 30.0 if quick else 60.0
     res = learning.run(lrs=lrs, budget=budget)
-    bo, bt = res["best_ours"], res["best_trl"]
+    bo = res["best_ours"]
+    bt = res.get("best_trl") or {"report": float("nan"), "lr": float("nan"), "steps": 0}
     return Pair(
         "learning",
         [bo["report"]],
@@ -86,7 +94,8 @@ def _learning(quick: bool) -> Pair:
         target=1.0,
         note=(
             f"quickstart task, same SFT start (held-out {res['sft']['report']:.3f}), GRPO for {budget:.0f} s "
-            f"wall-clock each, LR sweep {lrs}; best LR by validation: ours {bo['lr']:g} ({bo['steps']} steps), "
+            "of training each (counted from the first step's start on both sides, set-up excluded), "
+            f"LR sweep {lrs}; best LR by validation: ours {bo['lr']:g} ({bo['steps']} steps), "
             f"TRL {bt['lr']:g} ({bt['steps']} steps); accuracy on {learning.N_REPORT} held-out problems "
             f"(stderr ~{bo['report_stderr']:.3f})"
         ),
@@ -99,6 +108,8 @@ def run_one(name: str, *, warmup: int, reps: int, quick: bool) -> Pair:
 
     scale = common.SMOL if name.endswith("_smol") else common.TINY
     smol_reps = max(2, reps if not quick else 1) if scale == common.SMOL else reps
+    if common.SMOKE:
+        smol_reps = reps
     if name == "grpo_step_eos_sft":
         return steps.grpo_eos(warmup=warmup, reps=reps)
     if name.startswith("grpo_"):
@@ -116,7 +127,7 @@ def run_one(name: str, *, warmup: int, reps: int, quick: bool) -> Pair:
     if name.startswith("generation_"):
         return steps.generation(scale, warmup=warmup, reps=smol_reps)
     if name.startswith("memory_"):
-        return _memory(name, 1 if quick else 2)
+        return _memory(name, 1 if quick or common.SMOKE else 2)
     if name == "learning":
         return _learning(quick)
     raise ValueError(name)
@@ -150,10 +161,19 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
     ap.add_argument("--reps", type=int, default=5, help="measured repetitions per benchmark")
     ap.add_argument("--quick", action="store_true", help="2 reps, smaller learning benchmark")
-    ap.add_argument("--out", type=Path, default=common.BENCH_DIR, help="where results go")
+    ap.add_argument("--out", type=Path, default=None, help="where results go (default: bench/)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="every row once at its smallest size (not results)"
+    )
     args = ap.parse_args(argv)
+    if args.smoke != common.SMOKE:
+        raise SystemExit("bench/run.py: --smoke must be given on the command line (sys.argv)")
     common.setup()
-    reps = 2 if args.quick else args.reps
+    tmp = None
+    if args.out is None:
+        tmp = tempfile.TemporaryDirectory() if args.smoke else None
+        args.out = Path(tmp.name) if tmp else common.BENCH_DIR
+    reps = 1 if args.smoke else 2 if args.quick else args.reps
     warmup = 1
     names = args.only or BENCHMARKS
     full_path = args.out / "results_full.json"

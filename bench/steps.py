@@ -1,15 +1,20 @@
-"""Benchmarks 1-4: GRPO, DPO and reward-model steps against TRL; generation against `generate`."""
+"""Benchmarks 1-4: GRPO, DPO and reward-model steps against TRL; generation against `generate`.
+
+rlhflab's side of the step rows is the trainer itself, stepped through the run harness
+(`bench/ours.py`, `OursRun`); TRL's side is its trainer's own `train()` (`bench/trl_driver.py`,
+`Alternate` runs one rlhflab step after each TRL step)."""
 
 from __future__ import annotations
 
 import random
 import tempfile
+from pathlib import Path
 
 import torch
 
 from bench import common
-from bench.common import Pair
-from bench.ours import DPOStep, GRPOStep, RMStep, text_reward
+from bench.common import Pair, vowel_reward
+from bench.ours import OursRun, dpo_config, grpo_config, rm_config, write_jsonl
 from bench.trl_driver import Alternate, common_args, grpo_args
 
 LR = 1e-5
@@ -19,10 +24,13 @@ SETTINGS = {
     common.TINY: dict(grpo=(8, 8, 64), pairs=32, comp_words=(6, 14), gen=(64, 64), prompt_len=None),
     common.SMOL: dict(grpo=(2, 4, 32), pairs=4, comp_words=(6, 14), gen=(8, 32), prompt_len=None),
 }
+if common.SMOKE:  # the smallest sizes: the rows' code runs, nothing is measured
+    SETTINGS = {k: dict(grpo=(2, 2, 4), pairs=2, comp_words=(2, 4), gen=(2, 4), prompt_len=None)
+                for k in SETTINGS}  # fmt: skip
 
 
 def _trl_reward(completions, **kwargs):
-    return text_reward(completions)
+    return vowel_reward(completions)
 
 
 def trl_grpo_trainer(path, args, tok, prompts: list[str], callback):
@@ -41,32 +49,59 @@ def trl_grpo_trainer(path, args, tok, prompts: list[str], callback):
     )
 
 
+def _phase_means(ours: OursRun, warmup: int) -> dict:
+    return {"ours_perf_mean": ours.perf_means(warmup)}
+
+
+def _ours_only(name: str, ours: OursRun, *, warmup: int, reps: int) -> Pair:
+    """Without TRL (smoke test in an environment without the `bench` extra): rlhflab's side of
+    a step row alone, its TRL value NaN."""
+    for _ in range(warmup + reps):
+        ours.step()
+    ours.finish()
+    return Pair(
+        name,
+        ours.step_s[warmup:],
+        [float("nan")],
+        "s/step",
+        note="TRL side not run: trl is not installed",
+        extra={"trl": None, **_phase_means(ours, warmup)},
+    )
+
+
 def grpo(scale: str, *, beta: float, warmup: int, reps: int, max_new: int | None = None) -> Pair:
     """GRPO step at fixed completion length; `max_new` overrides the scale's new tokens."""
-    from trl import GRPOConfig
-
     n_prompts, group, default_new = SETTINGS[scale]["grpo"]
     max_new = max_new or default_new
+    if common.SMOKE:
+        max_new = default_new
     path = common.model_dir(scale)
-    tok, model = common.load(path)
+    tok, _ = common.load(path)
     plen = common.modal_prompt_length(tok)
     prompts = common.prompt_texts(tok, 64, seed=1, length=plen)
-    ours = GRPOStep(
-        model, tok, prompts, n_prompts=n_prompts, group=group, max_new=max_new, beta=beta, lr=LR
-    )
-    alt = Alternate(ours.step, ours.model)
     with tempfile.TemporaryDirectory() as tmp:
+        data = write_jsonl(Path(tmp) / "prompts.jsonl", [{"prompt": p} for p in prompts])
+        ours = OursRun(
+            grpo_config(path, f"{tmp}/runs", data, steps=warmup + reps, n_prompts=n_prompts,
+                        group=group, max_new=max_new, beta=beta, lr=LR),
+            fixed_length=True,
+        )  # fmt: skip
+        name = f"grpo_step_{'ref' if beta > 0 else 'noref'}_{scale}"
+        if not common.have_trl():
+            return _ours_only(name, ours, warmup=warmup, reps=reps)
+        from trl import GRPOConfig
+
+        alt = Alternate(ours.step, ours.model)
         args = GRPOConfig(
-            **common_args(tmp, steps=warmup + reps, lr=LR),
+            **common_args(f"{tmp}/trl", steps=warmup + reps, lr=LR),
             **grpo_args(
                 n_prompts=n_prompts, group=group, max_new=max_new, beta=beta, fixed_length=True
             ),
         )
         trainer = trl_grpo_trainer(path, args, tok, prompts, alt)
         trainer.train()
+        ours.finish()
         trl_lengths = trainer._metrics["train"].get("completions/mean_length", [])
-    name = f"grpo_step_{'ref' if beta > 0 else 'noref'}_{scale}"
-    ph = {k: sum(v[warmup:]) / max(1, len(v[warmup:])) for k, v in ours.phases.items()}
     return Pair(
         name,
         alt.our_times[warmup:],
@@ -78,53 +113,61 @@ def grpo(scale: str, *, beta: float, warmup: int, reps: int, max_new: int | None
             f"{'k3 KL beta=' + str(beta) + ' with reference model' if beta > 0 else 'no reference model'}"
         ),
         extra={
-            "ours_completion_tokens": ours.tokens[warmup:],
+            "ours_completion_len_mean": ours.response_len[warmup:],
             "trl_completion_len_mean": trl_lengths[warmup:],
-            "ours_phase_mean_s": ph,
+            **_phase_means(ours, warmup),
         },
     )
 
 
-def _pairs(tok, n: int, scale: str, seed: int = 0):
-    """n preference pairs (strings): rendered prompt, random-word chosen and rejected."""
+def _pairs(tok, n: int, scale: str, seed: int = 0) -> list[dict]:
+    """n preference pairs: a spell_backward-like question (`question`, user text), its
+    chat-rendered prompt (`prompt`, what TRL gets: a standard-format prompt is used as it is),
+    random-word chosen and rejected completions."""
+    from rlhflab.data.formatting import render_prompt
+
     rng = random.Random(seed)
     lo, hi = SETTINGS[scale]["comp_words"]
-    prompts = common.prompt_texts(tok, n, seed=seed + 5)
-    return [
-        (
-            p,
-            common.random_completion(rng, rng.randint(lo, hi)),
-            common.random_completion(rng, rng.randint(lo, hi)),
-        )
-        for p in prompts
-    ]
+    out = []
+    for w in common.words(n, seed=seed + 5):
+        q = common.question(w)
+        chosen = common.random_completion(rng, rng.randint(lo, hi))
+        rejected = common.random_completion(rng, rng.randint(lo, hi))
+        out.append({"question": q, "prompt": render_prompt(tok, q), "chosen": chosen,
+                    "rejected": rejected})  # fmt: skip
+    return out
 
 
-def _tokenized(tok, pairs):
-    from rlhflab.data.formatting import encode_completion, encode_prompt
+def _pairs_file(path: Path, pairs: list[dict]) -> Path:
+    """rlhflab's data file of `pairs` (format pairs: the prompt is user text, rendered with the
+    chat template by the trainer, giving TRL's `prompt` text)."""
+    return write_jsonl(path, [{"prompt": p["question"], "chosen": p["chosen"],
+                               "rejected": p["rejected"]} for p in pairs])  # fmt: skip
 
-    return [
-        (encode_prompt(tok, p), encode_completion(tok, c), encode_completion(tok, r))
-        for p, c, r in pairs
-    ]
+
+def _trl_pairs(pairs: list[dict]):
+    from datasets import Dataset
+
+    return Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")})
 
 
 def dpo(scale: str, *, precompute: bool, warmup: int, reps: int) -> Pair:
-    from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
-
     B = SETTINGS[scale]["pairs"]
     path = common.model_dir(scale)
-    tok, model = common.load(path)
+    tok, _ = common.load(path)
     pairs = _pairs(tok, B * (warmup + reps), scale)
-    rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in _tokenized(tok, pairs)]
-    ours = DPOStep(
-        model, rows, batch_size=B, micro_batch_size=B, beta=0.1, lr=LR, pad_id=tok.pad_token_id
-    )
-    alt = Alternate(ours.step, ours.model)
     with tempfile.TemporaryDirectory() as tmp:
+        data = _pairs_file(Path(tmp) / "pairs.jsonl", pairs)
+        ours = OursRun(dpo_config(path, f"{tmp}/runs", data, steps=warmup + reps, batch=B,
+                                  beta=0.1, lr=LR))  # fmt: skip
+        kind = "cached" if precompute else "ref"
+        if not common.have_trl():
+            return _ours_only(f"dpo_step_{kind}_{scale}", ours, warmup=warmup, reps=reps)
+        from trl import DPOConfig, DPOTrainer
+
+        alt = Alternate(ours.step, ours.model)
         args = DPOConfig(
-            **common_args(tmp, steps=warmup + reps, lr=LR),
+            **common_args(f"{tmp}/trl", steps=warmup + reps, lr=LR),
             per_device_train_batch_size=B,
             beta=0.1,
             loss_type=["sigmoid"],
@@ -141,22 +184,18 @@ def dpo(scale: str, *, precompute: bool, warmup: int, reps: int) -> Pair:
         trainer = DPOTrainer(
             model=str(path),
             args=args,
-            train_dataset=Dataset.from_dict(
-                {
-                    "prompt": [p for p, _, _ in pairs],
-                    "chosen": [c for _, c, _ in pairs],
-                    "rejected": [r for _, _, r in pairs],
-                }
-            ),
+            train_dataset=_trl_pairs(pairs),
             processing_class=tok,
             callbacks=[alt],
         )
         trainer.train()
+        ours.finish()
     toks = sum(
-        len(p) * 2 + len(c) + len(r)
-        for p, c, r in ((r["prompt"], r["chosen"], r["rejected"]) for r in rows[:B])
+        len(tok(p["prompt"], add_special_tokens=False)["input_ids"]) * 2
+        + len(tok(p["chosen"], add_special_tokens=False)["input_ids"])
+        + len(tok(p["rejected"], add_special_tokens=False)["input_ids"])
+        for p in pairs[:B]
     )
-    kind = "cached" if precompute else "ref"
     return Pair(
         f"dpo_step_{kind}_{scale}",
         alt.our_times[warmup:],
@@ -172,28 +211,28 @@ def dpo(scale: str, *, precompute: bool, warmup: int, reps: int) -> Pair:
             )
             + "; rlhflab: reference log-probs cached before training (its only mode)"
         ),
+        extra=_phase_means(ours, warmup),
     )
 
 
 def reward_model(scale: str, *, warmup: int, reps: int) -> Pair:
-    from datasets import Dataset
-    from trl import RewardConfig, RewardTrainer
-
-    from rlhflab.data.preference import TokenizedPair
-    from rlhflab.models.reward import reward_model_from_causal_lm, save_reward_model
+    from rlhflab.models.reward import save_reward_model
 
     B = SETTINGS[scale]["pairs"]
     path = common.model_dir(scale)
-    tok, lm = common.load(path)
-    rm = reward_model_from_causal_lm(lm, num_labels=1, seed=0, pad_token_id=tok.pad_token_id)
-    del lm
+    tok, _ = common.load(path)
     pairs = _pairs(tok, B * (warmup + reps), scale, seed=3)
-    items = [TokenizedPair(p, c, r) for p, c, r in _tokenized(tok, pairs)]
     with tempfile.TemporaryDirectory() as tmp:
+        data = _pairs_file(Path(tmp) / "pairs.jsonl", pairs)
+        # rlhflab's trainer builds the reward model (backbone + fresh head, seeded) at set-up;
+        # TRL loads exactly these weights.
+        ours = OursRun(rm_config(path, f"{tmp}/runs", data, steps=warmup + reps, batch=B, lr=LR))
+        if not common.have_trl():
+            return _ours_only(f"rm_step_{scale}", ours, warmup=warmup, reps=reps)
+        from trl import RewardConfig, RewardTrainer
+
         rm_dir = f"{tmp}/rm"
-        save_reward_model(rm, tok, rm_dir)  # TRL loads exactly these weights (backbone + head)
-        rm.train()
-        ours = RMStep(rm, items, batch_size=B, micro_batch_size=B, lr=LR, pad_id=tok.pad_token_id)
+        save_reward_model(ours.model, tok, rm_dir)
         alt = Alternate(ours.step, ours.model)
         args = RewardConfig(
             **common_args(f"{tmp}/out", steps=warmup + reps, lr=LR),
@@ -206,17 +245,12 @@ def reward_model(scale: str, *, warmup: int, reps: int) -> Pair:
         trainer = RewardTrainer(
             model=rm_dir,
             args=args,
-            train_dataset=Dataset.from_dict(
-                {
-                    "prompt": [p for p, _, _ in pairs],
-                    "chosen": [c for _, c, _ in pairs],
-                    "rejected": [r for _, _, r in pairs],
-                }
-            ),
+            train_dataset=_trl_pairs(pairs),
             processing_class=tok,
             callbacks=[alt],
         )
         trainer.train()
+        ours.finish()
     return Pair(
         f"rm_step_{scale}",
         alt.our_times[warmup:],
@@ -224,6 +258,7 @@ def reward_model(scale: str, *, warmup: int, reps: int) -> Pair:
         "s/step",
         target=0.8,
         note=f"Bradley-Terry, {B} pairs, chosen and rejected in one forward on both sides",
+        extra=_phase_means(ours, warmup),
     )
 
 
@@ -287,6 +322,8 @@ def generation_groups(scale: str, *, warmup: int, reps: int, groups: int = 8, gr
     from rlhflab.data.formatting import encode_prompt
     from rlhflab.rollout.sampler import sample
 
+    if common.SMOKE:
+        groups, group, max_new = 2, 2, 4
     path = common.model_dir(scale)
     tok, model = common.load(path)
     model.eval()
@@ -331,6 +368,9 @@ def generation_eos(*, warmup: int, reps: int, batch: int = 64, max_new: int = 24
     from bench.learning import _splits, sft_model
     from rlhflab.data.formatting import encode_prompt, render_prompt
     from rlhflab.rollout.sampler import left_pad, sample
+
+    if common.SMOKE:
+        batch, max_new = 2, 4
 
     tok, model = common.load(sft_model())
     model.eval()
@@ -389,36 +429,40 @@ def generation_eos(*, warmup: int, reps: int, batch: int = 64, max_new: int = 24
 def grpo_eos(*, warmup: int, reps: int) -> Pair:
     """The GRPO step in the quickstart's setting: its SFT model, 16 task prompts x group 8, up to
     10 new tokens with natural EOS, the binary verifier reward, no reference model — the shape of
-    a real RL step, where completions stop early and a group shares its prompt."""
+    a real RL step, where completions stop early and a group shares its prompt. rlhflab's side
+    is the trainer on the quickstart's task (`correctness`: the task's verifier); TRL gets the
+    same prompts (rendered as the trainer renders them) and the trainer's verifier."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
-    from bench.learning import _splits, _task, sft_model
-    from rlhflab.data.formatting import render_prompt
-    from rlhflab.rewards.verifier import Verifier
+    from bench.learning import _task, sft_model
+    from rlhflab.data.prompts import render_row
 
     path = sft_model()
-    tok, model = common.load(path)
-    t = _task()
-    problems = _splits().train[:2000]
-    prompts = [render_prompt(tok, p.question) for p in problems]
-    verifier = Verifier(answer_format=t["answer_format"], reward=t["reward"])
-    n_prompts, group, max_new = 16, 8, 10
-
-    def ours_reward(texts, chosen, g):
-        return [verifier.score(x, problems[chosen[k // g]]) for k, x in enumerate(texts)]
-
-    def trl_reward(completions, idx, **kwargs):
-        return [verifier.score(c, problems[i]) for c, i in zip(completions, idx, strict=True)]
-
-    ours = GRPOStep(
-        model, tok, prompts, n_prompts=n_prompts, group=group, max_new=max_new, beta=0.0, lr=LR,
-        fixed_length=False, reward_fn=ours_reward,
-    )  # fmt: skip
-    alt = Alternate(ours.step, ours.model)
+    tok, _ = common.load(path)
+    n_prompts, group, max_new = (2, 2, 4) if common.SMOKE else (16, 8, 10)
     with tempfile.TemporaryDirectory() as tmp:
+        ours = OursRun(
+            grpo_config(path, f"{tmp}/runs", None, steps=warmup + reps, n_prompts=n_prompts,
+                        group=group, max_new=max_new, beta=0.0, lr=LR, task=_task())
+        )  # fmt: skip
+        if not common.have_trl():
+            return _ours_only("grpo_step_eos_sft", ours, warmup=warmup, reps=reps)
+        from trl import GRPOConfig, GRPOTrainer
+
+        tr = ours.trainer
+        problems = tr.splits.train[:2000]
+        prompts = [
+            render_row(tok, p, system=tr.system, instruction=tr.instruction) for p in problems
+        ]
+
+        def trl_reward(completions, idx, **kwargs):
+            return [
+                tr.verifier.score(c, problems[i]) for c, i in zip(completions, idx, strict=True)
+            ]
+
+        alt = Alternate(ours.step, ours.model)
         args = GRPOConfig(
-            **common_args(tmp, steps=warmup + reps, lr=LR),
+            **common_args(f"{tmp}/trl", steps=warmup + reps, lr=LR),
             **grpo_args(
                 n_prompts=n_prompts, group=group, max_new=max_new, beta=0.0, fixed_length=False
             ),
@@ -432,7 +476,8 @@ def grpo_eos(*, warmup: int, reps: int) -> Pair:
             callbacks=[alt],
         )
         trainer.train()
-    toks = ours.tokens[warmup:]
+        ours.finish()
+    lens = ours.response_len[warmup:]
     return Pair(
         "grpo_step_eos_sft",
         alt.our_times[warmup:],
@@ -441,7 +486,8 @@ def grpo_eos(*, warmup: int, reps: int) -> Pair:
         target=0.5,
         note=(
             f"quickstart SFT model (0.5 M params, vocab 300), {n_prompts} spell_backward prompts x group {group}, "
-            f"up to {max_new} new tokens with natural EOS (ours: {sum(toks) / len(toks) / (n_prompts * group):.1f} "
+            f"up to {max_new} new tokens with natural EOS (ours: {sum(lens) / max(1, len(lens)):.1f} "
             "tokens per completion on average), binary verifier reward, no reference model"
         ),
+        extra={"ours_completion_len_mean": lens, **_phase_means(ours, warmup)},
     )

@@ -16,7 +16,8 @@ its share of the checkpoint; `run` owns everything around them, in this order:
        `final_results.json` (rank 0 writes; every rank returns the same results)
 
 A new trainer family is its set-up and `step()`; it inherits resume, stop signals, checkpoints,
-time budget and results.
+time budget and results. `Run` is the same run a step at a time (0-2 on construction, 3 per
+`step()`, 4 in `finish()`); `run` is a loop over it.
 """
 
 from __future__ import annotations
@@ -379,107 +380,181 @@ def run(cfg, make: type[Trainer]) -> dict:
     `Interrupted` after a stop signal's checkpoint, `HealthStop` after a health stop's checkpoint,
     and `RunComplete` for `--resume` of a finished run.
     """
-    t_start = time.perf_counter()
-    # -- 0. Set-up: everything that can fail on bad input fails here, before any file is written.
-    ckpt = resume_point(cfg)  # the verified checkpoint to continue from, or None
-    seed_everything(cfg.seed)
-    device = default_device()
-    autocast_dtype = setup_precision(cfg.precision, device)
-    trainer = make(cfg, Env(device, autocast_dtype, resuming=ckpt is not None))
+    session = Run(cfg, make)  # 0-2: set-up, run directory, resume or step-0 evaluation
+    with session:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
+        while session.step() is not None:  # 3: one optimizer step and what follows it
+            pass
+    return session.finish()  # 4: final checkpoint and evaluation, model, plots, results
 
-    # -- 1. Run directory (a resumed run continues in its own) and what writes to it.
-    run_dir = open_run(cfg, ckpt)
-    tracker = Tracker.for_run(run_dir, cfg, headline=trainer.headline, ckpt=ckpt)
-    samples = None
-    if trainer.writes_samples:
-        samples = SampleWriter(run_dir, enabled=distributed.is_main(), tracker=tracker)
-    health = HealthMonitor(  # logp_mismatch's threshold by precision unless set
-        resolved_health(cfg, autocast_dtype), trainer.model, print_fn=tracker.warn
-    )
-    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
-    trainer.run_dir, trainer.tracker, trainer.samples = run_dir, tracker, samples
-    trainer.health, trainer.guard = health, guard
-    trainer.timer, perf_static, peak_tflops = perf_setup(cfg, trainer, device)
-    tracker.print(f"run directory: {run_dir}  ({trainer.describe()})")
-    closers = (tracker.close,) if samples is None else (tracker.close, samples.close)
-    parts = trainer.checkpointed()
-    checkpointer = Checkpointer(
-        run_dir,
-        cfg.model_dump(mode="json"),
-        modules=parts.modules,
-        optimizers=parts.optimizers,
-        schedulers=parts.schedulers,
-        generators=parts.generators,
-        stateful={**parts.stateful, "nan": guard, "health": health, "tracker": tracker},
-        every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last,
-        resumed_from=ckpt,
-        tokenizer=trainer.tokenizer,
-    )
 
-    # -- 2. Resume, or evaluate the initial model.
-    total = cfg.train.steps
-    if ckpt is not None:
-        trainer.load_state(checkpointer.resume(ckpt, tracker, total))
-    else:
-        trainer.begin()
-    steps_done = ckpt.step if ckpt is not None else 0
+class Run:
+    """One run, a step at a time: what `run` does, for callers that interleave the steps with
+    other work (the benchmarks drive a trainer this way, one step after each step of another
+    framework). `run(cfg, make)` is exactly
 
-    # -- 3. Training steps.
-    budget = TimeBudget(cfg.train.max_seconds, total, t_start)
-    with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit
-        for step in range(steps_done + 1, total + 1):
-            # The step's wall time (perf/step_s): from here to its log line, measured by this
-            # clock, apart from the stage timer's own; its checkpoint comes after the line.
-            # (On CUDA both ends wait for the queued kernels, as the stage boundaries do.)
-            trainer.timer.synchronize()
-            t_step = time.perf_counter()
-            trainer.timer.begin()
-            metrics, health_inputs = trainer.step(step)
-            steps_done = step
-            if cfg.train.nan_policy == "skip":
-                metrics["train/nan_skips"] = guard.skipped
-            metrics.update(health.check(step, metrics, **health_inputs))
-            logged = dict(metrics)  # the evaluation logs its own line
-            if step < total:
-                with trainer.timer.stage("eval"):
-                    metrics.update(trainer.periodic(step, metrics))
-            trainer.write_samples(step)
-            trainer.timer.synchronize()
-            step_s = time.perf_counter() - t_step
-            logged.update(trainer.timer.end(step_s, devices=distributed.world_size(),
-                                            peak_tflops=peak_tflops))  # fmt: skip
-            logged.update(perf_static, **{"perf/step_s": step_s})
-            if step % cfg.tracking.log_every == 0 or step == total:
-                tracker.log(step, logged)
-            tracker.advance(step, metrics)
-            checkpointer.end_step(step, stop, trainer.state, on_stop=closers, halt=health.halt())
-            if budget.expired(step):  # per invocation; never after the last step
-                break
-    budget.say_stop(tracker)
-    checkpointer.finish(steps_done, trainer.state(), stopped=budget.stopped_at is not None)
+        session = Run(cfg, make)            # phases 0-2 (below)
+        with session:                        # stop signals (SIGTERM / SIGINT) are caught
+            while session.step() is not None:
+                pass
+        results = session.finish()          # phase 4
 
-    # -- 4. Final evaluation, model, plots, results.
-    trainer.finish(steps_done)
-    for close in closers:
-        close()
-    if cfg.run.save_model:
-        trainer.save(run_dir / "model")
-    results = {
-        "trainer": trainer.name,
-        "steps": steps_done,
-        "status": budget.status,  # complete | stopped_by_max_seconds
-        **trainer.results(),
-        "health": health.summary(),
-        "wall_s": round(time.perf_counter() - t_start, 2),
-        "run_dir": str(run_dir),
-        "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
-        "world_size": distributed.world_size(),
-    }
-    if distributed.is_main():
-        plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots", stages=STAGES)
-        write_json_atomic(run_dir / "final_results.json", results)
-        if cfg.run.save_model:  # the model card says what the model is (rlhflab.models.card)
-            write_trained_model_card(run_dir / "model", cfg, results)
-    distributed.barrier()
-    return results
+    `Run(cfg, make)` does the set-up, opens the run directory and its writers, and resumes or
+    runs the step-0 evaluation. `step()` is one iteration of the step loop (the trainer's step,
+    health checks, logging, periodic evaluation, samples, progress, checkpoint policy and stop
+    signals, the time budget) and returns that step's metrics; None once the run is over (its
+    last step done, or `train.max_seconds` ran out after the previous step). `finish()` writes
+    the end-of-training checkpoint, the final evaluation, the model, plots and results. Used
+    without `with`, SIGTERM and SIGINT keep the handlers they had (no checkpoint on a signal).
+
+    Attributes: `trainer` (the `Trainer`; its `model`, `tokenizer` and, for trainers that
+    sample, `engine`), `run_dir`, `steps_done`, `t_start` (`time.perf_counter()` at the start
+    of set-up, which `train.max_seconds` counts from).
+
+    Raises: as `run` (set-up errors from the constructor; `Interrupted`, `HealthStop` from
+    `step`).
+    """
+
+    def __init__(self, cfg, make: type[Trainer]) -> None:
+        self.cfg = cfg
+        t_start = self.t_start = time.perf_counter()
+        # -- 0. Set-up: everything that can fail on bad input fails here, before any file is written.
+        ckpt = resume_point(cfg)  # the verified checkpoint to continue from, or None
+        seed_everything(cfg.seed)
+        device = default_device()
+        autocast_dtype = setup_precision(cfg.precision, device)
+        trainer = make(cfg, Env(device, autocast_dtype, resuming=ckpt is not None))
+
+        # -- 1. Run directory (a resumed run continues in its own) and what writes to it.
+        run_dir = open_run(cfg, ckpt)
+        tracker = Tracker.for_run(run_dir, cfg, headline=trainer.headline, ckpt=ckpt)
+        samples = None
+        if trainer.writes_samples:
+            samples = SampleWriter(run_dir, enabled=distributed.is_main(), tracker=tracker)
+        health = HealthMonitor(  # logp_mismatch's threshold by precision unless set
+            resolved_health(cfg, autocast_dtype), trainer.model, print_fn=tracker.warn
+        )
+        guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.nan_max_skips)
+        trainer.run_dir, trainer.tracker, trainer.samples = run_dir, tracker, samples
+        trainer.health, trainer.guard = health, guard
+        trainer.timer, self.perf_static, self.peak_tflops = perf_setup(cfg, trainer, device)
+        tracker.print(f"run directory: {run_dir}  ({trainer.describe()})")
+        closers = (tracker.close,) if samples is None else (tracker.close, samples.close)
+        parts = trainer.checkpointed()
+        checkpointer = Checkpointer(
+            run_dir,
+            cfg.model_dump(mode="json"),
+            modules=parts.modules,
+            optimizers=parts.optimizers,
+            schedulers=parts.schedulers,
+            generators=parts.generators,
+            stateful={**parts.stateful, "nan": guard, "health": health, "tracker": tracker},
+            every=cfg.checkpoint.every,
+            keep_last=cfg.checkpoint.keep_last,
+            resumed_from=ckpt,
+            tokenizer=trainer.tokenizer,
+        )
+
+        # -- 2. Resume, or evaluate the initial model.
+        total = cfg.train.steps
+        if ckpt is not None:
+            trainer.load_state(checkpointer.resume(ckpt, tracker, total))
+        else:
+            trainer.begin()
+        steps_done = ckpt.step if ckpt is not None else 0
+
+        budget = TimeBudget(cfg.train.max_seconds, total, t_start)
+        self.trainer, self.run_dir, self.tracker, self.health = trainer, run_dir, tracker, health
+        self.guard, self.checkpointer, self.closers, self.budget = (
+            guard,
+            checkpointer,
+            closers,
+            budget,
+        )
+        self.total, self.steps_done, self.over = total, steps_done, steps_done >= total
+        self.stop = StopSignals()
+
+    def __enter__(self) -> Run:
+        self.stop.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.__exit__(*exc)
+
+    def step(self) -> dict | None:
+        """-- 3. One training step: step → health checks → periodic evaluation → samples → log
+        (the step's timings included) → progress → checkpoint and stop signals (SIGTERM /
+        SIGINT, health stops) → time budget. Returns the step's metrics (as logged, with its
+        `perf/` timings, plus the periodic evaluation's), or None when the run is over (nothing
+        is done then)."""
+        if self.over:
+            return None
+        cfg, trainer, health, tracker = self.cfg, self.trainer, self.health, self.tracker
+        guard, checkpointer, closers, budget = (
+            self.guard,
+            self.checkpointer,
+            self.closers,
+            self.budget,
+        )
+        stop, total, step = self.stop, self.total, self.steps_done + 1
+        # The step's wall time (perf/step_s): from here to its log line, measured by this
+        # clock, apart from the stage timer's own; its checkpoint comes after the line.
+        # (On CUDA both ends wait for the queued kernels, as the stage boundaries do.)
+        trainer.timer.synchronize()
+        t_step = time.perf_counter()
+        trainer.timer.begin()
+        metrics, health_inputs = trainer.step(step)
+        self.steps_done = step
+        if cfg.train.nan_policy == "skip":
+            metrics["train/nan_skips"] = guard.skipped
+        metrics.update(health.check(step, metrics, **health_inputs))
+        logged = dict(metrics)  # the evaluation logs its own line
+        if step < total:
+            with trainer.timer.stage("eval"):
+                metrics.update(trainer.periodic(step, metrics))
+        trainer.write_samples(step)
+        trainer.timer.synchronize()
+        step_s = time.perf_counter() - t_step
+        perf = trainer.timer.end(step_s, devices=distributed.world_size(),
+                                 peak_tflops=self.peak_tflops)  # fmt: skip
+        perf.update(self.perf_static, **{"perf/step_s": step_s})
+        logged.update(perf)
+        metrics.update(perf)  # the caller sees the step's timings too
+        if step % cfg.tracking.log_every == 0 or step == total:
+            tracker.log(step, logged)
+        tracker.advance(step, metrics)
+        checkpointer.end_step(step, stop, trainer.state, on_stop=closers, halt=health.halt())
+        if budget.expired(step) or step == total:  # per invocation; never after the last step
+            self.over = True
+        return metrics
+
+    def finish(self) -> dict:
+        """-- 4. The end-of-training checkpoint, final evaluation, model, plots, results; returns
+        the final results (rank 0 writes final_results.json; every rank returns them)."""
+        cfg, trainer, tracker, health = self.cfg, self.trainer, self.tracker, self.health
+        budget, run_dir, steps_done = self.budget, self.run_dir, self.steps_done
+        budget.say_stop(tracker)
+        self.checkpointer.finish(steps_done, trainer.state(), stopped=budget.stopped_at is not None)
+
+        trainer.finish(steps_done)
+        for close in self.closers:
+            close()
+        if cfg.run.save_model:
+            trainer.save(run_dir / "model")
+        results = {
+            "trainer": trainer.name,
+            "steps": steps_done,
+            "status": budget.status,  # complete | stopped_by_max_seconds
+            **trainer.results(),
+            "health": health.summary(),
+            "wall_s": round(time.perf_counter() - self.t_start, 2),
+            "run_dir": str(run_dir),
+            "model_dir": str(run_dir / "model") if cfg.run.save_model else None,
+            "world_size": distributed.world_size(),
+        }
+        if distributed.is_main():
+            plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots", stages=STAGES)
+            write_json_atomic(run_dir / "final_results.json", results)
+            if cfg.run.save_model:  # the model card says what the model is (rlhflab.models.card)
+                write_trained_model_card(run_dir / "model", cfg, results)
+        distributed.barrier()
+        return results
