@@ -133,6 +133,18 @@ def run_one(name: str, *, warmup: int, reps: int, quick: bool) -> Pair:
     raise ValueError(name)
 
 
+def _load_line(results: dict) -> str:
+    """The 1-minute load averages at the start and end of each row (`load_avg_1min`), if
+    recorded: how idle the machine was while the rows ran."""
+    loads = [x for r in results.values() for x in r.get("load_avg_1min", [])]
+    if not loads:
+        return "Load average: not recorded for these rows.  "
+    return (
+        f"Load average (1 min) at the start and end of each row: {min(loads):.2f}–{max(loads):.2f} "
+        f"(2 cores; one benchmark process, nothing else running).  "
+    )
+
+
 def write_results_md(path: Path, results: dict, machine: dict, command: str) -> None:
     gen = [
         MARK_START,
@@ -140,6 +152,7 @@ def write_results_md(path: Path, results: dict, machine: dict, command: str) -> 
         f"torch {machine['torch']}, transformers {machine.get('transformers')}, trl {machine.get('trl')}, "
         f"Python {machine['python']}, {machine['threads']} torch thread for both frameworks, "
         f"GPU: {machine['gpu'] or 'none'}.  ",
+        _load_line(results),
         f"Command: `{command}`",
         "",
         report.markdown_table(results),
@@ -182,11 +195,13 @@ def main(argv=None) -> int:
     machine = common.machine()
     for name in names:
         t0 = time.perf_counter()
+        load_before = os.getloadavg()[0]  # the machine must be otherwise idle (bench/README.md)
         print(f"[bench] {name} ...", flush=True)
         pair = run_one(name, warmup=warmup, reps=reps, quick=args.quick)
         d = pair.to_dict()
         d["wall_s"] = round(time.perf_counter() - t0, 1)
         d["quick"] = args.quick
+        d["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # start, end
         results[name] = d
         print(
             f"[bench] {name}: ours {d['ours']['median']:.4g}  theirs {d['theirs']['median']:.4g} "
