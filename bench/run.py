@@ -141,7 +141,7 @@ def _load_line(results: dict) -> str:
         return "Load average: not recorded for these rows.  "
     return (
         f"Load average (1 min) at the start and end of each row: {min(loads):.2f}–{max(loads):.2f} "
-        f"(2 cores; one benchmark process, nothing else running).  "
+        "(sampled between rows only).  "
     )
 
 
