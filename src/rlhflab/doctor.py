@@ -181,24 +181,16 @@ def check_versions(ctx: Context) -> Row:
 
 
 def matmul_tflops(device: str, dtype, n: int, reps: int = 5) -> float:
-    """Measured TFLOPS of an (n, n) @ (n, n) matmul in `dtype` on `device` (2·n³ flops per call,
-    the mean of `reps` calls after one warm-up)."""
+    """Measured TFLOPS of an (n, n) @ (n, n) matmul in `dtype` on `device`: the best of `reps`
+    timed calls after one warm-up (`rlhflab.throughput.measure_matmul_tflops`); on CUDA the
+    cache is emptied afterwards, so the doctor's own process holds no GPU memory for the rows."""
     import torch
 
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
+    from rlhflab.throughput import measure_matmul_tflops
+
+    tflops = measure_matmul_tflops(n, repeats=reps, device=device, dtype=dtype)
     if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    tflops = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
-    del a, b
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the doctor's own process holds no GPU memory for the rows
+        torch.cuda.empty_cache()
     return tflops
 
 

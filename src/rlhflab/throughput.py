@@ -102,34 +102,14 @@ def measure_matmul_tflops(
 
 # -- Model FLOPs ------------------------------------------------------------------------------
 def shape_from_hf_config(config: Any, name: str = "model"):
-    """A `rlhflab.plan.ModelShape` from a transformers config object (or its dict): the fields
-    `rlhflab.plan.resolve_shape` reads from config.json. Raises ValueError (one line) when a
-    field is missing or not a positive integer."""
-    from rlhflab.plan.shapes import FUSED_HEAD_TYPES, ModelShape
+    """A `rlhflab.plan.ModelShape` from a transformers config object (or its dict), read the way
+    `rlhflab plan` reads a config.json (`rlhflab.plan.shapes.shape_from_config`). Raises
+    ValueError (one line) when a field is missing or not a positive integer, or for a
+    mixture-of-experts model (whose FLOPs 6N does not describe)."""
+    from rlhflab.plan.shapes import shape_from_config
 
     cfg = config if isinstance(config, dict) else config.to_dict()
-    cfg = cfg.get("text_config", cfg) or cfg
-
-    def field(key: str, default=None) -> int:
-        value = cfg.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"model config: '{key}' must be a positive integer, got {value!r}")
-        return value
-
-    heads, hidden = field("num_attention_heads"), field("hidden_size")
-    return ModelShape(
-        name=name,
-        hidden_size=hidden,
-        num_hidden_layers=field("num_hidden_layers"),
-        intermediate_size=field("intermediate_size"),
-        num_attention_heads=heads,
-        num_key_value_heads=field("num_key_value_heads", heads),
-        head_dim=field("head_dim", cfg.get("head_dim") or hidden // heads),
-        vocab_size=field("vocab_size"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=str(cfg.get("model_type", "")).startswith("qwen3"),
-        fused_head=str(cfg.get("model_type", "")) in FUSED_HEAD_TYPES,
-    )
+    return shape_from_config(cfg, name=name, where="model config")
 
 
 def dense_params(shape, *, lm_head: bool = True) -> int:

@@ -168,22 +168,32 @@ def resolve_shape(name_or_path: str, *, what: str = "--model") -> ModelShape:
         ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{what}: cannot read {path}: {exc}") from None
+    return shape_from_config(cfg, name=str(name_or_path), where=f"{what}: {path}")
+
+
+def shape_from_config(cfg: dict, *, name: str, where: str) -> ModelShape:
+    """The `ModelShape` of a transformers config (the dict of a model's config.json, or
+    `PretrainedConfig.to_dict()`; a multimodal config's `text_config` is used when present).
+    `where` names the source in errors (e.g. "--model: /path/config.json"). Raises ValueError
+    (one line naming `where` and the field) when the config is not a JSON object, is a
+    mixture-of-experts model (not planned), or a shape field is missing or not a positive
+    integer."""
     cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
     if not isinstance(cfg, dict):
-        raise ValueError(f"{what}: {path} is not a JSON object")
+        raise ValueError(f"{where} is not a JSON object")
     if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(f"{what}: {path}: mixture-of-experts models are not planned")
+        raise ValueError(f"{where}: mixture-of-experts models are not planned")
 
     def field(key: str, default=None) -> int:
         value = cfg.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what}: {path}: '{key}' must be a positive integer, got {value!r}")
+            raise ValueError(f"{where}: '{key}' must be a positive integer, got {value!r}")
         return value
 
     heads = field("num_attention_heads")
     hidden = field("hidden_size")
     return ModelShape(
-        name=str(name_or_path),
+        name=name,
         hidden_size=hidden,
         num_hidden_layers=field("num_hidden_layers"),
         intermediate_size=field("intermediate_size"),
