@@ -47,7 +47,7 @@ LAYERS: list[set[str]] = [
     {"envs", "plan"},
     {"eval", "summary", "next_steps", "throughput"},
     {"trainers"},
-    {"pipeline", "quickstart", "compare", "prm_vs_orm"},
+    {"pipeline", "quickstart", "compare", "prm_vs_orm", "doctor"},
     {"sweep"},
     {"replications"},
     {"cli"},
