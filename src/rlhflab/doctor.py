@@ -295,19 +295,19 @@ def _collective_worker(out: str, mib: int, reps: int = 5) -> None:
     ok_gather = g.shape == (world, n) and all(
         bool((g[r] == r + 1).all()) for r in range(world)
     )  # fmt: skip
-    sync()
-    distributed.barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        distributed.all_reduce_sum(y)
-    sync()
-    t_reduce = (time.perf_counter() - t0) / reps
-    distributed.barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        distributed.all_gather_tensor(x)
-    sync()
-    t_gather = (time.perf_counter() - t0) / reps
+
+    def seconds_per_call(call) -> float:
+        """Mean wall seconds of `reps` calls, every rank starting together, queued work done."""
+        sync()
+        distributed.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            call()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    t_reduce = seconds_per_call(lambda: distributed.all_reduce_sum(y))
+    t_gather = seconds_per_call(lambda: distributed.all_gather_tensor(x))
     nbytes = n * 4
     res = {
         "ok": ok_reduce and ok_gather, "world": world, "backend": distributed.backend_for(dev),
