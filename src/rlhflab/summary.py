@@ -287,6 +287,24 @@ def compare_lines(r: dict) -> list[str]:
 def replicate_lines(name: str, r: dict, json_path: str) -> list[str]:
     """`rlhflab replicate NAME`: wall-clock, the RL stage's held-out headline when it has one,
     and where every number (`json_path`) and the plot are (docs/replications.md reads them)."""
+    if "share" in r:  # `--only i/N`: a share of the cells, no report
+        return [
+            f"replicate {name} share {r['share']}: ran {len(r['ran'])} cell(s), "
+            f"{len(r['skipped'])} already finished, in {duration(r.get('wall_s') or 0)}",
+            "gather every share with the same command and --report",
+        ]
+    if isinstance(r.get("verdict"), dict):  # a replication judged by its pre-registered criterion
+        v = r["verdict"]
+        ci = "no CI" if v["ci95"] is None else f"95% CI [{v['ci95'][0]:.3g}, {v['ci95'][1]:.3g}]"
+        held = sum(c["holds"] for c in v["checks"])
+        return [
+            f"replicate {name}: {'REPRODUCED' if v['reproduced'] else 'NOT reproduced'} "
+            f"({held}/{len(v['checks'])} checks hold; seeds {v['seeds']}); compute "
+            f"{duration(r.get('compute_s') or 0)}",
+            f"claim: {v['claim']}",
+            f"headline: {v['checks'][0]['what']} = {v['estimate']:.3g} ({ci})",
+            f"results: {', '.join(r.get('files') or [json_path])}",
+        ]
     lines = [f"replicate {name} finished in {duration(r.get('wall_s') or 0)}"]
     heldout = _heldout_line(r) if isinstance(r.get("headline"), dict) else None
     if heldout:

@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (JSON, plot, runs/); required to run")  # fmt: skip
     p.add_argument("--list", action="store_true", help="list the replications, one line each")
+    p.add_argument("--only", default=None, metavar="i/N",
+                   help="run only cells j with j mod N = i (one GPU or machine each); no report")  # fmt: skip
+    p.add_argument("--report", action="store_true",
+                   help="train nothing; judge and report the finished cells in --out")  # fmt: skip
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_replicate)
 

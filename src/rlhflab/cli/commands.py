@@ -324,7 +324,10 @@ def _cmd_replicate(args: argparse.Namespace) -> int:
         config, overrides = None, [config, *overrides]
     # every training stage reports on stderr: a start line, progress every 30 s, an end line
     with announce_runs(f"replicate {args.name}"):
-        results = run_replication(args.name, config, args.out, overrides)
+        results = run_replication(
+            args.name, config, args.out, overrides, only=args.only, report_only=args.report,
+            print_fn=lambda line: print(line, file=sys.stderr),
+        )  # fmt: skip
     _emit(args, results, replicate_lines(args.name, results, result_file(args.name, args.out)))
     return 0
 

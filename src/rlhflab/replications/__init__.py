@@ -147,12 +147,29 @@ def stage(spec: dict, name: str, source: str, **update: Any):
     return config_from_dict(_merge(spec[name], update), source=f"{source} [{name}]")
 
 
-def run_replication(name: str, config: str | None, out: str, overrides: list[str]) -> dict:
-    """Load the replication's config (dotted overrides applied), run it into `out`."""
+def run_replication(
+    name: str,
+    config: str | None,
+    out: str,
+    overrides: list[str],
+    *,
+    only: str | None = None,
+    report_only: bool = False,
+    print_fn=None,
+) -> dict:
+    """Load the replication's config (dotted overrides applied), run it into `out`: every cell,
+    the share `only` ("i/N") of its cells, or (`report_only`) only the report of finished cells
+    (`rlhflab.replications.cells`). A replication not split into cells takes neither option.
+
+    Raises:
+        ConfigError: unknown name, missing config, or `--only` / `--report` given to a
+            replication without cells.
+    """
     import importlib
 
     from rlhflab.config import apply_overrides, read_yaml
     from rlhflab.config.base import did_you_mean
+    from rlhflab.replications.cells import is_cellular, run_cells
 
     if name not in REPLICATIONS:
         raise ConfigError(
@@ -164,4 +181,10 @@ def run_replication(name: str, config: str | None, out: str, overrides: list[str
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     spec = apply_overrides(read_yaml(path) or {}, overrides)
-    return importlib.import_module(module).run(spec, Path(out), source=str(path))
+    mod = importlib.import_module(module)
+    if is_cellular(mod):
+        return run_cells(name, mod, spec, Path(out), str(path), only=only,
+                         report_only=report_only, print_fn=print_fn or print)  # fmt: skip
+    if only is not None or report_only:
+        raise ConfigError(f"replicate {name}: --only/--report need a replication split into cells")
+    return mod.run(spec, Path(out), source=str(path))

@@ -1,0 +1,244 @@
+"""Pre-registered verdicts of the replications: the criterion in code, the statistics, verdict.json.
+
+A replication states, as a module-level `CRITERION`, the paper's claim and how it is judged before
+anything runs: a list of `Check`s, each a named estimate with its 95% interval and a rule on that
+interval (e.g. "the lower end is above 0"). After the run, the replication computes each estimate
+and interval from its measurements (never typed) and `judge` applies the rules:
+
+    CRITERION = Criterion(
+        claim="RL raises held-out correctness and response length together (DeepSeek-R1 §2.2)",
+        checks=(
+            Check("correctness_gain", "held-out correctness, last − first checkpoint, mean over "
+                  "seeds (paired t interval)", above=0.0),
+            Check("length_gain", "mean response length (tokens), last − first", above=0.0),
+        ),
+    )
+    verdict = judge("r1-zero", CRITERION, {"correctness_gain": t_interval(diffs), ...}, seeds)
+
+`reproduced` is true when every check holds. A check with no interval (one seed) does not hold.
+`write_verdict` writes `verdict.json`: {"name", "claim", "criterion", "estimate", "ci95", "seeds",
+"reproduced", "checks": [...]}, where `estimate` / `ci95` are those of the first check (the
+headline) and `checks` holds every one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+#: An estimate and its 95% interval: (estimate, low, high); low/high None when no interval exists.
+Interval = tuple[float, float | None, float | None]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pre-registered part of a criterion: estimate `key` (described by `what`, with units)
+    holds when its 95% interval lies wholly above `above` and/or wholly below `below`, or, for a
+    yes/no finding (`flag=True`), when its estimate is 1 (the interval is then the estimate's own
+    uncertainty, reported but not judged)."""
+
+    key: str
+    what: str
+    above: float | None = None
+    below: float | None = None
+    flag: bool = False
+
+    def __post_init__(self) -> None:
+        if self.flag == (self.above is not None or self.below is not None):
+            raise ValueError(f"check {self.key}: give above= and/or below=, or flag=True")
+
+    @property
+    def rule(self) -> str:
+        """The rule in words, e.g. "95% CI above 0"."""
+        if self.flag:
+            return "holds (1) by its definition"
+        parts = []
+        if self.above is not None:
+            parts.append(f"95% CI above {self.above:g}")
+        if self.below is not None:
+            parts.append(f"95% CI below {self.below:g}")
+        return " and ".join(parts)
+
+    def holds(self, value: Interval) -> bool:
+        est, lo, hi = value
+        if self.flag:
+            return est == 1
+        if self.above is not None and (lo is None or not lo > self.above):
+            return False
+        return self.below is None or (hi is not None and hi < self.below)
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """A replication's claim (the paper's, with its section) and the checks that judge it; the
+    first check is the headline estimate."""
+
+    claim: str
+    checks: tuple[Check, ...]
+
+    @property
+    def text(self) -> str:
+        """The criterion in words: every check and its rule, joined by "; and "."""
+        return "; and ".join(f"{c.what}: {c.rule}" for c in self.checks)
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Quantile `q` (0.5 < q < 1) of Student's t with `df` degrees of freedom, by bisection on the
+    CDF (regularised incomplete beta, continued fraction as Numerical Recipes §6.4)."""
+    if not (0.5 < q < 1) or df < 1:
+        raise ValueError(f"t_quantile: need 0.5 < q < 1 and df >= 1 (got q={q}, df={df})")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < q:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T ≤ t) for Student's t with `df` degrees of freedom."""
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2, 0.5, x)
+    return 1 - tail if t > 0 else tail
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1 - front * _betacf(b, a, 1 - x) / b
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+    c, d = 1.0, 1 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return h
+
+
+def t_interval(values: Sequence[float]) -> Interval:
+    """Mean of `values` (e.g. one paired difference per seed) with its two-sided 95% Student t
+    interval, mean ± t_{0.975, n−1} · s / √n; no interval (None, None) for one value.
+
+    Raises:
+        ValueError: no values, or a non-finite one.
+    """
+    xs = [float(v) for v in values]
+    if not xs or not all(math.isfinite(v) for v in xs):
+        raise ValueError(f"t_interval: need finite values (got {xs})")
+    n = len(xs)
+    mean = math.fsum(xs) / n
+    if n == 1:
+        return mean, None, None
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in xs) / (n - 1))
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def bootstrap_interval(
+    statistic: Callable[[list[int]], float], n: int, *, n_boot: int = 1000, seed: int = 0
+) -> Interval:
+    """`statistic(range(n))` with its 95% percentile-bootstrap interval: `statistic` is called on
+    `n_boot` resamples of the item indices 0..n−1 drawn with replacement (e.g. problems; with
+    several seeds, resample problems and keep every seed of each). Deterministic given `seed`.
+
+    Raises:
+        ValueError: n < 2 or n_boot < 100.
+    """
+    if n < 2 or n_boot < 100:
+        raise ValueError(
+            f"bootstrap_interval: need n >= 2 items and n_boot >= 100 (got {n}, {n_boot})"
+        )
+    rng = random.Random(seed)
+    est = float(statistic(list(range(n))))
+    stats = sorted(float(statistic([rng.randrange(n) for _ in range(n)])) for _ in range(n_boot))
+    return est, _quantile(stats, 0.025), _quantile(stats, 0.975)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    i = int(pos)
+    j = min(i + 1, len(sorted_values) - 1)
+    return sorted_values[i] + (pos - i) * (sorted_values[j] - sorted_values[i])
+
+
+def judge(
+    name: str, criterion: Criterion, estimates: dict[str, Interval], seeds: Sequence[int]
+) -> dict:
+    """The verdict: every check's estimate, interval and whether it holds; `reproduced` when all do.
+
+    Raises:
+        ValueError: an estimate of the criterion is missing (names it).
+    """
+    missing = [c.key for c in criterion.checks if c.key not in estimates]
+    if missing:
+        raise ValueError(f"{name}: the criterion's estimate(s) {missing} were not computed")
+    checks = []
+    for c in criterion.checks:
+        est, lo, hi = estimates[c.key]
+        ci = None if lo is None else [float(lo), float(hi)]
+        checks.append(
+            {
+                "key": c.key,
+                "what": c.what,
+                "rule": c.rule,
+                "estimate": float(est),
+                "ci95": ci,
+                "holds": c.holds((est, lo, hi)),
+            }
+        )
+    return {
+        "name": name,
+        "claim": criterion.claim,
+        "criterion": criterion.text,
+        "estimate": checks[0]["estimate"],
+        "ci95": checks[0]["ci95"],
+        "seeds": list(seeds),
+        "reproduced": all(c["holds"] for c in checks),
+        "checks": checks,
+    }
+
+
+def verdict_table(verdict: dict) -> str:
+    """The checks as a markdown table (what | estimate (95% CI) | rule | holds) and the verdict."""
+    rows = ["| estimate | value (95% CI) | rule | holds |", "|---|---|---|---|"]
+    for c in verdict["checks"]:
+        ci = "no CI" if c["ci95"] is None else f"[{c['ci95'][0]:.3g}, {c['ci95'][1]:.3g}]"
+        rows.append(f"| {c['what']} | {c['estimate']:.3g} {ci} | {c['rule']} | "
+                    f"{'yes' if c['holds'] else 'no'} |")  # fmt: skip
+    word = "reproduced" if verdict["reproduced"] else "not reproduced"
+    rows.append("")
+    rows.append(f"**Verdict: {word}** (seeds {verdict['seeds']}).")
+    return "\n".join(rows)
+
+
+def write_verdict(out: Path, verdict: dict) -> Path:
+    """Write `out/verdict.json` atomically; returns its path."""
+    from rlhflab.serialize import write_json_atomic
+
+    path = Path(out) / "verdict.json"
+    write_json_atomic(path, verdict)
+    return path

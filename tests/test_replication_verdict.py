@@ -1,0 +1,156 @@
+"""The pre-registered verdict (statistics from their definitions) and the cell runner (`--only i/N`,
+`--report`, resume, a changed config refused)."""
+
+import json
+import math
+import random
+import sys
+import types
+
+import pytest
+
+from rlhflab.errors import ConfigError
+from rlhflab.replications.cells import run_cells
+from rlhflab.replications.verdict import (
+    Check,
+    Criterion,
+    bootstrap_interval,
+    judge,
+    t_cdf,
+    t_interval,
+    t_quantile,
+)
+
+
+def _t_density(x: float, df: int) -> float:
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    return c * (1 + x * x / df) ** (-(df + 1) / 2)
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 7, 30])
+def test_t_quantile_matches_the_integral_of_the_density(df):
+    q = t_quantile(0.975, df)
+    # P(0 < T < q) by Simpson's rule on the density: must be 0.475
+    n = 20000
+    h = q / n
+    s = _t_density(0, df) + _t_density(q, df)
+    s += sum((4 if i % 2 else 2) * _t_density(i * h, df) for i in range(1, n))
+    assert s * h / 3 == pytest.approx(0.475, abs=1e-7)
+    assert t_cdf(-q, df) == pytest.approx(0.025, abs=1e-9)
+
+
+def test_t_interval_by_hand():
+    # values 1, 2, 3: mean 2, s = 1, half-width t_{.975,2} / sqrt(3)
+    est, lo, hi = t_interval([1.0, 2.0, 3.0])
+    half = t_quantile(0.975, 2) / math.sqrt(3)
+    assert (est, lo, hi) == pytest.approx((2.0, 2.0 - half, 2.0 + half))
+    assert t_interval([0.5]) == (0.5, None, None)
+    with pytest.raises(ValueError, match="finite"):
+        t_interval([1.0, float("nan")])
+
+
+def test_t_interval_covers_the_mean_95_percent_of_the_time():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(4000):
+        _, lo, hi = t_interval([rng.gauss(1.0, 2.0) for _ in range(3)])
+        hits += lo < 1.0 < hi
+    assert 0.935 < hits / 4000 < 0.965
+
+
+def test_bootstrap_interval_of_a_mean_is_near_the_normal_one_and_deterministic():
+    rng = random.Random(1)
+    xs = [rng.random() for _ in range(400)]
+    stat = lambda idx: sum(xs[i] for i in idx) / len(idx)  # noqa: E731
+    est, lo, hi = bootstrap_interval(stat, len(xs), n_boot=2000, seed=3)
+    mean = sum(xs) / len(xs)
+    se = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+    assert est == pytest.approx(mean)
+    assert lo == pytest.approx(mean - 1.96 * se, abs=0.25 * se)
+    assert hi == pytest.approx(mean + 1.96 * se, abs=0.25 * se)
+    assert bootstrap_interval(stat, len(xs), n_boot=2000, seed=3) == (est, lo, hi)
+
+
+def test_judge_applies_each_rule_to_the_interval():
+    crit = Criterion(
+        claim="c",
+        checks=(
+            Check("gain", "gain", above=0.0),
+            Check("drop", "drop", below=0.0),
+            Check("peak_inside", "peak inside", flag=True),
+        ),
+    )
+    v = judge("x", crit, {"gain": (0.2, 0.01, 0.4), "drop": (-1, -2, -0.5),
+                          "peak_inside": (1, None, None)}, seeds=[0, 1, 2])  # fmt: skip
+    assert v["reproduced"] is True and v["estimate"] == 0.2 and v["ci95"] == [0.01, 0.4]
+    assert set(v) >= {"name", "claim", "criterion", "estimate", "ci95", "seeds", "reproduced"}
+    v = judge("x", crit, {"gain": (0.2, -0.01, 0.4), "drop": (-1, -2, -0.5),
+                          "peak_inside": (1, None, None)}, seeds=[0])  # fmt: skip
+    assert v["reproduced"] is False and [c["holds"] for c in v["checks"]] == [False, True, True]
+    # one seed: no interval, so an interval rule cannot hold
+    v = judge("x", crit, {"gain": (0.2, None, None), "drop": (-1, -2, -0.5),
+                          "peak_inside": (0, None, None)}, seeds=[0])  # fmt: skip
+    assert [c["holds"] for c in v["checks"]] == [False, True, False]
+    with pytest.raises(ValueError, match="drop"):
+        judge("x", crit, {"gain": (0.2, 0.1, 0.3)}, seeds=[0])
+
+
+def _toy_module(log: list):
+    """A cell-protocol replication whose cells return their index squared."""
+    mod = types.ModuleType("rlhflab_toy_replication")
+
+    def cells(spec, source):
+        return [f"seed{i}" for i in range(spec["experiment"]["n"])]
+
+    def prepare(spec, out, source):
+        log.append("prepare")
+        (out / "shared.txt").write_text("base")
+
+    def run_cell(spec, cell, out, source):
+        log.append(cell)
+        assert (out / "shared.txt").read_text() == "base"
+        return {"value": int(cell[4:]) ** 2}
+
+    def report(spec, cells, out, source):
+        values = [cells[c]["value"] for c in sorted(cells)]
+        crit = Criterion("sum is positive", (Check("total", "sum of values", above=0),))
+        verdict = judge("toy", crit, {"total": (sum(values), sum(values), sum(values))}, [0])
+        return {"values": values, "verdict": verdict, "report": f"# toy\n{values}\n"}
+
+    mod.cells, mod.prepare, mod.run_cell, mod.report = cells, prepare, run_cell, report
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+def test_shares_then_report_equal_one_whole_run(tmp_path):
+    log: list = []
+    mod = _toy_module(log)
+    spec = {"experiment": {"n": 5}}
+    quiet = lambda line: None  # noqa: E731
+    whole = run_cells("toy", mod, spec, tmp_path / "whole", "toy.yaml", print_fn=quiet)
+    assert log == ["prepare", "seed0", "seed1", "seed2", "seed3", "seed4"]
+    assert whole["values"] == [0, 1, 4, 9, 16] and whole["verdict"]["reproduced"]
+    assert json.loads((tmp_path / "whole/verdict.json").read_text()) == whole["verdict"]
+    assert (tmp_path / "whole/report.md").read_text().startswith("# toy")
+
+    log.clear()
+    split = tmp_path / "split"
+    with pytest.raises(ConfigError, match=r"5 of 5 cells not finished.*seed0"):
+        run_cells("toy", mod, spec, split, "toy.yaml", report_only=True, print_fn=quiet)
+    share = run_cells("toy", mod, spec, split, "toy.yaml", only="1/2", print_fn=quiet)
+    assert share["ran"] == ["seed1", "seed3"] and not (split / "verdict.json").exists()
+    with pytest.raises(ConfigError, match=r"3 of 5 cells not finished.*seed0, seed2, seed4"):
+        run_cells("toy", mod, spec, split, "toy.yaml", report_only=True, print_fn=quiet)
+    run_cells("toy", mod, spec, split, "toy.yaml", only="0/2", print_fn=quiet)
+    assert log == ["prepare", "seed1", "seed3", "seed0", "seed2", "seed4"]  # prepared once
+    merged = run_cells("toy", mod, spec, split, "toy.yaml", report_only=True, print_fn=quiet)
+    assert merged["values"] == whole["values"] and merged["verdict"] == whole["verdict"]
+
+    # a re-run keeps finished cells; another config in the same directory is refused
+    log.clear()
+    run_cells("toy", mod, spec, split, "toy.yaml", print_fn=quiet)
+    assert log == []
+    with pytest.raises(ConfigError, match=r"another config \(experiment.n differs\)"):
+        run_cells("toy", mod, {"experiment": {"n": 6}}, split, "toy.yaml", print_fn=quiet)
+    with pytest.raises(ConfigError, match="expected i/N"):
+        run_cells("toy", mod, spec, split, "toy.yaml", only="2/2", print_fn=quiet)
