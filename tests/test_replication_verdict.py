@@ -154,3 +154,15 @@ def test_shares_then_report_equal_one_whole_run(tmp_path):
         run_cells("toy", mod, {"experiment": {"n": 6}}, split, "toy.yaml", print_fn=quiet)
     with pytest.raises(ConfigError, match="expected i/N"):
         run_cells("toy", mod, spec, split, "toy.yaml", only="2/2", print_fn=quiet)
+
+
+def test_a_secondary_criterion_is_judged_but_not_part_of_the_verdict():
+    main = Criterion("a", (Check("x", "x", above=0),))
+    sec = Criterion("b", (Check("y", "y", above=0),))
+    v = judge("n", main, {"x": (1, 0.5, 1.5), "y": (-1, -2, 0)}, [0, 1, 2], secondary=sec)
+    assert v["reproduced"] is True and v["secondary"]["holds"] is False
+    assert v["secondary"]["checks"][0]["ci95"] == [-2.0, 0.0]
+    from rlhflab.replications.verdict import verdict_table
+
+    table = verdict_table(v)
+    assert "**Verdict: reproduced**" in table and "Secondary: does not hold" in table

@@ -186,13 +186,40 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 def judge(
-    name: str, criterion: Criterion, estimates: dict[str, Interval], seeds: Sequence[int]
+    name: str,
+    criterion: Criterion,
+    estimates: dict[str, Interval],
+    seeds: Sequence[int],
+    *,
+    secondary: Criterion | None = None,
 ) -> dict:
     """The verdict: every check's estimate, interval and whether it holds; `reproduced` when all do.
+    A `secondary` criterion (a second claim the paper makes, pre-registered the same way, e.g. the
+    RL half of Gao et al. beside best-of-n) is judged into `verdict["secondary"]` ({"claim",
+    "criterion", "holds", "checks"}) and does not enter `reproduced`.
 
     Raises:
-        ValueError: an estimate of the criterion is missing (names it).
+        ValueError: an estimate of either criterion is missing (names it).
     """
+    checks = _judge_checks(name, criterion, estimates)
+    verdict = {
+        "name": name,
+        "claim": criterion.claim,
+        "criterion": criterion.text,
+        "estimate": checks[0]["estimate"],
+        "ci95": checks[0]["ci95"],
+        "seeds": list(seeds),
+        "reproduced": all(c["holds"] for c in checks),
+        "checks": checks,
+    }
+    if secondary is not None:
+        more = _judge_checks(name, secondary, estimates)
+        verdict["secondary"] = {"claim": secondary.claim, "criterion": secondary.text,
+                                "holds": all(c["holds"] for c in more), "checks": more}  # fmt: skip
+    return verdict
+
+
+def _judge_checks(name: str, criterion: Criterion, estimates: dict[str, Interval]) -> list[dict]:
     missing = [c.key for c in criterion.checks if c.key not in estimates]
     if missing:
         raise ValueError(f"{name}: the criterion's estimate(s) {missing} were not computed")
@@ -210,28 +237,29 @@ def judge(
                 "holds": c.holds((est, lo, hi)),
             }
         )
-    return {
-        "name": name,
-        "claim": criterion.claim,
-        "criterion": criterion.text,
-        "estimate": checks[0]["estimate"],
-        "ci95": checks[0]["ci95"],
-        "seeds": list(seeds),
-        "reproduced": all(c["holds"] for c in checks),
-        "checks": checks,
-    }
+    return checks
 
 
-def verdict_table(verdict: dict) -> str:
-    """The checks as a markdown table (what | estimate (95% CI) | rule | holds) and the verdict."""
+def _check_rows(checks: list[dict]) -> list[str]:
     rows = ["| estimate | value (95% CI) | rule | holds |", "|---|---|---|---|"]
-    for c in verdict["checks"]:
+    for c in checks:
         ci = "no CI" if c["ci95"] is None else f"[{c['ci95'][0]:.3g}, {c['ci95'][1]:.3g}]"
         rows.append(f"| {c['what']} | {c['estimate']:.3g} {ci} | {c['rule']} | "
                     f"{'yes' if c['holds'] else 'no'} |")  # fmt: skip
+    return rows
+
+
+def verdict_table(verdict: dict) -> str:
+    """The checks as a markdown table (what | estimate (95% CI) | rule | holds) and the verdict;
+    the secondary criterion, when judged, as a second table after it."""
     word = "reproduced" if verdict["reproduced"] else "not reproduced"
-    rows.append("")
-    rows.append(f"**Verdict: {word}** (seeds {verdict['seeds']}).")
+    rows = [*_check_rows(verdict["checks"]), "",
+            f"**Verdict: {word}** (seeds {verdict['seeds']})."]  # fmt: skip
+    if "secondary" in verdict:
+        sec = verdict["secondary"]
+        rows += ["", f"Secondary claim (not part of the verdict): {sec['claim']}", "",
+                 *_check_rows(sec["checks"]), "",
+                 f"Secondary: {'holds' if sec['holds'] else 'does not hold'}."]  # fmt: skip
     return "\n".join(rows)
 
 
