@@ -26,6 +26,8 @@ GRPO = str(ROOT / "configs/pg/grpo.yaml")
 # (total, non-embedding) parameters in billions, from the model cards (Qwen3: "Number of
 # Parameters" / "(Non-Embedding)"; Llama: the safetensors totals), to the cards' rounding.
 PUBLISHED = {
+    "qwen2.5-0.5b": (0.49, 0.36),
+    "qwen2.5-0.5b-instruct": (0.49, 0.36),
     "qwen3-0.6b": (0.60, 0.44),
     "qwen3-1.7b": (1.7, 1.4),
     "qwen3-4b": (4.0, 3.6),
@@ -51,6 +53,23 @@ def _digits(x: float) -> int:
 
 
 TINY = ModelShape("tiny", 8, 2, 16, 2, 1, 4, 10, True, qk_norm=True)
+
+
+def test_qwen2_parameter_count_with_qkv_biases_equals_the_transformers_model():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhflab.plan.shapes import shape_from_config
+
+    cfg = Qwen2Config(hidden_size=8, num_hidden_layers=2, intermediate_size=16,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=10,
+                      tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    shape = shape_from_config(cfg.to_dict(), name="q2", where="test")
+    assert shape.qkv_bias and sum(p.numel() for p in model.parameters()) == shape.params()
+    # by hand: layer = linears 576 + biases q 8 + k 4 + v 4 + norms 16 = 608; embeddings 80
+    assert shape.params() == 2 * 608 + 80 + 8
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="per-GPU memory estimate of a run (docs/plan.md)")
     p.add_argument("args", nargs="*", metavar="[CONFIG] key.path=value", help="preset + overrides")
-    p.add_argument("--model", required=True, help="qwen3-0.6b|1.7b|4b|8b, llama-3.2-1b|3b, "
+    p.add_argument("--model", required=True, help="qwen2.5-0.5b[-instruct], qwen3-0.6b|1.7b|4b|8b, llama-3.2-1b|3b, "
                    "llama-3.1-8b, or a local model directory (its config.json)")  # fmt: skip
     p.add_argument("--gpus", type=_positive_int, default=1, help="GPUs (ranks), default 1")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="per GPU")

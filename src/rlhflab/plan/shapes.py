@@ -23,6 +23,7 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     qk_norm: bool = False  # Qwen3's per-head RMSNorm on q and k
+    qkv_bias: bool = False  # Qwen2's biases on q_proj, k_proj, v_proj
     # logits = a plain nn.Linear LM head on the backbone output (`rlhflab.models.packing.can_pack`:
     # model_type in FUSED_HEAD_TYPES, no final_logit_softcapping): completion_logps then scores
     # with the fused row-chunked head (`ops.linear_selective_log_softmax`), no (B, T+1, V) logits
@@ -53,9 +54,11 @@ class ModelShape:
         }
 
     def layer_params(self) -> int:
-        """Parameters of one decoder block: its linears, two RMSNorms, Qwen3's q/k norms."""
+        """Parameters of one decoder block: its linears, two RMSNorms, Qwen3's q/k norms,
+        Qwen2's q/k/v biases."""
         lin = sum(i * o for i, o in self.linear_dims().values())
-        return lin + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return lin + bias + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
 
     def embedding_params(self) -> int:
         """V·h, and 2·V·h when the LM head is not tied to the embedding."""
@@ -104,6 +107,11 @@ def _qwen3(name, h, layers, f, heads, kv, vocab, tied) -> ModelShape:
                       max_position_embeddings=40960)  # fmt: skip
 
 
+def _qwen2(name, h, layers, f, heads, kv, vocab, tied) -> ModelShape:
+    return ModelShape(name, h, layers, f, heads, kv, h // heads, vocab, tied, qkv_bias=True,
+                      max_position_embeddings=32768)  # fmt: skip
+
+
 def _llama(name, h, layers, f, heads, kv, head_dim, vocab, tied) -> ModelShape:
     return ModelShape(name, h, layers, f, heads, kv, head_dim, vocab, tied,
                       max_position_embeddings=131072)  # fmt: skip
@@ -111,6 +119,8 @@ def _llama(name, h, layers, f, heads, kv, head_dim, vocab, tied) -> ModelShape:
 
 #: Published config.json values (Hugging Face model cards).
 BUILTIN_SHAPES: dict[str, ModelShape] = {
+    "qwen2.5-0.5b": _qwen2("qwen2.5-0.5b", 896, 24, 4864, 14, 2, 151936, True),
+    "qwen2.5-0.5b-instruct": _qwen2("qwen2.5-0.5b-instruct", 896, 24, 4864, 14, 2, 151936, True),
     "qwen3-0.6b": _qwen3("qwen3-0.6b", 1024, 28, 3072, 16, 8, 151936, True),
     "qwen3-1.7b": _qwen3("qwen3-1.7b", 2048, 28, 6144, 16, 8, 151936, True),
     "qwen3-4b": _qwen3("qwen3-4b", 2560, 36, 9728, 32, 8, 151936, True),
@@ -124,6 +134,8 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
 #: The Hugging Face Hub ids of the built-in shapes (matched case-insensitively): the shape is
 #: known without reading the Hub.
 HUB_IDS: dict[str, str] = {
+    "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b",
+    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b-instruct",
     "Qwen/Qwen3-0.6B": "qwen3-0.6b",
     "Qwen/Qwen3-1.7B": "qwen3-1.7b",
     "Qwen/Qwen3-4B": "qwen3-4b",
@@ -203,6 +215,7 @@ def shape_from_config(cfg: dict, *, name: str, where: str) -> ModelShape:
         vocab_size=field("vocab_size"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=str(cfg.get("model_type", "")).startswith("qwen3"),
+        qkv_bias=str(cfg.get("model_type", "")) == "qwen2" or bool(cfg.get("attention_bias")),
         fused_head=(
             str(cfg.get("model_type", "")) in FUSED_HEAD_TYPES
             and cfg.get("final_logit_softcapping") is None
