@@ -55,7 +55,7 @@ def test_synthetic_rows_are_gsm8k_rows_whose_steps_add_up():
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["replicate", "rm-overopt", "experiment.ns=[1,2]", "experiment.nn=3"],
+        (["replicate", "rm-overopt", "experiment.ns=[1,2,4]", "experiment.nn=3"],
          "experiment.nn: Extra inputs are not permitted"),
         (["replicate", "rm-overopt", "rm.train.stepz=3"], "[rm]"),
         (["replicate", "prm-orm"], "unknown replication 'prm-orm' (did you mean 'prm-orm-gsm8k'?)"),
@@ -90,7 +90,10 @@ def test_bad_best_of_n_ns_is_one_line_naming_the_key(tmp_path, capsys, monkeypat
         ("rm_overopt", "ns", []),
         ("rm_overopt", "ns", [2, 2]),
         ("rm_overopt", "heldout_problems", 0),
-        ("rm_overopt", "n_resamples", 0),
+        ("rm_overopt", "ns", [2, 4, 8]),
+        ("rm_overopt", "proxy_prompts", [64]),
+        ("rm_overopt", "rl_seeds", [1, 1]),
+        ("rm_overopt", "n_boot", 10),
         ("rm_overopt", "max_new_tokens", 0),
         ("prm_orm_gsm8k", "ns", [-1]),
         ("prm_orm_gsm8k", "samples_per_prompt", 0),

@@ -7,8 +7,9 @@ own settings, checked by its pydantic model: unknown keys are errors) and one se
 stage, each a complete training config (`rlhflab train`'s format) that the replication completes
 (start model, run root) and validates before anything runs.
 
-    rm-overopt     reward-model over-optimisation (Gao et al. 2022): best-of-n and RL against a
-                   proxy RM trained on gold labels; gold and proxy against √KL
+    rm-overopt     reward-model over-optimisation (Gao et al. 2022): best-of-n against proxies
+                   trained on 4 data sizes and GRPO against the largest, gold against √KL with
+                   the paper's fits (cells: one per proxy, one per RL seed)
     prm-orm-gsm8k  PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on Monte-Carlo
                    step labels from the policy's own rollouts (Math-Shepherd, Wang et al. 2024)
     r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness +
@@ -44,8 +45,9 @@ REPLICATIONS = {
 DESCRIPTIONS = {
     "r1-zero": "R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness + "
     "format rewards; held-out correctness, response length and format reward over steps",
-    "rm-overopt": "reward-model over-optimisation (Gao et al. 2022): best-of-n and RL against a "
-    "proxy RM; gold and proxy reward against √KL",
+    "rm-overopt": "reward-model over-optimisation (Gao et al. 2022): best-of-n against proxies "
+    "trained on 4 data sizes and GRPO against the largest; gold vs √KL with d(α − βd) and "
+    "d(α − β log d) fits and a pre-registered verdict",
     "dpo-overopt": "DPO over-optimisation (Rafailov et al. 2024): a β × length grid; gold "
     "against KL(π‖π_ref) per β",
     "prm-orm-gsm8k": "PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on "
