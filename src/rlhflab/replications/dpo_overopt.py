@@ -128,6 +128,7 @@ def prepare(spec: dict, out: Path, source: str) -> None:
     from rlhflab.rewards.verifier import Verifier
     from rlhflab.serialize import write_json_atomic
     from rlhflab.trainers import run_config
+    from rlhflab.trainers.common import default_device
     from rlhflab.trainers.da_data import verifiable_pairs
 
     exp, _, runs = begin(Spec, spec, out, source)
@@ -140,7 +141,8 @@ def prepare(spec: dict, out: Path, source: str) -> None:
     task, vcfg = dpo.task, dpo.verifiable
     train = make_splits(task.name, config=task.config, n_train=task.n_train,
                         n_heldout=exp.heldout_problems, seed=task.seed).train  # fmt: skip
-    tokenizer, model = load_tokenizer(policy), load_model(policy).eval()
+    device = default_device()  # the trainer's device: the GPU where there is one
+    tokenizer, model = load_tokenizer(policy), load_model(policy, device=device).eval()
     verifier = Verifier(answer_format=task.answer_format, reward=task.reward,
                         extractor=task.extractor)  # fmt: skip
     (out / "pairs").mkdir(exist_ok=True)
@@ -149,8 +151,8 @@ def prepare(spec: dict, out: Path, source: str) -> None:
         problems = rng.sample(train, min(vcfg.n_prompts, len(train)))
         pairs, counts = verifiable_pairs(
             model, tokenizer, problems, verifier, vcfg, task,
-            generator=torch.Generator().manual_seed(seed), rng=rng, chunk=dpo.eval.batch_size,
-            autocast_dtype=None, instruction=task_instruction(task),
+            generator=torch.Generator(device=device).manual_seed(seed), rng=rng,
+            chunk=dpo.eval.batch_size, autocast_dtype=None, instruction=task_instruction(task),
         )  # fmt: skip
         rows = [{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs]
         write_json_atomic(out / "pairs" / f"seed{seed}.json", {"counts": counts, "pairs": rows})
@@ -203,7 +205,7 @@ def measure(policy, reference, tokenizer, problems, verifier, *, instruction: st
     was_training = policy.training
     policy.eval()
     engine = make_engine(None, policy, tokenizer)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     sampled = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=1.0)
     greedy_params = SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True)
     kls, gold, greedy = [], [], []
@@ -248,6 +250,7 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
     from rlhflab.data.tasks import make_splits
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.verifier import Verifier
+    from rlhflab.trainers.common import default_device
     from rlhflab.trainers.loop import Run
 
     exp, _, runs = begin(Spec, spec, out, source)
@@ -261,7 +264,8 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
     task = cfg.task
     problems = make_splits(task.name, config=task.config, n_train=task.n_train,
                            n_heldout=exp.heldout_problems, seed=task.seed).heldout  # fmt: skip
-    tokenizer, reference = load_tokenizer(policy), load_model(policy).eval()
+    tokenizer = load_tokenizer(policy)
+    reference = load_model(policy, device=default_device()).eval()
     verifier = Verifier(answer_format=task.answer_format, reward=task.reward,
                         extractor=task.extractor)  # fmt: skip
     kw = {"instruction": task_instruction(task), "max_new_tokens": exp.max_new_tokens,
