@@ -407,8 +407,13 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
             f"| {c[peak]['kl']:.3f} / {c[-1]['kl']:.3f} ± {c[-1]['kl_se']:.3f} "
             f"| {c[0]['gold']:.3f} → {c[peak]['gold']:.3f} → {c[-1]['gold']:.3f} |"
         )
-    power = [f"β = {b:g}: rise {_halfwidth(pb['gold']['rise'])}, fall "
-             f"{_halfwidth(pb['gold']['fall'])}" for b, pb in per_beta.items()]  # fmt: skip
+    power = []
+    for b, pb in per_beta.items():
+        last = pb["gold"]["peak_index"] == len(pb["curve"]) - 1
+        fall = ("not measurable: the peak is the last checkpoint (the gold was still rising "
+                "when the run ended)" if last else _halfwidth(pb["gold"]["fall"]))  # fmt: skip
+        power.append(f"β = {b:g}: rise {_halfwidth(pb['gold']['rise'])}, fall {fall}")
+    kl_key = f"kl_gap_{LOW_BETAS[0]:g}_vs_{HIGH_BETA:g}"
     failed = [c for c in verdict["checks"] if not c["holds"]]
     not_reproduced = [_failed_line(c) for c in failed] or ["Every pre-registered check holds."]
     loss, counts = any_cell["loss"], any_cell.get("pair_counts", {})
@@ -458,8 +463,8 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         *not_reproduced,
         "",
         "**Power.** Half-widths of the 95% intervals over these seeds (fraction of samples "
-        "correct): " + "; ".join(power) + ". A true rise or fall smaller than about its "
-        "half-width is not resolved by this design.",
+        "correct): " + "; ".join(power) + f". KL gap {_halfwidth(est[kl_key])} nats. A true "
+        "effect smaller than about its half-width is not resolved by this design.",
         "",
         f"Compute: preparation {prep_s:.0f} s, cells {cells_s:.0f} s (wall-clock, one torch "
         "thread; on a shared machine this is more than the CPU time).",
