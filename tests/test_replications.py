@@ -104,8 +104,10 @@ def test_bad_best_of_n_ns_is_one_line_naming_the_key(tmp_path, capsys, monkeypat
         ("r1_zero", "n_heldout", 0),
         ("dpo_overopt", "betas", [0.1, 0.0]),
         ("dpo_overopt", "betas", [float("inf")]),
-        ("dpo_overopt", "steps", [0, 20]),
-        ("dpo_overopt", "kl_problems", 0),
+        ("dpo_overopt", "seeds", [1, 1]),
+        ("dpo_overopt", "every", 0),
+        ("dpo_overopt", "heldout_problems", 0),
+        ("dpo_overopt", "samples_per_problem", 0),
     ],
 )  # fmt: skip
 def test_experiment_counts_refuse_values_out_of_range(module, key, value):

@@ -14,8 +14,8 @@ stage, each a complete training config (`rlhflab train`'s format) that the repli
                    step labels from the policy's own rollouts (Math-Shepherd, Wang et al. 2024)
     r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness +
                    format rewards; held-out correctness, response length, format reward over steps
-    dpo-overopt    DPO over-optimisation (Rafailov et al. 2024): a β × length grid (`rlhflab
-                   sweep`), gold against KL(π‖π_ref) per β
+    dpo-overopt    DPO over-optimisation (Rafailov et al. 2024): one offline run per β and seed,
+                   gold and KL(π‖π_ref) on held-out problems every few steps; gold against √KL
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ DESCRIPTIONS = {
     "rm-overopt": "reward-model over-optimisation (Gao et al. 2022): best-of-n against proxies "
     "trained on 4 data sizes and GRPO against the largest; gold vs √KL with d(α − βd) and "
     "d(α − β log d) fits and a pre-registered verdict",
-    "dpo-overopt": "DPO over-optimisation (Rafailov et al. 2024): a β × length grid; gold "
-    "against KL(π‖π_ref) per β",
+    "dpo-overopt": "DPO over-optimisation (Rafailov et al. 2024): one run per β and seed, "
+    "measured every few steps; gold against √KL(π‖π_ref) per β",
     "prm-orm-gsm8k": "PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on "
     "Monte-Carlo step labels (Math-Shepherd); best-of-N accuracy against N",
 }

@@ -1,49 +1,199 @@
 """DPO over-optimisation (Rafailov et al. 2024, "Scaling Laws for Reward Model Overoptimization in
-Direct Alignment Algorithms", arXiv 2406.02900), at small scale.
+Direct Alignment Algorithms", arXiv 2406.02900), at small scale, as cells (β × seed).
 
-    rlhflab replicate dpo-overopt [configs/replications/dpo_overopt.yaml] --out runs/dpo-overopt
+    rlhflab replicate dpo-overopt [configs/replications/dpo_overopt.yaml] --out DIR
 
-1. Policy and reference: the `sft` stage (or `experiment.policy`).
-2. A β × training-length grid of offline DPO runs (`dpo` stage: pairs of the reference policy's own
-   samples labelled by the verifier, one round, so the reference stays the SFT model), run by
-   `rlhflab sweep` into `--out/<date>-dpo-overopt/` (its README has the table). With a constant
-   learning rate and the same seed, a shorter run is the start of a longer one, so the lengths are
-   points along one training trajectory per β.
-3. For every finished run: KL(π‖π_ref) per completion, the Monte-Carlo estimate
-   mean over held-out prompts of Σ_t [log π(y_t|·) − log π_ref(y_t|·)] with y ~ π (temperature 1);
-   gold = the verifier's mean on those same samples, and the run's greedy held-out accuracy.
-Output: `dpo_overopt.json`, `dpo_overopt.png` (gold against √KL, one line per β, mean ± s.e. over
-seeds), the sweep's campaign folder.
+1. `prepare` (once, shared by every cell): the policy and reference (the `sft` stage, or
+   `experiment.policy`), and one preference data set per seed: `dpo.verifiable.n_prompts`
+   training prompts × `samples_per_prompt` samples of the SFT model, best vs worst by the
+   verifier (the gold answer as "chosen" when no sample is right) — `DIR/pairs/seed<s>.json`.
+2. A cell = one offline run of the `dpo` stage's loss at one β and seed, on that seed's pairs
+   (reference = the SFT model throughout), driven a step at a time: at step 0, every
+   `experiment.every` steps and at the last step, the policy is measured on held-out problems
+   (`measure`): `samples_per_problem` samples per problem at temperature 1, their mean
+   Σ_t log π(y_t|·) − log π_ref(y_t|·) (the Monte-Carlo estimate of KL(π‖π_ref), nats per
+   completion), the verifier's mean on the same samples (the gold) and the greedy accuracy, each
+   also for the even- and odd-indexed halves of the problems.
+3. `report`: the pre-registered criterion (`CRITERION`), judged without selection bias: each β's
+   peak checkpoint is the one with the highest gold on the even half (mean over seeds); the rise
+   (gold at the peak − at step 0) and the fall (gold at the last checkpoint − at the peak) are
+   measured on the odd half, one paired difference per seed, with a Student t interval over seeds.
+   Plot: gold against √KL per β (mean over seeds, band ± one s.e. over seeds), like the paper's
+   Fig. 1.
+
+Departures from the paper (which trains Pythia 1B–6.9B on Reddit TL;DR with DPO, IPO and SLiC and
+scores GPT-4 win rates): a ~0.5 M-parameter model on a reasoning_gym task, a verifier as the gold,
+and the loss named by the `dpo` stage (the default is RPO = DPO + NLL on the chosen completion,
+because offline DPO on these pairs never first improves; see the config's header).
 """
 
 from __future__ import annotations
 
+import json
 import math
-import time
+import random
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from rlhflab.replications import Counts, Experiment, PositiveFloats, begin, stage
+from rlhflab.replications import Experiment, PositiveFloats, begin, check_experiment, stage
+from rlhflab.replications.verdict import Check, Criterion, judge, t_interval, verdict_table
+
+#: β values the criterion names (the default config runs them all).
+LOW_BETAS = (0.01, 0.03)
+HIGH_BETA = 1.0
+
+
+def _hump_checks(beta: float) -> tuple[Check, Check]:
+    rise = (
+        f"β = {beta:g}: gold at the peak checkpoint − gold at step 0 (fraction of samples "
+        "correct; peak chosen on the even half of the held-out problems, measured on the odd "
+        "half; mean over seeds, t interval)"
+    )
+    fall = f"β = {beta:g}: gold at the last checkpoint − gold at the peak (same halves, interval)"
+    return Check(f"rise_beta_{beta:g}", rise, above=0.0), Check(f"fall_beta_{beta:g}", fall,
+                                                                below=0.0)  # fmt: skip
+
+
+CRITERION = Criterion(
+    claim=(
+        "Rafailov et al. 2024 (arXiv 2406.02900), abstract and Fig. 1: as a direct alignment algorithm "
+        "moves the policy away from the reference (KL grows), gold quality first rises and then "
+        "falls (over-optimisation), and a lower β reaches a larger KL."
+    ),
+    checks=(
+        *(check for b in LOW_BETAS for check in _hump_checks(b)),
+        Check(
+            f"kl_gap_{LOW_BETAS[0]:g}_vs_{HIGH_BETA:g}",
+            f"KL(π‖π_ref) at the last checkpoint, β = {LOW_BETAS[0]:g} − β = {HIGH_BETA:g} "
+            "(nats per completion, paired over seeds, t interval)",
+            above=0.0,
+        ),
+    ),
+)
 
 
 class Spec(Experiment):
     """`experiment:` of dpo_overopt.yaml."""
 
-    betas: PositiveFloats = Field(default_factory=lambda: [0.01, 0.1, 0.5])
-    steps: Counts = Field(default_factory=lambda: [20, 60])
-    seeds: int = Field(1, ge=1)
-    kl_problems: int = Field(200, ge=1)
+    betas: PositiveFloats = Field(default_factory=lambda: [0.01, 0.03, 0.1, 0.3, 1.0])
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    # the RPO NLL weight as a multiple of β (loss.args.alpha = alpha_per_beta · β), so that the
+    # DPO and NLL gradients keep one ratio at step 0 whatever β; None: loss.args as configured
+    alpha_per_beta: float | None = Field(None, gt=0)
+    every: int = Field(4, ge=1)  # optimizer steps between measurements
+    heldout_problems: int = Field(400, ge=4)
+    samples_per_problem: int = Field(2, ge=1)
     max_new_tokens: int = Field(10, ge=1)
-    seed: int = 0
+    seed: int = 0  # of the measurement's sampling
     policy: str | None = None
 
+    @field_validator("seeds")
+    @classmethod
+    def _distinct(cls, v: list[int]) -> list[int]:
+        if not v or len(set(v)) != len(v):
+            raise ValueError("must be a non-empty list of distinct integers, e.g. [0, 1, 2]")
+        return v
 
-def kl_and_gold(policy, reference, tokenizer, problems, verifier, *, instruction, max_new_tokens,
-                seed: int, batch: int = 100) -> dict:  # fmt: skip
-    """One sample per problem from `policy` (temperature 1): the mean and s.e. over problems of
-    Σ_t log π − log π_ref (nats per completion; an unbiased estimate of KL(π‖π_ref)), and of the
-    verifier's score of the samples."""
+
+def cell_id(beta: float, seed: int) -> str:
+    """The cell of one β and seed, e.g. "beta0.01-seed2"."""
+    return f"beta{beta:g}-seed{seed}"
+
+
+def cells(spec: dict, source: str) -> list[str]:
+    """Every β × seed, seed by seed."""
+    exp = check_experiment(Spec, spec.get("experiment"), source)
+    return [cell_id(b, s) for s in exp.seeds for b in exp.betas]
+
+
+def _parse(cell: str, exp: Spec) -> tuple[float, int]:
+    for s in exp.seeds:
+        for b in exp.betas:
+            if cell_id(b, s) == cell:
+                return b, s
+    raise ValueError(f"dpo-overopt: unknown cell {cell!r}")
+
+
+# -- prepare: the SFT policy and the pairs -----------------------------------------------------
+def prepare(spec: dict, out: Path, source: str) -> None:
+    """The SFT policy (unless `experiment.policy`) and each seed's preference pairs, sampled from
+    it and labelled by the verifier (`verifiable_pairs`, as `source: verifiable` does), written
+    to `out/pairs/seed<s>.json` with their counts; `out/policy.json` names the policy."""
+    import torch
+
+    from rlhflab.data.formatting import task_instruction
+    from rlhflab.data.tasks import make_splits
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.rewards.verifier import Verifier
+    from rlhflab.serialize import write_json_atomic
+    from rlhflab.trainers import run_config
+    from rlhflab.trainers.common import default_device
+    from rlhflab.trainers.da_data import verifiable_pairs
+
+    exp, _, runs = begin(Spec, spec, out, source)
+    stage(spec, "dpo", source, model={"name_or_path": "<policy>"})  # validate before training
+    policy, sft_s = exp.policy, None
+    if policy is None:
+        sft = run_config(stage(spec, "sft", source, run={"root": runs}))
+        policy, sft_s = sft["model_dir"], sft["wall_s"]
+    dpo = stage(spec, "dpo", source, model={"name_or_path": policy})
+    task, vcfg = dpo.task, dpo.verifiable
+    train = make_splits(task.name, config=task.config, n_train=task.n_train,
+                        n_heldout=exp.heldout_problems, seed=task.seed).train  # fmt: skip
+    device = default_device()  # the trainer's device: the GPU where there is one
+    tokenizer, model = load_tokenizer(policy), load_model(policy, device=device).eval()
+    verifier = Verifier(answer_format=task.answer_format, reward=task.reward,
+                        extractor=task.extractor)  # fmt: skip
+    (out / "pairs").mkdir(exist_ok=True)
+    for seed in exp.seeds:
+        rng = random.Random(seed)
+        problems = rng.sample(train, min(vcfg.n_prompts, len(train)))
+        pairs, counts = verifiable_pairs(
+            model, tokenizer, problems, verifier, vcfg, task,
+            generator=torch.Generator(device=device).manual_seed(seed), rng=rng,
+            chunk=dpo.eval.batch_size, autocast_dtype=None, instruction=task_instruction(task),
+        )  # fmt: skip
+        rows = [{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs]
+        write_json_atomic(out / "pairs" / f"seed{seed}.json", {"counts": counts, "pairs": rows})
+    write_json_atomic(out / "policy.json", {"policy": policy, "sft_s": sft_s})
+
+
+def _pairs(out: Path, seed: int) -> tuple[list, dict]:
+    from rlhflab.data.preference import PreferencePair
+
+    data = json.loads((out / "pairs" / f"seed{seed}.json").read_text())
+    return [PreferencePair(r["prompt"], r["chosen"], r["rejected"]) for r in data["pairs"]], data[
+        "counts"
+    ]
+
+
+def _with_pairs(pairs: list, counts: dict):
+    """The direct-alignment trainer on these pairs (prepared once) instead of sampling its own."""
+    from rlhflab.trainers.direct_alignment import DirectAlignment
+
+    class PreparedPairs(DirectAlignment):
+        def _pairs(self, model):
+            self.drops, self.file_unpaired = {}, False
+            self.data_counts = {"round_1": counts}
+            return [], list(pairs)
+
+    return PreparedPairs
+
+
+# -- one cell ----------------------------------------------------------------------------------
+def measure(policy, reference, tokenizer, problems, verifier, *, instruction: str,
+            max_new_tokens: int, samples: int, seed: int, batch: int = 200) -> dict:  # fmt: skip
+    """The policy on held-out `problems` (P of them): `samples` completions each at temperature
+    1 from a generator seeded with `seed` (the same draws at every checkpoint), and the greedy one.
+
+    Returns {"kl", "kl_stderr", "gold", "greedy", "gold_even", "gold_odd", "greedy_even",
+    "greedy_odd"}: kl = mean over the P·samples completions of Σ_t log π(y_t|·) − log π_ref(y_t|·)
+    (nats per completion; unbiased for KL(π‖π_ref) on these prompts) and its s.e.; gold = mean
+    over problems of the fraction of its samples the verifier scores 1 (binary); greedy = the
+    fraction of greedy completions scored 1; _even / _odd: the same over problems 0, 2, 4, ...
+    and 1, 3, 5, ...
+    """
     import torch
 
     from rlhflab.data.formatting import encode_prompt
@@ -52,144 +202,299 @@ def kl_and_gold(policy, reference, tokenizer, problems, verifier, *, instruction
     from rlhflab.rollout.engines import SamplingParams, make_engine
     from rlhflab.rollout.sampler import completion_logps, decode_completions
 
+    was_training = policy.training
+    policy.eval()
     engine = make_engine(None, policy, tokenizer)
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=1.0)
-    kls, gold = [], []
+    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    sampled = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=1.0)
+    greedy_params = SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True)
+    kls, gold, greedy = [], [], []
     with torch.no_grad():
         for s in range(0, len(problems), batch):
             chunk = problems[s : s + batch]
-            prompts = [encode_prompt(tokenizer, render_row(tokenizer, p, instruction=instruction))
-                       for p in chunk]  # fmt: skip
-            ro = engine.generate(prompts, params, generator=gen)
+            ids = [encode_prompt(tokenizer, render_row(tokenizer, p, instruction=instruction))
+                   for p in chunk]  # fmt: skip
+            ro = engine.generate(ids, greedy_params)
+            greedy += binary(verifier.score_batch(
+                decode_completions(tokenizer, ro, engine.stop_token_ids), chunk))  # fmt: skip
+            flat = [i for i in ids for _ in range(samples)]
+            rows = [p for p in chunk for _ in range(samples)]
+            ro = engine.generate(flat, sampled, generator=gen)
             lp, _ = completion_logps(policy, ro)
             lr, _ = completion_logps(reference, ro)
             kls += ((lp - lr) * ro.mask).sum(dim=1).tolist()
-            gold += verifier.score_batch(decode_completions(tokenizer, ro, engine.stop_token_ids),
-                                         chunk)  # fmt: skip
+            scores = binary(verifier.score_batch(
+                decode_completions(tokenizer, ro, engine.stop_token_ids), rows))  # fmt: skip
+            gold += [sum(scores[i * samples : (i + 1) * samples]) / samples
+                     for i in range(len(chunk))]  # fmt: skip
+    policy.train(was_training)
     kl, kl_se = mean_and_stderr(kls)
-    g, g_se = mean_and_stderr([1.0 if x >= 1.0 else 0.0 for x in gold])
-    return {"kl": kl, "kl_stderr": kl_se, "gold_sampled": g, "gold_sampled_stderr": g_se}
+
+    def mean(xs):
+        return math.fsum(xs) / len(xs)
+
+    return {"kl": kl, "kl_stderr": kl_se, "gold": mean(gold), "greedy": mean(greedy),
+            "gold_even": mean(gold[0::2]), "gold_odd": mean(gold[1::2]),
+            "greedy_even": mean(greedy[0::2]), "greedy_odd": mean(greedy[1::2])}  # fmt: skip
 
 
-def run(spec: dict, out: Path, *, source: str) -> dict:
-    """Run the replication (module doc); returns and writes dpo_overopt.json."""
-    import json
+def binary(scores: list[float]) -> list[float]:
+    """1.0 for a verifier score of 1 (exact), else 0.0 (partial credit counts as wrong)."""
+    return [1.0 if x >= 1.0 else 0.0 for x in scores]
 
+
+def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
+    """One β and seed: the offline run (`dpo` stage, this seed's prepared pairs), measured at
+    step 0, every `experiment.every` steps and at the last step (`measure`)."""
     from rlhflab.data.formatting import task_instruction
     from rlhflab.data.tasks import make_splits
-    from rlhflab.eval.accuracy import mean_and_stderr
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.verifier import Verifier
-    from rlhflab.serialize import write_json_atomic, write_yaml_atomic
-    from rlhflab.sweep import run_sweep
-    from rlhflab.trainers import run_config
+    from rlhflab.trainers.common import default_device
+    from rlhflab.trainers.loop import Run
 
-    exp, t0, runs = begin(Spec, spec, out, source)
-    stage(spec, "dpo", source, model={"name_or_path": "<policy>"})
-    timings = {}
-    policy = exp.policy
-    if policy is None:
-        sft = run_config(stage(spec, "sft", source, run={"root": runs}))
-        policy, timings["sft_s"] = sft["model_dir"], sft["wall_s"]
-    dpo = stage(spec, "dpo", source, model={"name_or_path": policy})
-    dpo_path = out / "dpo.yaml"
-    write_yaml_atomic(dpo_path, dpo.model_dump(mode="json"))
-    t1 = time.perf_counter()
-    sweep = run_sweep(
-        str(dpo_path),
-        grid_items=[
-            f"loss.args.beta={','.join(map(str, exp.betas))}",
-            f"train.steps={','.join(map(str, exp.steps))}",
-        ],
-        seeds=exp.seeds,
-        root=str(out),
-        slug="dpo-overopt",
-    )
-    timings["sweep_s"] = round(time.perf_counter() - t1, 2)
-    t2 = time.perf_counter()
-    task = dpo.task
+    exp, _, runs = begin(Spec, spec, out, source)
+    beta, seed = _parse(cell, exp)
+    policy = json.loads((out / "policy.json").read_text())["policy"]
+    args = {"beta": beta}
+    if exp.alpha_per_beta is not None:
+        args["alpha"] = exp.alpha_per_beta * beta
+    cfg = stage(spec, "dpo", source, seed=seed, model={"name_or_path": policy},
+                loss={"args": args}, run={"root": runs, "name": f"dpo-{cell}"})  # fmt: skip
+    task = cfg.task
     problems = make_splits(task.name, config=task.config, n_train=task.n_train,
-                           n_heldout=exp.kl_problems, seed=task.seed).heldout  # fmt: skip
+                           n_heldout=exp.heldout_problems, seed=task.seed).heldout  # fmt: skip
     tokenizer = load_tokenizer(policy)
-    reference = load_model(policy).eval()
-    verifier = Verifier(answer_format=task.answer_format, reward=task.reward)
-    instruction = task_instruction(task)
-    camp = Path(sweep["out_dir"])
-    results = json.loads((camp / "results.json").read_text())
+    reference = load_model(policy, device=default_device()).eval()
+    verifier = Verifier(answer_format=task.answer_format, reward=task.reward,
+                        extractor=task.extractor)  # fmt: skip
+    kw = {"instruction": task_instruction(task), "max_new_tokens": exp.max_new_tokens,
+          "samples": exp.samples_per_problem, "seed": exp.seed + 1000 * seed}  # fmt: skip
+    pairs, counts = _pairs(out, seed)
+    session = Run(cfg, _with_pairs(pairs, counts))
     points = []
-    for pt in results["points"]:
-        per_seed = []
-        for r in pt["runs"]:
-            model = load_model(str(camp / r["run_dir"] / "model")).eval()
-            m = kl_and_gold(model, reference, tokenizer, problems, verifier,
-                            instruction=instruction, max_new_tokens=exp.max_new_tokens,
-                            seed=exp.seed + 777)  # fmt: skip
-            per_seed.append({**m, "seed": r["seed"], "heldout_greedy_accuracy": r["metric"],
-                             "heldout_greedy_accuracy_before": r["metric_before"],
-                             "heldout_n": r["heldout_n"]})  # fmt: skip
-        agg = {}
-        for key in ("kl", "gold_sampled", "heldout_greedy_accuracy"):
-            mean, se = mean_and_stderr([s[key] for s in per_seed])
-            agg[key], agg[f"{key}_stderr_over_seeds"] = mean, None if math.isnan(se) else se
-        agg["heldout_greedy_accuracy_before"] = per_seed[0]["heldout_greedy_accuracy_before"]
-        points.append({"beta": float(pt["point"]["loss.args.beta"]),
-                       "steps": int(pt["point"]["train.steps"]), **agg, "seeds": per_seed})  # fmt: skip
-    # The reference itself: KL 0 by construction, its sampled gold.
-    ref = kl_and_gold(reference, reference, tokenizer, problems, verifier, instruction=instruction,
-                      max_new_tokens=exp.max_new_tokens, seed=exp.seed + 777)  # fmt: skip
-    timings["kl_s"] = round(time.perf_counter() - t2, 2)
-    summary = {
-        "policy": policy,
-        "task": {"name": task.name, "config": task.config},
-        "kl_problems": len(problems),
-        "reference": ref,
+    with session:
+        model = session.trainer.model
+        points.append({"step": 0, **measure(model, reference, tokenizer, problems, verifier, **kw)})
+        while session.step() is not None:
+            step = session.steps_done
+            if step % exp.every == 0 or step == cfg.train.steps:
+                points.append({"step": step,
+                               **measure(model, reference, tokenizer, problems, verifier, **kw)})  # fmt: skip
+    results = session.finish()
+    return {
+        "beta": beta,
+        "seed": seed,
+        "loss": {"name": cfg.loss.name, "args": dict(cfg.loss.args)},
+        "pairs": len(pairs),
+        "pair_counts": counts,
+        "steps": cfg.train.steps,
+        "batch_size": cfg.train.batch_size,
+        "epochs": round(cfg.train.steps * cfg.train.batch_size / max(len(pairs), 1), 3),
+        "heldout_problems": len(problems),
         "points": points,
-        "campaign": str(camp),
-        "timings": timings,
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "final_loss": results.get("final_loss"),
+        "run_dir": str(session.run_dir),
     }
-    write_json_atomic(out / "dpo_overopt.json", summary)
-    plot(summary, out / "dpo_overopt.png")
-    return {**summary, "plot": str(out / "dpo_overopt.png")}
 
 
-def _err(point: dict, key: str) -> float:
-    """s.e. over seeds, else (one seed) the run's s.e. over problems."""
-    se = point.get(f"{key}_stderr_over_seeds")
-    if se is not None:
-        return se
-    run = point["seeds"][0]
-    if key == "gold_sampled":
-        return run["gold_sampled_stderr"]
-    p, n = run[key], run.get("heldout_n") or 0
-    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0
+# -- the report --------------------------------------------------------------------------------
+def rise_and_fall(curves: list[list[dict]], *, key: str = "gold") -> dict:
+    """Split-half estimate of a hump, for one β. `curves`: one per seed, each the checkpoints
+    (dicts with `<key>_even`, `<key>_odd`), in step order and the same steps for every seed.
+
+    The peak is the checkpoint whose mean over seeds of `<key>_even` is highest (the earliest on
+    a tie); on the odd half, per seed, rise = value at the peak − value at step 0 and fall = value
+    at the last checkpoint − value at the peak, each with its t interval over seeds.
+
+    Returns {"peak_index", "rise": (mean, lo, hi), "fall": (mean, lo, hi), "rises", "falls"}.
+
+    Raises:
+        ValueError: no curve, or curves of different lengths.
+    """
+    if not curves or len({len(c) for c in curves}) != 1:
+        raise ValueError("rise_and_fall: need curves of one length, one per seed")
+    n = len(curves[0])
+    sel = [math.fsum(c[i][f"{key}_even"] for c in curves) / len(curves) for i in range(n)]
+    peak = max(range(n), key=lambda i: (sel[i], -i))
+    rises = [c[peak][f"{key}_odd"] - c[0][f"{key}_odd"] for c in curves]
+    falls = [c[-1][f"{key}_odd"] - c[peak][f"{key}_odd"] for c in curves]
+    return {"peak_index": peak, "rise": t_interval(rises), "fall": t_interval(falls),
+            "rises": rises, "falls": falls}  # fmt: skip
 
 
-def plot(summary: dict, path: Path) -> None:
-    """Gold (sampled correctness, left; greedy held-out accuracy, right) against √KL, a line per β
-    through its training lengths, starting at the reference (KL 0). Error bars: s.e. over seeds;
-    with one seed, the run's own s.e. over problems."""
+def _by_beta(cells_results: dict[str, dict]) -> dict[float, list[dict]]:
+    out: dict[float, list[dict]] = {}
+    for r in cells_results.values():
+        out.setdefault(r["beta"], []).append(r)
+    return {b: sorted(rs, key=lambda r: r["seed"]) for b, rs in sorted(out.items())}
+
+
+def estimates(cells_results: dict[str, dict]) -> tuple[dict, dict]:
+    """The criterion's estimates ({key: (mean, lo, hi)}) and, per β, the rise/fall of the gold
+    and of the greedy accuracy, the peak and the curve (means over seeds) for the report.
+
+    Raises:
+        ValueError: a β the criterion names is missing, or its seeds differ from β's.
+    """
+    by_beta = _by_beta(cells_results)
+    missing = [b for b in (*LOW_BETAS, HIGH_BETA) if b not in by_beta]
+    if missing:
+        raise ValueError(f"dpo-overopt: the criterion needs β {missing} (experiment.betas)")
+    per_beta, est = {}, {}
+    for b, rs in by_beta.items():
+        curves = [r["points"] for r in rs]
+        gold, greedy = rise_and_fall(curves), rise_and_fall(curves, key="greedy")
+        steps = [p["step"] for p in curves[0]]
+        mean_curve = []
+        for i, step in enumerate(steps):
+            row = {"step": step}
+            for k in ("kl", "gold", "greedy"):
+                vals = [c[i][k] for c in curves]
+                m = math.fsum(vals) / len(vals)
+                sd = (math.sqrt(math.fsum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+                      if len(vals) > 1 else float("nan"))  # fmt: skip
+                row[k], row[f"{k}_se"] = m, sd / math.sqrt(len(vals))
+            mean_curve.append(row)
+        per_beta[b] = {"seeds": [r["seed"] for r in rs], "gold": gold, "greedy": greedy,
+                       "peak_step": steps[gold["peak_index"]], "curve": mean_curve}  # fmt: skip
+    for b in LOW_BETAS:
+        est[f"rise_beta_{b:g}"] = per_beta[b]["gold"]["rise"]
+        est[f"fall_beta_{b:g}"] = per_beta[b]["gold"]["fall"]
+    low, high = by_beta[LOW_BETAS[0]], by_beta[HIGH_BETA]
+    if [r["seed"] for r in low] != [r["seed"] for r in high]:
+        raise ValueError("dpo-overopt: the KL comparison needs the same seeds for both β")
+    gaps = [a["points"][-1]["kl"] - c["points"][-1]["kl"] for a, c in zip(low, high, strict=True)]
+    est[f"kl_gap_{LOW_BETAS[0]:g}_vs_{HIGH_BETA:g}"] = t_interval(gaps)
+    return est, per_beta
+
+
+def _ci(x) -> str:
+    m, lo, hi = x
+    return f"{m:+.3f}" if lo is None else f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def _failed_line(check: dict) -> str:
+    ci = check["ci95"]
+    ci_text = "no CI" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+    return f"- {check['what']}: {check['estimate']:+.3f} {ci_text}; rule: {check['rule']}."
+
+
+def _halfwidth(x) -> str:
+    return "no CI" if x[1] is None else f"±{(x[2] - x[1]) / 2:.3f}"
+
+
+def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -> dict:
+    """The verdict (`CRITERION`, `estimates`), `dpo_overopt.png` and report.md."""
+    exp = check_experiment(Spec, spec.get("experiment"), source)
+    est, per_beta = estimates(cells_results)
+    verdict = judge("dpo-overopt", CRITERION, est, exp.seeds)
+    plot(per_beta, out / "dpo_overopt.png")
+    any_cell = next(iter(cells_results.values()))
+    prep = json.loads((out / "policy.json").read_text()) if (out / "policy.json").is_file() else {}
+    done = out / "prepare.done"
+    prep_s = float(done.read_text()) if done.is_file() else 0.0
+    cells_s = math.fsum(r.get("wall_s", 0.0) for r in cells_results.values())
+    rows = ["| β | peak step (even half) | rise, gold (odd half) | fall, gold | rise, greedy | "
+            "fall, greedy | KL at the peak / last checkpoint (nats) | gold at step 0 → peak → "
+            "last (all problems) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for b, pb in per_beta.items():
+        c = pb["curve"]
+        peak = pb["gold"]["peak_index"]
+        rows.append(
+            f"| {b:g} | {pb['peak_step']} | {_ci(pb['gold']['rise'])} | {_ci(pb['gold']['fall'])} "
+            f"| {_ci(pb['greedy']['rise'])} | {_ci(pb['greedy']['fall'])} "
+            f"| {c[peak]['kl']:.3f} / {c[-1]['kl']:.3f} ± {c[-1]['kl_se']:.3f} "
+            f"| {c[0]['gold']:.3f} → {c[peak]['gold']:.3f} → {c[-1]['gold']:.3f} |"
+        )
+    power = []
+    for b, pb in per_beta.items():
+        last = pb["gold"]["peak_index"] == len(pb["curve"]) - 1
+        fall = ("not measurable: the peak is the last checkpoint (the gold was still rising "
+                "when the run ended)" if last else _halfwidth(pb["gold"]["fall"]))  # fmt: skip
+        power.append(f"β = {b:g}: rise {_halfwidth(pb['gold']['rise'])}, fall {fall}")
+    kl_key = f"kl_gap_{LOW_BETAS[0]:g}_vs_{HIGH_BETA:g}"
+    failed = [c for c in verdict["checks"] if not c["holds"]]
+    not_reproduced = [_failed_line(c) for c in failed] or ["Every pre-registered check holds."]
+    loss, counts = any_cell["loss"], any_cell.get("pair_counts", {})
+    start = per_beta[next(iter(per_beta))]["curve"][0]
+    md = "\n".join([
+        "# DPO over-optimisation (Rafailov et al. 2024, arXiv 2406.02900) at CPU scale",
+        "",
+        f"**Question.** {CRITERION.claim}",
+        "",
+        "**Setting.** Policy and reference: the SFT model of the `sft` stage (held-out gold at "
+        f"step 0: {start['gold']:.3f} of samples correct at temperature 1, greedy accuracy "
+        f"{start['greedy']:.3f}, mean over seeds). Per seed, {any_cell['pairs']} preference pairs "
+        "from the SFT model's own samples labelled by the verifier (best vs worst; the gold answer "
+        f"as chosen when no sample is right; seed {any_cell['seed']}'s counts: {counts}). Loss "
+        f"`{loss['name']}` with β per cell and α = {exp.alpha_per_beta} β "
+        f"(β = {any_cell['beta']:g}: {loss['args']}); {any_cell['steps']} steps × "
+        f"{any_cell['batch_size']} pairs = {any_cell['epochs']} epoch(s); the reference stays the "
+        f"SFT model. A measurement at step 0, every {exp.every} steps and at the last step, on "
+        f"{any_cell['heldout_problems']} held-out problems ({exp.samples_per_problem} samples each "
+        "at temperature 1, and the greedy completion): gold = fraction of samples the verifier "
+        "scores correct; KL(π‖π_ref) = mean over the samples of Σ_t log π − log π_ref (nats per "
+        f"completion). Seeds {exp.seeds}; β {exp.betas}.",
+        "",
+        "Why RPO (DPO + α · length-normalised NLL on the chosen completion, Pang et al. 2024) and "
+        "not plain DPO: offline DPO on these pairs never first improves (its greedy accuracy falls "
+        "from the first measurement at every β and learning rate tried while this design was "
+        "chosen), so its curve can only decline; the NLL term gives the rise. α ∝ β keeps the "
+        "ratio of the two gradients at step 0 the same for every β (Adam is invariant to the "
+        "loss's scale), so β changes only where the DPO term saturates, as in plain DPO.",
+        "",
+        "![gold vs √KL](dpo_overopt.png)",
+        "",
+        "**Estimates** (mean over seeds, 95% t interval over seeds; the peak checkpoint of each β "
+        "is chosen on the even-indexed held-out problems, rise and fall are measured on the "
+        "odd-indexed ones, so choosing the peak does not inflate them; no functional form is "
+        "fitted):",
+        "",
+        *rows,
+        "",
+        "**Pre-registered criterion** (`rlhflab.replications.dpo_overopt.CRITERION`, written "
+        f"before the run): {CRITERION.text}.",
+        "",
+        verdict_table(verdict),
+        "",
+        "**What did not reproduce.**",
+        "",
+        *not_reproduced,
+        "",
+        "**Power.** Half-widths of the 95% intervals over these seeds (fraction of samples "
+        "correct): " + "; ".join(power) + f". KL gap {_halfwidth(est[kl_key])} nats. A true "
+        "effect smaller than about its half-width is not resolved by this design.",
+        "",
+        f"Compute: preparation {prep_s:.0f} s, cells {cells_s:.0f} s (wall-clock, one torch "
+        "thread; on a shared machine this is more than the CPU time).",
+        "",
+    ])  # fmt: skip
+    return {"verdict": verdict, "report": md, "estimates": {k: list(v) for k, v in est.items()},
+            "per_beta": {f"{b:g}": v for b, v in per_beta.items()},
+            "policy": prep.get("policy")}  # fmt: skip
+
+
+def plot(per_beta: dict, path: Path) -> None:
+    """Gold (left) and greedy accuracy (right) against √KL(π‖π_ref), one line per β through its
+    checkpoints (mean over seeds; band ± one s.e. over seeds), like the paper's Fig. 1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    ref = summary["reference"]
-    for beta in sorted({p["beta"] for p in summary["points"]}):
-        pts = sorted((p for p in summary["points"] if p["beta"] == beta), key=lambda p: p["steps"])
-        x = [0.0] + [math.sqrt(max(p["kl"], 0.0)) for p in pts]
-        for ax, key, start in ((axes[0], "gold_sampled", ref["gold_sampled"]),
-                               (axes[1], "heldout_greedy_accuracy",
-                                pts[0].get("heldout_greedy_accuracy_before"))):  # fmt: skip
-            xs, ys = x, [start] + [p[key] for p in pts]
-            errs = [0.0] + [_err(p, key) for p in pts]
-            line = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=f"β = {beta:g}")
-            for p, xx in zip(pts, x[1:], strict=True):
-                ax.annotate(str(p["steps"]), (xx, p[key]), fontsize=6, color=line[0].get_color(),
-                            textcoords="offset points", xytext=(3, 3))  # fmt: skip
-    axes[0].set_title("gold on samples (verifier), y ~ π")
+    for b, pb in per_beta.items():
+        c = pb["curve"]
+        x = [math.sqrt(max(p["kl"], 0.0)) for p in c]
+        for ax, key in ((axes[0], "gold"), (axes[1], "greedy")):
+            y = [p[key] for p in c]
+            se = [0.0 if math.isnan(p[f"{key}_se"]) else p[f"{key}_se"] for p in c]
+            (line,) = ax.plot(x, y, marker="o", ms=3, label=f"β = {b:g}")
+            ax.fill_between(x, [v - e for v, e in zip(y, se, strict=True)],
+                            [v + e for v, e in zip(y, se, strict=True)],
+                            color=line.get_color(), alpha=0.15)  # fmt: skip
+    axes[0].set_title("gold: verifier on samples y ~ π (T = 1)")
     axes[1].set_title("held-out greedy accuracy")
     for ax in axes:
         ax.set_xlabel("√KL(π‖π_ref) (nats^½ per completion)")
