@@ -13,6 +13,7 @@ from rlhflab.replications import check_experiment
 from rlhflab.replications.prm_orm import (
     Spec,
     exact_step_labels,
+    paired_difference,
     paired_gap_stats,
     selection_accuracies,
     solution_lines,
@@ -102,6 +103,15 @@ def test_paired_gap_stats_pool_over_seeds_and_resample_problems_with_their_seeds
     assert e == lo == hi == pytest.approx(0.25, abs=1e-12)
     with pytest.raises(ValueError, match="different problem counts"):
         paired_gap_stats([s0, flat], n_max=64, n_small=4, n_boot=200)
+
+
+def test_paired_difference_between_any_two_selectors_by_hand():
+    # seed 0: a (1, 0) b (0, 0) -> (1, 0); seed 1: a (1, 1) b (1, 0) -> (0, 1); mean 2/4.
+    s0 = {"majority": {8: [1.0, 0.0]}, "PRM": {8: [0.0, 0.0]}}
+    s1 = {"majority": {8: [1.0, 1.0]}, "PRM": {8: [1.0, 0.0]}}
+    est, lo, hi = paired_difference([s0, s1], "majority", "PRM", 8, n_boot=200)
+    assert est == pytest.approx(0.5, abs=1e-12) and lo == pytest.approx(0.5, abs=1e-12) == hi
+    # every problem's pooled difference is 1/2 here, so every resample's mean is too
 
 
 def test_spec_refuses_repeated_seeds():
