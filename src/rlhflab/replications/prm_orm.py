@@ -598,8 +598,8 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         se = (hi - lo) / (2 * 1.96)
         power[key] = {"se": se, "mde_80": 2.8 * se}  # smallest true effect found 80% of the time
     _plot(curves, ns, out / "prm_orm.png",
-          f"PRM vs ORM best-of-N, chain arithmetic, {n_prob} held-out problems × "
-          f"{len(seeds)} seeds (95% cluster bootstrap)")  # fmt: skip
+          f"PRM vs ORM best-of-N: {n_prob} held-out problems × {len(seeds)} seeds "
+          "(bands: 95% cluster bootstrap)")  # fmt: skip
     diag_keys = ("pool_accuracy", "prm_step_auc", "prm_solution_auc", "orm_solution_auc",
                  "pool_right_answer_with_a_wrong_step")  # fmt: skip
     diag = {k: [r["diagnostics"][k] for r in cells_results.values()] for k in diag_keys}
