@@ -71,10 +71,10 @@ def test_quickstart_keeps_fp32_master_weights(tmp_path):
 
 def test_the_gpu_replications_compute_in_bf16(tmp_path):
     # The three GPU configs that held bf16 weights keep bf16 compute (autocast), fp32 weights.
-    for name in ("rm_overopt_gpu", "dpo_overopt_gpu", "prm_orm_gsm8k_gpu"):
+    for name in ("rm_overopt_gpu", "dpo_overopt_gpu", "prm_orm_gpu"):
         path = ROOT / "configs/replications" / f"{name}.yaml"
         for section, cfg in _trained_configs(path, tmp_path).items():
-            if section == "sft" and name != "prm_orm_gsm8k_gpu":
+            if section == "sft" and name != "prm_orm_gpu":
                 continue  # unused while experiment.policy is set
             assert cfg.model.dtype == "float32" and cfg.precision.autocast == "bf16", (
                 name,

@@ -12,7 +12,7 @@ import pytest
 
 from rlhflab.cli import main
 from rlhflab.data.gsm8k import parse_gsm8k_row
-from rlhflab.replications.prm_orm_gsm8k import majority_curve, synthetic_rows
+from rlhflab.replications.prm_orm_gsm8k import synthetic_rows
 from rlhflab.replications.rm_overopt import bon_kl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,23 +22,6 @@ def test_best_of_n_kl_is_log_n_minus_n_minus_1_over_n():
     assert bon_kl(1) == 0.0
     assert bon_kl(2) == pytest.approx(math.log(2) - 0.5, abs=1e-15)
     assert bon_kl(64) == pytest.approx(math.log(64) - 63 / 64, abs=1e-15)
-
-
-def test_majority_vote_on_a_constructed_pool():
-    # Problem 0: answers 5,5,7 (5 right): N=3 always votes 5 → 1. Problem 1: 1,2,2 (1 right):
-    # N=3 votes 2 → 0. N=1 is the mean correctness: 2/3 and 1/3.
-    answers = [["5", "5", "7"], ["1", "2", "2"]]
-    correct = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
-    got = majority_curve(answers, correct, [3], n_resamples=4, seed=0)
-    assert got[3]["accuracy"] == pytest.approx(0.5, abs=1e-12)
-    assert got[3]["stderr"] == pytest.approx(0.5, abs=1e-12)  # sqrt(0.5 / 2)
-    one = majority_curve(answers, correct, [1], n_resamples=1000, seed=0)
-    assert one[1]["accuracy"] == pytest.approx(0.5, abs=0.05)  # (2/3 + 1/3) / 2 in expectation
-    # No answer never wins: a pool with only unparseable answers scores 0.
-    assert (
-        majority_curve([[None, None]], [[1.0, 1.0]], [2], n_resamples=2, seed=0)[2]["accuracy"]
-        == 0.0
-    )
 
 
 def test_synthetic_rows_are_gsm8k_rows_whose_steps_add_up():
@@ -58,7 +41,7 @@ def test_synthetic_rows_are_gsm8k_rows_whose_steps_add_up():
         (["replicate", "rm-overopt", "experiment.ns=[1,2,4]", "experiment.nn=3"],
          "experiment.nn: Extra inputs are not permitted"),
         (["replicate", "rm-overopt", "rm.train.stepz=3"], "[rm]"),
-        (["replicate", "prm-orm"], "unknown replication 'prm-orm' (did you mean 'prm-orm-gsm8k'?)"),
+        (["replicate", "prm-orn"], "unknown replication 'prm-orn' (did you mean 'prm-orm'?)"),
     ],
 )  # fmt: skip
 def test_bad_replication_config_is_one_line(argv, expected, tmp_path, capsys, monkeypatch):
@@ -95,11 +78,11 @@ def test_bad_best_of_n_ns_is_one_line_naming_the_key(tmp_path, capsys, monkeypat
         ("rm_overopt", "rl_seeds", [1, 1]),
         ("rm_overopt", "n_boot", 10),
         ("rm_overopt", "max_new_tokens", 0),
-        ("prm_orm_gsm8k", "ns", [-1]),
-        ("prm_orm_gsm8k", "samples_per_prompt", 0),
-        ("prm_orm_gsm8k", "mc_rollouts", 0),
-        ("prm_orm_gsm8k", "rm_prompts", 0),
-        ("prm_orm_gsm8k", "n_heldout", 0),
+        ("prm_orm", "ns", [-1]),
+        ("prm_orm", "samples_per_prompt", 0),
+        ("prm_orm", "rm_solutions", 1),
+        ("prm_orm", "rm_prompts", 0),
+        ("prm_orm", "n_heldout", 1),
         ("r1_zero", "n_train", 0),
         ("r1_zero", "n_heldout", 0),
         ("dpo_overopt", "betas", [0.1, 0.0]),
@@ -138,31 +121,6 @@ def test_every_replication_config_validates(path):
         if isinstance(spec[section].get("data"), dict) and "path" in spec[section]["data"]:
             over["data"] = {"path": "x"}
         stage(spec, section, str(path), **over)
-
-
-def test_mc_step_labels_drop_solutions_without_steps_and_label_by_any_right_rollout(
-    tiny_model, tiny_tokenizer
-):
-    # A sample without a newline has no step: dropped (it broke the step_labelled file: "field
-    # 'steps' is empty"). A sample with steps gets one ±1 per step from m rollouts after the prefix;
-    # with a verifier that calls everything right, every step is +1.
-    from rlhflab.data.reward_data import ScoredSamples
-    from rlhflab.replications.prm_orm_gsm8k import mc_step_labels
-
-    class AllRight:
-        def score_batch(self, texts, rows):
-            return [1.0] * len(texts)
-
-    def ids(text):
-        return tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    texts = ["<answer>5</answer>", "2+3 = 5\n5+1 = 6\n<answer>6</answer>"]
-    ss = ScoredSamples(problems=["p"], prompt_ids=[ids("Q:")], completion_ids=[[ids(t) for t in texts]],
-                       texts=[texts], scores=[[0.0, 1.0]])  # fmt: skip
-    got = mc_step_labels(tiny_model, tiny_tokenizer, ["p"], ss, AllRight(), m=2,
-                         max_new_tokens=4, seed=0)  # fmt: skip
-    assert got[0][0] is None
-    assert got[0][1] == [["2+3 = 5", "5+1 = 6"], [1, 1], "<answer>6</answer>", 1]
 
 
 def test_r1_zero_base_documents_and_trend_curves():

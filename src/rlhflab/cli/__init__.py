@@ -63,7 +63,7 @@ from rlhflab.errors import HealthStop, Interrupted, PeerRefused, RlhfLabError
 EXIT_USER_ERROR = 2
 #: `replicate NAME`: the keys of `rlhflab.replications.REPLICATIONS` (a test keeps them equal; the
 #: parser does not import the package, which loads pydantic and the configs).
-REPLICATION_NAMES = "r1-zero | rm-overopt | dpo-overopt | prm-orm-gsm8k (--list describes each)"
+REPLICATION_NAMES = "r1-zero | rm-overopt | dpo-overopt | prm-orm (--list describes each)"
 #: Every command with results prints summary lines; `--json` prints the results object instead.
 JSON_HELP = "print the whole results object as JSON on stdout (the summary lines go to stderr)"
 #: Every command's `--threads`: default None, the default of `precision.threads` (torch's own

@@ -500,8 +500,8 @@ def load_step_labelled(
     step, e.g. "<answer>14</answer>"), "outcome": 0|1 (optional: the final answer's correctness;
     default 1 iff every rating is +1)}`). The prompt is chat-rendered (`render_prompt`), as the
     policy saw it; the completion is `step_1 SEP … step_K SEP final` (the layout above). The ORM
-    learns `outcome`, the PRM the ratings: e.g. Monte-Carlo step labels (Math-Shepherd, Wang et al.
-    2024, arXiv 2312.08935) written by `rlhflab replicate prm-orm-gsm8k`.
+    learns `outcome`, the PRM the ratings: e.g. the exact step labels written by `rlhflab replicate
+    prm-orm`, or Monte-Carlo ones (Math-Shepherd, Wang et al. 2024, arXiv 2312.08935).
 
     Returns:
         (examples, outcomes, drop counts by `STEP_LABELLED_DROP_REASONS`).

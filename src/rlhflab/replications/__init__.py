@@ -10,8 +10,8 @@ stage, each a complete training config (`rlhflab train`'s format) that the repli
     rm-overopt     reward-model over-optimisation (Gao et al. 2022): best-of-n against proxies
                    trained on 4 data sizes and GRPO against the largest, gold against √KL with
                    the paper's fits (cells: one per proxy, one per RL seed)
-    prm-orm-gsm8k  PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on Monte-Carlo
-                   step labels from the policy's own rollouts (Math-Shepherd, Wang et al. 2024)
+    prm-orm        PRM vs ORM (Lightman et al. 2023) on chained arithmetic with exact step labels:
+                   best-of-N selection accuracy against N (`prm-orm-gsm8k`: its former name)
     r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness +
                    format rewards; held-out correctness, response length, format reward over steps
     dpo-overopt    DPO over-optimisation (Rafailov et al. 2024): one offline run per β and seed,
@@ -33,13 +33,13 @@ from rlhflab.errors import ConfigError
 #: name → (module, default config)
 REPLICATIONS = {
     "rm-overopt": ("rlhflab.replications.rm_overopt", "configs/replications/rm_overopt.yaml"),
-    "prm-orm-gsm8k": (
-        "rlhflab.replications.prm_orm_gsm8k",
-        "configs/replications/prm_orm_gsm8k.yaml",
-    ),
+    "prm-orm": ("rlhflab.replications.prm_orm", "configs/replications/prm_orm.yaml"),
     "dpo-overopt": ("rlhflab.replications.dpo_overopt", "configs/replications/dpo_overopt.yaml"),
     "r1-zero": ("rlhflab.replications.r1_zero", "configs/replications/r1_zero.yaml"),
 }
+
+#: former name → name (still accepted by `rlhflab replicate`)
+ALIASES = {"prm-orm-gsm8k": "prm-orm"}
 
 #: name → one line: the published result and what the replication measures (`replicate --list`)
 DESCRIPTIONS = {
@@ -50,8 +50,8 @@ DESCRIPTIONS = {
     "d(α − β log d) fits and a pre-registered verdict",
     "dpo-overopt": "DPO over-optimisation (Rafailov et al. 2024): one run per β and seed, "
     "measured every few steps; gold against √KL(π‖π_ref) per β",
-    "prm-orm-gsm8k": "PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on "
-    "Monte-Carlo step labels (Math-Shepherd); best-of-N accuracy against N",
+    "prm-orm": "PRM vs ORM (Lightman et al. 2023) on chained arithmetic with exact step labels; "
+    "best-of-N selection accuracy against N up to 64, 3 seeds",
 }
 
 
@@ -173,6 +173,7 @@ def run_replication(
     from rlhflab.config.base import did_you_mean
     from rlhflab.replications.cells import is_cellular, run_cells
 
+    name = ALIASES.get(name, name)
     if name not in REPLICATIONS:
         raise ConfigError(
             f"replicate: unknown replication '{name}'{did_you_mean(name, REPLICATIONS)}; "

@@ -1,0 +1,181 @@
+"""PRM vs ORM replication (Lightman et al. 2023) on chained arithmetic: exact step labels, the
+selectors, the paired statistics (all from their definitions), the former name, and one tiny run
+through the cell runner."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rlhflab.errors import ConfigError
+from rlhflab.replications import check_experiment
+from rlhflab.replications.prm_orm import (
+    Spec,
+    exact_step_labels,
+    paired_difference,
+    paired_gap_stats,
+    selection_accuracies,
+    solution_lines,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_solution_lines_split_on_newlines_and_flag_a_missing_last_newline():
+    assert solution_lines("1 + 2 = 3\n<answer>3</answer>\n") == (
+        ["1 + 2 = 3", "<answer>3</answer>"], True)  # fmt: skip
+    assert solution_lines("1 + 2 = 3\n<answer>3") == (["1 + 2 = 3", "<answer>3"], False)
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        # 4 - 1 + 7 - 2: 4-1 = 3, 3+7 = 10, 10-2 = 8, answer 8; all right -> all +1
+        (["4 - 1 = 3", "3 + 7 = 10", "10 - 2 = 8", "<answer>8</answer>"], [1, 1, 1, 1]),
+        # arithmetic slip at line 2: +1, -1, then unlabelled (0) even where locally right
+        (["4 - 1 = 3", "3 + 7 = 11", "11 - 2 = 9", "<answer>9</answer>"], [1, -1, 0, 0]),
+        # wrong operand (skipped the 7) at line 2
+        (["4 - 1 = 3", "3 - 2 = 1", "<answer>1</answer>"], [1, -1, 0]),
+        # every operation right, wrong answer copied: the answer line is the first error
+        (["4 - 1 = 3", "3 + 7 = 10", "10 - 2 = 8", "<answer>7</answer>"], [1, 1, 1, -1]),
+        # premature answer (line 3 is not an operation)
+        (["4 - 1 = 3", "3 + 7 = 10", "<answer>10</answer>"], [1, 1, -1]),
+        # a line after a right answer is wrong
+        (["4 - 1 = 3", "3 + 7 = 10", "10 - 2 = 8", "<answer>8</answer>", "x"], [1, 1, 1, 1, -1]),
+        # unparseable first line
+        (["four minus one", "3 + 7 = 10"], [-1, 0]),
+        # stops before the answer: no error among the lines written
+        (["4 - 1 = 3", "3 + 7 = 10"], [1, 1]),
+        ([], []),
+    ],
+)  # fmt: skip
+def test_exact_step_labels_follow_lightmans_first_error_convention(lines, expected):
+    assert exact_step_labels("4 - 1 + 7 - 2", "8", lines) == expected
+
+
+def test_selection_accuracies_by_hand():
+    # One problem, 3 samples: right, wrong, right. Answers "5", "7", "5".
+    # N = 3 (the whole pool, any order): PRM's top (0.9) is sample 0 (right) -> 1; ORM's top
+    # (0.8) is sample 1 (wrong) -> 0; majority "5" (right) -> 1; random = 2/3; oracle 1.
+    correct = [[1.0, 0.0, 1.0]]
+    answers = [["5", "7", "5"]]
+    scores = {"PRM": [[0.9, 0.1, 0.5]], "ORM": [[0.2, 0.8, 0.1]]}
+    got = selection_accuracies(scores, correct, answers, [3], n_resamples=5, seed=0)
+    assert got["PRM"][3] == [1.0] and got["ORM"][3] == [0.0] and got["majority"][3] == [1.0]
+    assert got["random"][3] == [pytest.approx(2 / 3, abs=1e-12)] and got["oracle"][3] == [1.0]
+    # N = 1: every selector takes the one sample: all equal the random pick on every subset.
+    one = selection_accuracies(scores, correct, answers, [1], n_resamples=50, seed=1)
+    assert one["PRM"][1] == one["ORM"][1] == one["majority"][1] == one["random"][1]
+    # Majority with no answer at all scores 0; a 1-1 tie goes to the answer met first in the
+    # subset, so over many subsets of 2 from {right "5", wrong "7"} it is right half the time.
+    none = selection_accuracies({}, [[1.0, 1.0]], [[None, None]], [2], n_resamples=3, seed=0)
+    assert none["majority"][2] == [0.0]
+    tie = selection_accuracies({}, [[1.0, 0.0]], [["5", "7"]], [2], n_resamples=4000, seed=0)
+    assert tie["majority"][2][0] == pytest.approx(0.5, abs=0.03)
+    with pytest.raises(ValueError, match="best-of-4 needs 4"):
+        selection_accuracies({}, correct, answers, [4], n_resamples=1, seed=0)
+
+
+def _cell(prm: dict[int, list[float]], orm: dict[int, list[float]]) -> dict:
+    return {"PRM": prm, "ORM": orm}
+
+
+def test_paired_gap_stats_pool_over_seeds_and_resample_problems_with_their_seeds():
+    # 2 seeds × 3 problems. Gap at 64: seed 0 (1-0, 1-1, 0-0) = (1, 0, 0); seed 1 (1, 1, 0).
+    # Pooled mean = 3/6 = 0.5. Gap at 4: seed 0 (0, 0, 0), seed 1 (0, 1, 0): growth per problem
+    # seed 0 (1, 0, 0), seed 1 (1, 0, 0): mean 2/6.
+    s0 = _cell({64: [1.0, 1.0, 0.0], 4: [0.0, 0.0, 0.0]}, {64: [0.0, 1.0, 0.0], 4: [0.0, 0.0, 0.0]})
+    s1 = _cell({64: [1.0, 1.0, 0.0], 4: [0.0, 1.0, 0.0]}, {64: [0.0, 0.0, 0.0], 4: [0.0, 0.0, 0.0]})
+    got = paired_gap_stats([s0, s1], n_max=64, n_small=4, n_boot=400, seed=0)
+    est, lo, hi = got["prm_minus_orm_at_nmax"]
+    assert est == pytest.approx(0.5, abs=1e-12) and 0.0 <= lo <= est <= hi <= 1.0
+    assert got["gap_growth"][0] == pytest.approx(2 / 6, abs=1e-12)
+    # Cluster resampling: the pair (problem, all seeds) moves together. Problem 0's growth is 1 in
+    # both seeds, the others 0, so every resample's mean is a multiple of 1/3 (k of 3 draws are
+    # problem 0): the interval's ends lie on that grid, as they would not if seeds were resampled.
+    _, glo, ghi = got["gap_growth"]
+    for end in (glo, ghi):
+        assert min(abs(end - k / 3) for k in range(4)) < 1e-9 or 0 < end < 1
+    # A gap that is the same on every problem has a degenerate interval at that value.
+    flat = _cell({64: [1.0] * 4, 4: [0.5] * 4}, {64: [0.75] * 4, 4: [0.5] * 4})
+    e, lo, hi = paired_gap_stats([flat, flat], n_max=64, n_small=4, n_boot=200)["gap_growth"]
+    assert e == lo == hi == pytest.approx(0.25, abs=1e-12)
+    with pytest.raises(ValueError, match="different problem counts"):
+        paired_gap_stats([s0, flat], n_max=64, n_small=4, n_boot=200)
+
+
+def test_paired_difference_between_any_two_selectors_by_hand():
+    # seed 0: a (1, 0) b (0, 0) -> (1, 0); seed 1: a (1, 1) b (1, 0) -> (0, 1); mean 2/4.
+    s0 = {"majority": {8: [1.0, 0.0]}, "PRM": {8: [0.0, 0.0]}}
+    s1 = {"majority": {8: [1.0, 1.0]}, "PRM": {8: [1.0, 0.0]}}
+    est, lo, hi = paired_difference([s0, s1], "majority", "PRM", 8, n_boot=200)
+    assert est == pytest.approx(0.5, abs=1e-12) and lo == pytest.approx(0.5, abs=1e-12) == hi
+    # every problem's pooled difference is 1/2 here, so every resample's mean is too
+
+
+def test_spec_refuses_repeated_seeds():
+    with pytest.raises(ConfigError, match=r"experiment\.seeds: must be distinct"):
+        check_experiment(Spec, {"seeds": [0, 0]}, "x.yaml")
+
+
+def test_the_former_name_runs_the_same_replication(tmp_path, capsys, monkeypatch):
+    from rlhflab.cli import main
+
+    monkeypatch.chdir(ROOT)
+    # The former name reaches prm-orm's own config check (a bad key named in one line).
+    code = main(["replicate", "prm-orm-gsm8k", "experiment.nn=3", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "prm_orm.yaml: experiment.nn" in err[0], err
+
+
+@pytest.mark.slow
+def test_a_tiny_run_through_the_cell_runner(tmp_path, monkeypatch):
+    import rlhflab.rollout.scored as scored
+    from rlhflab.config import apply_overrides, read_yaml
+    from rlhflab.data.prm import solution_text, solve_steps
+    from rlhflab.replications import prm_orm
+    from rlhflab.replications.cells import run_cells
+
+    real = scored.sample_and_score
+
+    def half_right(model, tokenizer, problems, verifier, **kw):
+        # A 30-step policy is never right: every other sample becomes the worked solution, so
+        # both classes exist (its token ids, eos included, replace the sampled ones).
+        ss = real(model, tokenizer, problems, verifier, **kw)
+        for i, p in enumerate(problems):
+            for j in range(0, len(ss.texts[i]), 2):
+                steps = solve_steps(p.entry["metadata"]["expression"])
+                text = solution_text(steps, f"<answer>{p.answer}</answer>\n")
+                ss.texts[i][j] = text
+                ss.completion_ids[i][j] = [*tokenizer(text, add_special_tokens=False)["input_ids"],
+                                           tokenizer.eos_token_id]  # fmt: skip
+                ss.scores[i][j] = 1.0
+        return ss
+
+    monkeypatch.setattr(scored, "sample_and_score", half_right)
+    monkeypatch.chdir(ROOT)
+    spec = apply_overrides(
+        read_yaml(ROOT / "configs/replications/prm_orm.yaml"),
+        ["experiment.n_train=200", "experiment.rm_prompts=24", "experiment.samples_per_prompt=4",
+         "experiment.rm_solutions=40", "experiment.n_heldout=6", "experiment.ns=[1,2,4]",
+         "experiment.n_small=2", "experiment.n_resamples=2", "experiment.n_boot=100",
+         "experiment.seeds=[0,1]", "experiment.min_terms=3", "experiment.max_terms=3",
+         "experiment.temperature=1.5",
+         "experiment.max_new_tokens=40",
+         "sft.model.build.size=tiny", "sft.train.steps=30", "sft.train.batch_size=16",
+         "sft.train.micro_batch_size=16", "orm.train.steps=3", "prm.train.steps=3",
+         "orm.train.batch_size=8", "orm.train.micro_batch_size=8",
+         "prm.train.batch_size=8", "prm.train.micro_batch_size=8"],
+    )  # fmt: skip
+    out = tmp_path / "out"
+    res = run_cells("prm-orm", prm_orm, spec, out, "prm_orm.yaml", print_fn=lambda s: None)
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["name"] == "prm-orm" and verdict["seeds"] == [0, 1]
+    assert set(verdict) >= {"claim", "criterion", "estimate", "ci95", "reproduced"}
+    assert (out / "prm_orm.png").is_file() and "prm_orm.png" in (out / "report.md").read_text()
+    cell = json.loads((out / "cells" / "seed0.json").read_text())
+    rd = cell["rm_data"]
+    assert rd["orm_positives"] * 2 == rd["train_solutions"]  # balanced
+    assert len(cell["per_problem"]["PRM"]["4"]) == 6
+    assert math.isfinite(res["verdict"]["estimate"])
