@@ -11,8 +11,9 @@ stage, each a complete training config (`rlhflab train`'s format) that the repli
                    proxy RM trained on gold labels; gold and proxy against √KL
     prm-orm-gsm8k  PRM vs ORM (Lightman et al. 2023) on GSM8K-format problems, PRM on Monte-Carlo
                    step labels from the policy's own rollouts (Math-Shepherd, Wang et al. 2024)
-    r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness +
-                   format rewards; held-out correctness, response length, format reward over steps
+    r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a two-style base (short / worked
+                   answers) with correctness + format rewards; do held-out correctness and length
+                   rise together? Controls: Dr. GRPO, no format reward; seeds × arms as cells
     dpo-overopt    DPO over-optimisation (Rafailov et al. 2024): a β × length grid (`rlhflab
                    sweep`), gold against KL(π‖π_ref) per β
 """
@@ -42,8 +43,9 @@ REPLICATIONS = {
 
 #: name → one line: the published result and what the replication measures (`replicate --list`)
 DESCRIPTIONS = {
-    "r1-zero": "R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness + "
-    "format rewards; held-out correctness, response length and format reward over steps",
+    "r1-zero": "R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a two-style base with correctness + "
+    "format rewards; held-out correctness and response length rising together, with Dr. GRPO "
+    "and no-format-reward controls",
     "rm-overopt": "reward-model over-optimisation (Gao et al. 2022): best-of-n and RL against a "
     "proxy RM; gold and proxy reward against √KL",
     "dpo-overopt": "DPO over-optimisation (Rafailov et al. 2024): a β × length grid; gold "
