@@ -683,11 +683,17 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
     failed = [c for c in verdict["checks"] if not c["holds"]]
     sec = verdict.get("secondary")
     failed_sec = [c for c in sec["checks"] if not c["holds"]] if sec else []
+    if not holds:
+        lines.append(
+            f"- The precondition: the base's worked style was not clearly the more accurate "
+            f"({d_est:+.3f} {ci}), so RL had no accuracy to gain by writing longer; the criterion "
+            "then tests the design as much as the paper's claim."
+        )
     if not failed and not failed_sec:
         lines.append("Every pre-registered check, primary and secondary, held.")
     for c in failed + failed_sec:
-        lines.append(f"- {c['what']}: {c['estimate']:+.3f} "
-                     f"{'(no CI)' if c['ci95'] is None else c['ci95']}, rule: {c['rule']}.")  # fmt: skip
+        ci95 = "(no CI)" if c["ci95"] is None else f"[{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
+        lines.append(f"- {c['what']}: {c['estimate']:+.3f} {ci95}, rule: {c['rule']}.")
     lines += [
         '- Not attempted at this scale: reflection or "aha" behaviour (the base has never seen '
         "any), the paper's long-horizon growth of length (tens of RL steps here, thousands there), "
