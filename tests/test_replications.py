@@ -1,7 +1,7 @@
 """The replications' own arithmetic (`rlhflab replicate`): best-of-n KL, majority vote on a
 constructed case, MC step-labelled RM training through the trainer, the synthetic GSM8K rows read by
-load_gsm8k, one-line errors for bad replication configs, and the R1-Zero base documents' prompt
-boundary (the RL prompt is a prefix of every base document, token for token)."""
+load_gsm8k and one-line errors for bad replication configs (the R1-Zero replication's own tests:
+tests/test_replication_r1_zero.py)."""
 
 from __future__ import annotations
 
@@ -121,88 +121,3 @@ def test_every_replication_config_validates(path):
         if isinstance(spec[section].get("data"), dict) and "path" in spec[section]["data"]:
             over["data"] = {"path": "x"}
         stage(spec, section, str(path), **over)
-
-
-def test_r1_zero_base_documents_and_trend_curves():
-    # The base model's documents: plain steps + "The answer is n." (no tags), or R1's tagged form
-    # that think_format rewards 1.0 (and the plain one 0.0).
-    from rlhflab.replications.r1_zero import base_document, curves_from_metrics
-    from rlhflab.rewards.functions import think_format
-
-    plain = base_document(["2+3 = 5", "5-1 = 4"], "4", tagged=False)
-    tagged = base_document(["2+3 = 5", "5-1 = 4"], "4", tagged=True)
-    assert plain == "2+3 = 5\n5-1 = 4\nThe answer is 4."
-    assert tagged == "<think> 2+3 = 5\n5-1 = 4 </think> <answer> 4 </answer>"
-    assert think_format([None, None], [plain, tagged]) == [0.0, 1.0]
-    # The curves: the headline when logged (else eval/reward/math_verify), rows without a key skipped.
-    rows = [
-        {"step": 0, "eval/headline": 0.1, "eval/reward/math_verify": 0.1,
-         "eval/reward/think_format": 0.2},
-        {"step": 1, "rollout/response_len_mean": 30.5, "rollout/reward/think_format_mean": 0.25,
-         "rollout/reward/math_verify_mean": 0.05},
-        {"step": 2, "rollout/response_len_mean": 28.0, "eval/reward/math_verify": 0.3},
-    ]  # fmt: skip
-    got = curves_from_metrics(rows)
-    assert got["correctness"] == [(0, 0.1)]
-    assert got["format"] == [(0, 0.2)]
-    assert got["response_len"] == [(1, 30.5), (2, 28.0)]
-    assert got["train_format"] == [(1, 0.25)] and got["train_correctness"] == [(1, 0.05)]
-    no_headline = curves_from_metrics([{k: v for k, v in r.items() if k != "eval/headline"}
-                                       for r in rows])  # fmt: skip
-    assert no_headline["correctness"] == [(0, 0.1), (2, 0.3)]
-
-
-def test_r1_zero_base_documents_share_the_rl_prompt_boundary(tmp_path, tiny_tokenizer):
-    # An R1-Zero base model has seen plain text, never a chat template: each base document, read
-    # and tokenized as the base stage trains on it, starts with exactly the token ids the RL stage
-    # prompts with (r1_zero.yaml's template, loaded by the RL prompt loader), and the rest of the
-    # document is the completion (tagged ones are what think_format rewards 1.0), then eos.
-    from rlhflab.config import read_yaml
-    from rlhflab.data.formatting import encode_prompt
-    from rlhflab.data.gsm8k import load_gsm8k
-    from rlhflab.data.prompts import load_prompt_source, render_row
-    from rlhflab.data.sft import load_sft_data, tokenize_sft
-    from rlhflab.replications import stage
-    from rlhflab.replications.r1_zero import base_documents
-    from rlhflab.rewards.functions import think_format
-    from rlhflab.serialize import to_json
-
-    path = ROOT / "configs/replications/r1_zero.yaml"
-    spec = read_yaml(path)
-    rows = synthetic_rows(12, seed=5)
-    train_path, held_path = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
-    train_path.write_text("".join(to_json(r) + "\n" for r in rows[:8]))
-    held_path.write_text("".join(to_json(r) + "\n" for r in rows[8:]))
-    train, _ = load_gsm8k(str(train_path))
-    docs, tagged_n = base_documents(train, spec["rl"]["data"]["template"], format_frac=0.5, seed=0)
-    assert len(docs) == 8 and 0 < tagged_n < 8
-    docs_path = tmp_path / "docs.jsonl"
-    docs_path.write_text("".join(to_json(d) + "\n" for d in docs))
-    examples, _ = load_sft_data(str(docs_path), tiny_tokenizer)
-    features = tokenize_sft(tiny_tokenizer, examples, max_len=1024)
-
-    rl = stage(spec, "rl", str(path), model={"name_or_path": "x"},
-               data={"path": str(train_path), "heldout_path": str(held_path)})  # fmt: skip
-    prompts = load_prompt_source(rl.data, seed=0).train
-    by_question = {p.question: p for p in train}
-    tagged_seen = 0
-    for row, feats in zip(prompts, features, strict=True):
-        problem = train[row.index]
-        assert problem.question in row.prompt and by_question[problem.question] is problem
-        prompt_ids = encode_prompt(tiny_tokenizer, render_row(tiny_tokenizer, row))
-        ids = feats["input_ids"]
-        assert ids[: len(prompt_ids)] == prompt_ids, (
-            tiny_tokenizer.decode(ids[: len(prompt_ids)]),
-            tiny_tokenizer.decode(prompt_ids),
-        )
-        assert ids[-1] == tiny_tokenizer.eos_token_id
-        rest = tiny_tokenizer.decode(ids[len(prompt_ids) : -1])
-        assert problem.answer in rest
-        tagged_seen += think_format([None], [rest])[0]
-    assert tagged_seen == tagged_n
-    # A template ending in whitespace would end the RL prompt in a lone space token that no
-    # document has there: one line naming the key.
-    from rlhflab.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"^rl\.data\.template: ends with whitespace"):
-        base_documents(train, "Q: {prompt} A: ", format_frac=0.5, seed=0)

@@ -12,8 +12,9 @@ stage, each a complete training config (`rlhflab train`'s format) that the repli
                    the paper's fits (cells: one per proxy, one per RL seed)
     prm-orm        PRM vs ORM (Lightman et al. 2023) on chained arithmetic with exact step labels:
                    best-of-N selection accuracy against N (`prm-orm-gsm8k`: its former name)
-    r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness +
-                   format rewards; held-out correctness, response length, format reward over steps
+    r1-zero        R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a two-style base (short / worked
+                   answers) with correctness + format rewards; do held-out correctness and length
+                   rise together? Controls: Dr. GRPO, no format reward; seeds × arms as cells
     dpo-overopt    DPO over-optimisation (Rafailov et al. 2024): one offline run per β and seed,
                    gold and KL(π‖π_ref) on held-out problems every few steps; gold against √KL
 """
@@ -43,8 +44,9 @@ ALIASES = {"prm-orm-gsm8k": "prm-orm"}
 
 #: name → one line: the published result and what the replication measures (`replicate --list`)
 DESCRIPTIONS = {
-    "r1-zero": "R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a base model with correctness + "
-    "format rewards; held-out correctness, response length and format reward over steps",
+    "r1-zero": "R1-Zero trends (DeepSeek-R1 §2.2): GRPO from a two-style base with correctness + "
+    "format rewards; held-out correctness and response length rising together, with Dr. GRPO "
+    "and no-format-reward controls",
     "rm-overopt": "reward-model over-optimisation (Gao et al. 2022): best-of-n against proxies "
     "trained on 4 data sizes and GRPO against the largest; gold vs √KL with d(α − βd) and "
     "d(α − β log d) fits and a pre-registered verdict",

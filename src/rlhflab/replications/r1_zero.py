@@ -1,80 +1,178 @@
-"""R1-Zero trends (DeepSeek-AI 2025, "DeepSeek-R1", arXiv 2501.12948, §2.2) at small scale: GRPO
-straight from a base model with rule-based rewards (correctness + format), and what happens to
-held-out correctness, response length and the format reward over training.
+"""R1-Zero trends (DeepSeek-AI 2025, "DeepSeek-R1", arXiv 2501.12948, §2.2) at CPU scale: GRPO
+straight from a base model with rule-based rewards raises held-out correctness *and* the mean
+response length together — on a task and base where longer reasoning buys accuracy.
 
     rlhflab replicate r1-zero [configs/replications/r1_zero.yaml] --out runs/r1-zero
 
-1. Data: GSM8K rows (`{"question", "answer": "... #### n"}`): `experiment.train_path` /
-   `heldout_path` (e.g. openai/gsm8k exported to JSONL), or, when unset, the synthetic
-   GSM8K-format word problems of the PRM-vs-ORM replication (`prm_orm_gsm8k.synthetic_rows`),
-   written to `--out`.
-2. Base model (`base` stage; `experiment.policy` skips it): a model from scratch, briefly trained
-   (an SFT trainer used as a tiny "pretraining": plain-text `text` rows, every token trained, no
-   chat template) on the task's plain text: the RL stage's prompt text (`rl.data.template` with
-   the question), a space, then the worked solution as plain lines and "The answer is n." — so
-   the RL prompt is a prefix of the documents, token for token (`base_documents`). A fraction
-   `experiment.format_frac` of the documents (default 0.1) is written in the `<think>…</think>
-   <answer>…</answer>` form instead, as tags occur now and then in a real base model's web data:
-   the format is known but rare, so the format reward starts low, not at 0 (a from-scratch model
-   cannot read the instruction in the prompt, which is how a real base model finds the format).
-3. RL (`rl` stage): GRPO from that base on the same prompts, rewards `math_verify` (correctness:
-   math-verify equivalence of the `<answer>` content, else the last number, with GSM8K's `#### n`)
-   + `think_format` (R1's format reward), equal weights, as `configs/pg/r1_zero_gsm8k.yaml`.
-   Held-out greedy evaluations every `eval.every` steps: the headline "correctness (math_verify)"
-   and the format reward as its own column (`eval/reward/think_format`).
-Output (`--out`): `r1_zero.json` (curves and summary), `r1_zero.png` (held-out correctness and
-format reward, training-rollout correctness and format reward, mean response length in tokens,
-against step), the data files, `runs/`.
+1. Task (`prepare`): chains of 3–4 one-digit numbers and operations +, -, * applied left to right
+   modulo 10 (`chain_problems`), e.g. `7+3*2-4 mod 10` = 6; the held-out problems are questions
+   absent from the training set.
+2. Base model, one per seed (built by the first cell of that seed that needs it, under a file
+   lock, so `--only i/N` shares never train one twice): a tiny model from scratch trained briefly
+   on plain-text documents (no chat template; the RL prompt is a prefix of each document) in which
+   every problem is answered in one of two styles, both in R1's `<think>…</think><answer>…</answer>`
+   form (so the format reward is satisfied by either):
+       short  (in the head)  `<think> </think> <answer> 6 </answer>`
+       worked (step by step) `<think> 0*2-4=0-4=6 </think> <answer> 6 </answer>`
+   with the short style the majority (`experiment.worked_frac` of the documents are worked). A
+   model this small composes several non-commuting operations in one token poorly and one at a
+   time well, so the worked style should be the more accurate and is the longer one (sums and
+   products, which commute, were tried first: there the short style was the more accurate). The
+   precondition is measured on the base, not assumed: held-out samples at T = 1, correctness by
+   style (`style_of`).
+3. RL, one cell per seed × arm (`experiment.arms`, each replacing whole sections of the `rl`
+   stage):
+   `grpo` (correctness + format reward, group z-score advantage, GRPO's per-sequence token mean),
+   `dr_grpo` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783: group-mean advantage and
+   `seq_mean_token_sum_norm`, a constant normaliser; the control for GRPO's length bias),
+   `no_format` (correctness reward alone). Held-out evaluation (`evaluate_policy`) of the base and
+   of the checkpoints: pass@1 over `experiment.k` samples at T = 1, greedy correctness, mean
+   response length (tokens, EOS counted) overall and split by correct / incorrect samples, the
+   share of each style and the correctness within it.
+4. Report (`report`): the pre-registered `CRITERION` on the `grpo` arm (final − base, paired
+   over seeds, Student t 95% interval), the two controls as the `SECONDARY` criterion, the
+   precondition with its interval, a plot of correctness and length against step per arm.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import random
+import re
 import time
 from pathlib import Path
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, begin, stage
+from rlhflab.replications import Experiment, check_experiment, stage
+from rlhflab.replications.verdict import Check, Criterion, judge, t_interval, verdict_table
+
+CRITERION = Criterion(
+    claim="GRPO straight from a base model with rule-based rewards (correctness + format) raises "
+    "accuracy and, at the same time, the average response length: the model learns to solve "
+    "problems with more thinking (DeepSeek-R1, arXiv 2501.12948, §2.2, Fig. 2 and Fig. 3)",
+    checks=(
+        Check("correctness_gain", "GRPO arm: held-out pass@1 (T = 1), final − base, mean over "
+              "seeds (paired t interval)", above=0.0),
+        Check("length_gain", "GRPO arm: held-out mean response length (tokens, samples at "
+              "T = 1), final − base, mean over seeds (paired t interval)", above=0.0),
+    ),
+)  # fmt: skip
+
+SECONDARY = Criterion(
+    claim="the joint rise is neither GRPO's length bias (Dr. GRPO, Liu et al. 2025, arXiv "
+    "2503.20783, §3.2, removes it) nor the format reward's doing (correctness reward alone)",
+    checks=(
+        Check("dr_grpo_correctness_gain", "Dr. GRPO arm: held-out pass@1, final − base", above=0.0),
+        Check("dr_grpo_length_gain", "Dr. GRPO arm: mean response length, final − base",
+              above=0.0),
+        Check("no_format_correctness_gain", "no-format-reward arm: held-out pass@1, final − base",
+              above=0.0),
+        Check("no_format_length_gain", "no-format-reward arm: mean response length, final − base",
+              above=0.0),
+    ),
+)  # fmt: skip
+
+#: the arm the pre-registered criterion is judged on
+MAIN_ARM = "grpo"
+STYLES = ("short", "worked", "other")
 
 
 class Spec(Experiment):
     """`experiment:` of r1_zero.yaml."""
 
-    train_path: str | None = None  # GSM8K-format rows; None: synthetic
-    heldout_path: str | None = None
-    n_train: int = Field(3000, ge=1)  # synthetic rows (base-model documents and RL prompts)
-    n_heldout: int = Field(100, ge=1)
-    format_frac: float = Field(0.1, ge=0, le=1)  # base documents in the <think>/<answer> form
-    seed: int = 0
-    policy: str | None = None  # a base model directory: skip the base stage
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    # arm name -> whole sections of the `rl` stage it replaces (e.g. `loss`, `reward`)
+    arms: dict[str, dict] = Field(default_factory=lambda: {"grpo": {}})
+    n_train: int = Field(4000, ge=1)  # training problems (base documents and RL prompts)
+    n_heldout: int = Field(200, ge=2)
+    terms: tuple[int, int] = (3, 5)  # numbers per problem, inclusive range
+    max_term: int = Field(9, ge=1)  # each number in 1..max_term
+    worked_frac: float = Field(0.25, ge=0, le=1)  # base documents in the worked style
+    k: int = Field(4, ge=1)  # held-out samples per problem at T = 1 (pass@1 over k)
+    eval_max_new_tokens: int = Field(48, ge=1)
+    eval_steps: list[int] = Field(default_factory=list)  # RL checkpoints evaluated besides the end
+    data_seed: int = 0
 
 
-def base_document(steps: list[str], answer: str, *, tagged: bool) -> str:
-    """The completion of one base-model document: the worked steps as plain lines and "The
-    answer is n." (`tagged=False`), or `<think> steps </think> <answer> n </answer>`."""
-    body = "\n".join(steps)
-    if tagged:
-        return f"<think> {body} </think> <answer> {answer} </answer>"
-    return f"{body}\nThe answer is {answer}."
+# ---------------------------------------------------------------------------------------------
+# Task, documents, styles
 
 
-def base_documents(
-    problems: list, template: str, *, format_frac: float, seed: int
-) -> tuple[list[dict], int]:
-    """The base model's training documents, one per problem, and how many are tagged.
+#: the operations of a chain, applied left to right modulo 10
+OPS = {"+": lambda a, b: (a + b) % 10, "-": lambda a, b: (a - b) % 10, "*": lambda a, b: a * b % 10}
 
-    Each is a plain-text language-modelling row `{"text": prompt + " " + completion}`: prompt =
-    `template` with `{prompt}` replaced by the question (the RL stage's prompt text, no chat
-    template: a base model has seen plain text only), completion = `base_document(...)`, tagged
-    with probability `format_frac` (`random.Random(seed)`). The base stage trains on every token,
-    so the RL prompt's tokens are a prefix of the document's (checked by
-    tests/test_replications.py for r1_zero.yaml's template).
 
-    Args:
-        problems: GSM8K `Problem`s with `entry["steps"]` (the worked lines) and `answer`.
-        template: the RL stage's `data.template` (contains "{prompt}"; ends without whitespace,
-            as R1's "…Assistant:" does, so the prompt's last token is the document's too).
+def chain_problems(n: int, *, terms: tuple[int, int], max_term: int, seed: int) -> list[dict]:
+    """`n` chains `{"question": "7+3*2-4 mod 10", "answer": "6", "terms": [7, "+", 3, "*", 2, "-",
+    4]}`: numbers and operations (+, -, *) applied left to right modulo 10 (((7+3)*2-4) mod 10),
+    with a number of numbers uniform in `terms` (inclusive), each uniform in 1..`max_term`, and
+    each operation uniform (`random.Random(seed)`); questions may repeat."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        k = rng.randint(*terms)
+        chain: list = [rng.randint(1, max_term)]
+        for _ in range(k - 1):
+            chain += [rng.choice(list(OPS)), rng.randint(1, max_term)]
+        rows.append({"question": "".join(map(str, chain)) + " mod 10",
+                     "answer": str(evaluate_chain(chain)), "terms": chain})  # fmt: skip
+    return rows
+
+
+def evaluate_chain(chain: list) -> int:
+    """A chain's value, operations left to right modulo 10: [7, "+", 3, "*", 2] -> 0."""
+    acc = chain[0] % 10
+    for op, x in zip(chain[1::2], chain[2::2], strict=True):
+        acc = OPS[op](acc, x)
+    return acc
+
+
+def split_problems(spec: Spec) -> tuple[list[dict], list[dict]]:
+    """The training problems and the held-out ones (distinct questions absent from training)."""
+    rows = chain_problems(spec.n_train + 20 * spec.n_heldout, terms=spec.terms,
+                          max_term=spec.max_term, seed=spec.data_seed)  # fmt: skip
+    train = rows[: spec.n_train]
+    seen = {r["question"] for r in train}
+    held: list[dict] = []
+    for r in rows[spec.n_train :]:
+        if r["question"] not in seen:
+            seen.add(r["question"])
+            held.append(r)
+        if len(held) == spec.n_heldout:
+            return train, held
+    raise ValueError(
+        f"experiment: only {len(held)} held-out questions absent from training exist for "
+        f"terms {spec.terms}, max_term {spec.max_term}; lower n_heldout or n_train"
+    )
+
+
+def worked_steps(chain: list) -> str:
+    """The worked solution: the chain rewritten once per operation with its first two numbers
+    replaced by their result modulo 10 (a scratchpad whose next expression copies the previous
+    one's tail), down to the answer: [7, "+", 3, "*", 2, "-", 4] -> "0*2-4=0-4=6"."""
+    lines, xs = [], list(chain)
+    while len(xs) > 1:
+        xs = [OPS[xs[1]](xs[0], xs[2]), *xs[3:]]
+        lines.append("".join(map(str, xs)))
+    return "=".join(lines)
+
+
+def completion(chain: list, *, worked: bool) -> str:
+    """A document's answer in R1's format: the worked style `<think> 0*2=0 </think> <answer> 0
+    </answer>` or the short one `<think> </think> <answer> 0 </answer>` (for 7+3*2)."""
+    think = worked_steps(chain) + " " if worked else ""
+    return f"<think> {think}</think> <answer> {evaluate_chain(chain)} </answer>"
+
+
+def base_documents(problems: list[dict], template: str, *, worked_frac: float,
+                   seed: int) -> tuple[list[dict], int]:  # fmt: skip
+    """The base model's documents `{"text": prompt + " " + completion}`, one per problem, and how
+    many are worked: prompt = `template` with `{prompt}` replaced by the question (the RL stage's
+    prompt text: no chat template, a base model has seen plain text), the completion worked with
+    probability `worked_frac` (`random.Random(seed)`), else short. The base stage trains on every
+    token, so the RL prompt's tokens are a prefix of the document's (checked by a test).
 
     Raises:
         ConfigError: the template ends with whitespace (its RL prompt would end in a lone space
@@ -88,154 +186,519 @@ def base_documents(
             "so the RL prompt's token boundary is the base documents' one"
         )
     rng = random.Random(seed)
-    docs, tagged_n = [], 0
+    docs, worked_n = [], 0
     for p in problems:
-        tagged = rng.random() < format_frac
-        tagged_n += tagged
-        prompt = template.replace("{prompt}", p.question)
-        completion = base_document(p.entry["steps"], p.answer, tagged=tagged)
-        docs.append({"text": f"{prompt} {completion}"})
-    return docs, tagged_n
+        worked = rng.random() < worked_frac
+        worked_n += worked
+        prompt = template.replace("{prompt}", p["question"])
+        docs.append({"text": f"{prompt} {completion(p['terms'], worked=worked)}"})
+    return docs, worked_n
 
 
-def curves_from_metrics(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) series of the R1-Zero trends from a run's metrics.jsonl rows: held-out
-    `correctness` (eval/headline, else eval/reward/math_verify) and `format` (eval/reward/
-    think_format); training rollouts' `train_correctness`, `train_format` and `response_len`
-    (mean completion tokens)."""
-    keys = {
-        "correctness": ("eval/headline", "eval/reward/math_verify"),
-        "format": ("eval/reward/think_format",),
-        "train_correctness": ("rollout/reward/math_verify_mean",),
-        "train_format": ("rollout/reward/think_format_mean",),
-        "response_len": ("rollout/response_len_mean",),
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def style_of(text: str) -> str:
+    """The answer style of a completion: "short" (an empty think block), "worked" (a think block
+    with at least one `=`), or "other" (no think block, or one with text but no step)."""
+    m = _THINK.search(text)
+    if m is None:
+        return "other"
+    body = m.group(1).strip()
+    if not body:
+        return "short"
+    return "worked" if "=" in body else "other"
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out evaluation
+
+
+def evaluate_policy(model_dir: str, problems: list[dict], template: str, *, k: int,
+                    max_new_tokens: int, seed: int) -> dict:  # fmt: skip
+    """Held-out numbers of the model in `model_dir` on `problems` (rows with question/answer).
+
+    Greedy completions and `k` samples per problem at temperature 1 (`torch.Generator` seeded
+    with `seed`), scored by `exact_match` (the `<answer>` content equals the gold integer).
+
+    Returns:
+        {"greedy", "pass1": mean correctness (greedy completions; samples, = pass@1 over k),
+         "len", "greedy_len": mean completion length in tokens (EOS counted; samples / greedy),
+         "len_correct", "len_incorrect": mean sample length of right / wrong samples (None when
+         there is none), "format": share of samples think_format rewards,
+         "style_frac": {style: share of samples}, "style_acc": {style: correctness within it or
+         None}, "style_n": {style: samples}, "greedy_style_frac", "n", "k"}.
+    """
+    import torch
+
+    from rlhflab.data.formatting import encode_prompt
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.rewards.functions import exact_match, think_format
+    from rlhflab.rollout.engines import SamplingParams, make_engine
+    from rlhflab.rollout.sampler import decode_completions
+
+    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    model.eval()
+    prompts = [encode_prompt(tok, template.replace("{prompt}", p["question"])) for p in problems]
+    golds = [p["answer"] for p in problems]
+    engine = make_engine(None, model, tok)
+
+    def run(params, golds_rep, generator=None):
+        ro = engine.generate(prompts, params, generator=generator)
+        texts = decode_completions(tok, ro, engine.stop_token_ids)
+        right = exact_match(None, texts, answer=golds_rep)
+        return texts, [float(r) for r in right], [int(n) for n in ro.lengths.tolist()]
+
+    with torch.no_grad():
+        g_texts, g_right, g_len = run(SamplingParams(max_new_tokens=max_new_tokens, greedy=True),
+                                      golds)  # fmt: skip
+        gen = torch.Generator().manual_seed(seed)
+        s_golds = [g for g in golds for _ in range(k)]
+        s_texts, s_right, s_len = run(
+            SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=1.0), s_golds, gen
+        )
+    styles = [style_of(t) for t in s_texts]
+    fmt = think_format(None, s_texts)
+    return summarize_samples(s_right, s_len, styles, fmt, g_right, g_len,
+                             [style_of(t) for t in g_texts], k=k)  # fmt: skip
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize_samples(right: list[float], lengths: list[int], styles: list[str],
+                      fmt: list[float], greedy_right: list[float], greedy_len: list[int],
+                      greedy_styles: list[str], *, k: int) -> dict:  # fmt: skip
+    """The numbers of `evaluate_policy` from per-sample lists (samples problem-major, `k` per
+    problem) and per-problem greedy lists."""
+    out = {
+        "n": len(greedy_right),
+        "k": k,
+        "pass1": _mean(right),
+        "greedy": _mean(greedy_right),
+        "len": _mean(lengths),
+        "greedy_len": _mean(greedy_len),
+        "len_correct": _mean([n for n, r in zip(lengths, right, strict=True) if r == 1.0]),
+        "len_incorrect": _mean([n for n, r in zip(lengths, right, strict=True) if r != 1.0]),
+        "format": _mean(fmt),
+        "style_n": {s: styles.count(s) for s in STYLES},
+        "style_frac": {s: styles.count(s) / len(styles) for s in STYLES},
+        "style_acc": {
+            s: _mean([r for r, st in zip(right, styles, strict=True) if st == s]) for s in STYLES
+        },
+        "style_len": {
+            s: _mean([n for n, st in zip(lengths, styles, strict=True) if st == s]) for s in STYLES
+        },
+        "greedy_style_frac": {s: greedy_styles.count(s) / len(greedy_styles) for s in STYLES},
     }
-    out: dict[str, list[tuple[int, float]]] = {}
-    for name, candidates in keys.items():
-        series: list[tuple[int, float]] = []
-        for key in candidates:
-            series = [
-                (int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)
-            ]
-            if series:
-                break
-        out[name] = series
     return out
 
 
-def _window_mean(series: list[tuple[int, float]], lo: int, hi: int) -> float | None:
-    vals = [v for s, v in series if lo <= s <= hi]
-    return sum(vals) / len(vals) if vals else None
+# ---------------------------------------------------------------------------------------------
+# The cell protocol
 
 
-def plot_trends(curves: dict, path: Path, *, title: str) -> None:
-    """Three panels against step: correctness (held-out headline, training rollouts), format
-    reward (held-out, training rollouts), mean response length (tokens, training rollouts)."""
+def _spec(spec: dict, source: str) -> Spec:
+    return check_experiment(Spec, spec.get("experiment"), source)
+
+
+def _template(spec: dict) -> str:
+    return spec["rl"]["data"].get("template") or "{prompt}"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def arm_spec(spec: dict, exp: Spec, arm: str) -> dict:
+    """`{"rl": ...}`: the `rl` stage with the sections `experiment.arms[arm]` names replaced whole
+    (not merged: an arm's `loss` is the complete loss section it runs)."""
+    return {"rl": {**spec["rl"], **exp.arms[arm]}}
+
+
+def cells(spec: dict, source: str) -> list[str]:
+    """One cell per seed × arm, seed-major: "seed0-grpo", "seed0-dr_grpo", ..."""
+    exp = _spec(spec, source)
+    if MAIN_ARM not in exp.arms:
+        from rlhflab.errors import ConfigError
+
+        raise ConfigError(
+            f"{source}: experiment.arms: needs the '{MAIN_ARM}' arm (the criterion's)"
+        )
+    return [f"seed{s}-{arm}" for s in exp.seeds for arm in exp.arms]
+
+
+def prepare(spec: dict, out: Path, source: str) -> None:
+    """The data every cell shares: train.jsonl and heldout.jsonl, and each seed's base documents
+    (deterministic: the same files whichever share writes them). Validates the stages first."""
+    from rlhflab.serialize import to_json
+
+    exp = _spec(spec, source)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = str(out / "runs")
+    stage(spec, "base", source, data={"source": "jsonl", "path": "<docs>"}, run={"root": runs})
+    for arm in exp.arms:
+        stage(arm_spec(spec, exp, arm), "rl", f"{source} (arm {arm})",
+              model={"name_or_path": "<base>"}, run={"root": runs},
+              data={"path": "<data>", "heldout_path": "<data>"})  # fmt: skip
+    train, held = split_problems(exp)
+    for name, rows in (("train.jsonl", train), ("heldout.jsonl", held)):
+        (out / name).write_text("".join(to_json(r) + "\n" for r in rows))
+    for seed in exp.seeds:
+        docs, worked_n = base_documents(train, _template(spec), worked_frac=exp.worked_frac,
+                                        seed=seed)  # fmt: skip
+        (out / f"base_documents_seed{seed}.jsonl").write_text(
+            "".join(to_json(d) + "\n" for d in docs)
+        )
+        (out / f"base_documents_seed{seed}.json").write_text(
+            json.dumps({"documents": len(docs), "worked": worked_n})
+        )
+
+
+def _base(spec: dict, seed: int, out: Path, source: str) -> dict:
+    """Seed `seed`'s base model and its held-out evaluation, built once per output directory by
+    whichever cell asks first (a file lock makes the others wait, then read)."""
+    from rlhflab.trainers import run_config
+
+    exp = _spec(spec, source)
+    done = out / "bases" / f"seed{seed}.json"
+    done.parent.mkdir(parents=True, exist_ok=True)
+    with open(out / "bases" / f".seed{seed}.lock", "w") as fd:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if done.is_file():
+            return json.loads(done.read_text())
+        t0 = time.perf_counter()
+        res = run_config(stage(spec, "base", source, seed=seed,
+                               data={"source": "jsonl",
+                                     "path": str(out / f"base_documents_seed{seed}.jsonl")},
+                               run={"root": str(out / "runs"), "name": f"base-seed{seed}"}))  # fmt: skip
+        train_s = time.perf_counter() - t0
+        held = _read_jsonl(out / "heldout.jsonl")
+        ev = evaluate_policy(res["model_dir"], held, _template(spec), k=exp.k,
+                             max_new_tokens=exp.eval_max_new_tokens, seed=seed)  # fmt: skip
+        docs = json.loads((out / f"base_documents_seed{seed}.json").read_text())
+        base = {"seed": seed, "model_dir": res["model_dir"], "documents": docs, "eval": ev,
+                "train_s": round(train_s, 1), "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        from rlhflab.serialize import write_json_atomic
+
+        write_json_atomic(done, base)
+        return base
+
+
+def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
+    """One seed × arm: the seed's base (trained here if no other cell has), GRPO from it with the
+    arm's changes, and the held-out evaluation of its checkpoints and final model."""
+    import torch
+
+    from rlhflab.trainers import run_config
+
+    exp = _spec(spec, source)
+    if exp.threads:
+        torch.set_num_threads(exp.threads)
+    seed_part, arm = cell.split("-", 1)
+    seed = int(seed_part.removeprefix("seed"))
+    base = _base(spec, seed, out, source)
+    t0 = time.perf_counter()
+    cfg = stage(arm_spec(spec, exp, arm), "rl", source, seed=seed, model={"name_or_path": base["model_dir"]},
+                run={"root": str(out / "runs"), "name": f"rl-{cell}"},
+                data={"path": str(out / "train.jsonl"),
+                      "heldout_path": str(out / "heldout.jsonl")})  # fmt: skip
+    steps = cfg.train.steps
+    rl = run_config(cfg)
+    rl_s = time.perf_counter() - t0
+    run_dir = Path(rl["run_dir"])
+    held = _read_jsonl(out / "heldout.jsonl")
+    evals = {0: base["eval"]}
+    for s in sorted(set(exp.eval_steps) - {0, steps}):
+        ckpt = _checkpoint_dir(run_dir, s)
+        evals[s] = evaluate_policy(str(ckpt), held, _template(spec), k=exp.k,
+                                   max_new_tokens=exp.eval_max_new_tokens, seed=seed)  # fmt: skip
+    evals[steps] = evaluate_policy(rl["model_dir"], held, _template(spec), k=exp.k,
+                                   max_new_tokens=exp.eval_max_new_tokens, seed=seed)  # fmt: skip
+    return {
+        "seed": seed,
+        "arm": arm,
+        "steps": steps,
+        "evals": {str(s): v for s, v in sorted(evals.items())},
+        "train_curves": train_curves(run_dir / "metrics.jsonl"),
+        "base_wall_s": base["wall_s"],
+        "rl_s": round(rl_s, 1),
+        "run_dir": str(run_dir),
+    }
+
+
+def _checkpoint_dir(run_dir: Path, step: int) -> Path:
+    from rlhflab.checkpoint.format import committed_checkpoints, step_of
+
+    for ckpt in committed_checkpoints(run_dir):
+        if step_of(ckpt) == step:
+            return ckpt
+    raise ValueError(
+        f"r1-zero: no committed checkpoint at step {step} in {run_dir}; "
+        "experiment.eval_steps must be multiples of rl.checkpoint.every (keep_last: null)"
+    )
+
+
+def train_curves(metrics_path: Path) -> dict[str, list[float]]:
+    """Per-step training-rollout means from a run's metrics.jsonl: "step", "len" (mean
+    completion tokens), "correct" (`rollout/reward/exact_match_mean`), "format"
+    (`rollout/reward/think_format_mean`, None where not a reward of the arm)."""
+    from rlhflab.tracking import read_metrics
+
+    rows = [r for r in read_metrics(metrics_path) if "rollout/response_len_mean" in r]
+    return {
+        "step": [int(r["step"]) for r in rows],
+        "len": [float(r["rollout/response_len_mean"]) for r in rows],
+        "correct": [r.get("rollout/reward/exact_match_mean") for r in rows],
+        "format": [r.get("rollout/reward/think_format_mean") for r in rows],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimates and the report
+
+
+def gains(results: dict[str, dict], arm: str, key: str) -> list[float]:
+    """Per-seed final − base of held-out `key` ("pass1", "len", "greedy", ...) for `arm`, in the
+    order of the cells (seed-major)."""
+    out = []
+    for r in results.values():
+        if r["arm"] != arm:
+            continue
+        ev = r["evals"]
+        first, last = ev["0"][key], ev[str(r["steps"])][key]
+        out.append(last - first)
+    return out
+
+
+def precondition(bases: list[dict]) -> dict:
+    """The base's worked − short correctness of samples at T = 1, per seed and its t interval over
+    seeds; with the pooled counts and style shares."""
+    diffs, rows = [], []
+    for b in bases:
+        ev = b["eval"]
+        acc, n = ev["style_acc"], ev["style_n"]
+        row = {"seed": b["seed"], "worked_acc": acc["worked"], "short_acc": acc["short"],
+               "worked_n": n["worked"], "short_n": n["short"],
+               "worked_frac": ev["style_frac"]["worked"], "pass1": ev["pass1"],
+               "len": ev["len"]}  # fmt: skip
+        rows.append(row)
+        if acc["worked"] is not None and acc["short"] is not None:
+            diffs.append(acc["worked"] - acc["short"])
+    est = t_interval(diffs) if diffs else (float("nan"), None, None)
+    return {"per_seed": rows, "worked_minus_short": est}
+
+
+def estimates(results: dict[str, dict], arms: list[str]) -> dict:
+    """Every check's estimate: `<arm>_correctness_gain` / `<arm>_length_gain` (pass@1 and sample
+    length, final − base, t interval over seeds), with the main arm's also under the criterion's
+    keys, and `<arm>_greedy_gain`."""
+    est = {}
+    for arm in arms:
+        est[f"{arm}_correctness_gain"] = t_interval(gains(results, arm, "pass1"))
+        est[f"{arm}_length_gain"] = t_interval(gains(results, arm, "len"))
+        est[f"{arm}_greedy_gain"] = t_interval(gains(results, arm, "greedy"))
+    est["correctness_gain"] = est[f"{MAIN_ARM}_correctness_gain"]
+    est["length_gain"] = est[f"{MAIN_ARM}_length_gain"]
+    return est
+
+
+def _fmt(x, d=3) -> str:
+    return "–" if x is None else f"{x:.{d}f}"
+
+
+def _ci(v) -> str:
+    est, lo, hi = v
+    return f"{est:+.3f} [{lo:+.3f}, {hi:+.3f}]" if lo is not None else f"{est:+.3f} (no CI)"
+
+
+def plot(results: dict[str, dict], arms: list[str], path: Path) -> None:
+    """Correctness and length against step per arm, mean over seeds with a min–max band: training
+    rollouts (lines) and held-out pass@1 / sample length at the evaluated steps (markers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), dpi=100)
-    panels = [
-        ("correctness (math_verify)", [("correctness", "held-out, greedy"),
-                                       ("train_correctness", "training rollouts")]),
-        ("format reward (think_format)", [("format", "held-out, greedy"),
-                                          ("train_format", "training rollouts")]),
-        ("response length (tokens)", [("response_len", "training rollouts, mean")]),
-    ]  # fmt: skip
-    for ax, (name, lines) in zip(axes, panels, strict=True):
-        for key, label in lines:
-            if curves.get(key):
-                xs, ys = zip(*curves[key], strict=True)
-                held = key in ("correctness", "format")
-                ax.plot(xs, ys, marker="o" if held else None, ms=3, lw=1.5 if held else 0.8,
-                        alpha=1.0 if held else 0.7, label=label)  # fmt: skip
-        ax.set_title(name)
-        ax.set_xlabel("GRPO step")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), dpi=100)
+    for j, arm in enumerate(arms):
+        rs = [r for r in results.values() if r["arm"] == arm]
+        color = f"C{j}"
+        for ax, tkey, hkey in ((axes[0], "correct", "pass1"), (axes[1], "len", "len")):
+            curves = [r["train_curves"] for r in rs]
+            n = min(len(c["step"]) for c in curves)
+            steps = curves[0]["step"][:n]
+            vals = [[c[tkey][i] for c in curves] for i in range(n)]
+            if all(all(v is not None for v in vs) for vs in vals):
+                w = 5  # a 5-step running mean of the per-step training means
+                mean = [sum(vs) / len(vs) for vs in vals]
+                lo, hi = [min(vs) for vs in vals], [max(vs) for vs in vals]
+                sm = [sum(mean[max(0, i - w + 1) : i + 1]) / len(mean[max(0, i - w + 1) : i + 1])
+                      for i in range(n)]  # fmt: skip
+                ax.plot(steps, sm, color=color, lw=1.2, alpha=0.8,
+                        label=f"{arm}: training rollouts (5-step mean)")  # fmt: skip
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.08)
+            ev_steps = sorted(int(s) for s in rs[0]["evals"])
+            ys = [[r["evals"][str(s)][hkey] for r in rs] for s in ev_steps]
+            ax.errorbar(ev_steps, [sum(y) / len(y) for y in ys],
+                        yerr=[[sum(y) / len(y) - min(y) for y in ys],
+                              [max(y) - sum(y) / len(y) for y in ys]],
+                        color=color, marker="o", ms=5, lw=2, capsize=3,
+                        label=f"{arm}: held-out (mean, min–max over seeds)")  # fmt: skip
+    axes[0].set_title("correctness (pass@1 at T = 1)")
+    axes[1].set_title("mean response length (tokens)")
+    for ax in axes:
+        ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-        if len(lines) > 1:
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("R1-Zero at CPU scale: correctness and length against step, per arm", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def run(spec: dict, out: Path, *, source: str) -> dict:
-    """Run the replication (module doc); returns and writes r1_zero.json."""
-    from rlhflab.data.gsm8k import load_gsm8k
-    from rlhflab.replications.prm_orm_gsm8k import synthetic_rows
-    from rlhflab.serialize import to_json, write_json_atomic
-    from rlhflab.tracking import read_metrics
-    from rlhflab.trainers import run_config
+def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -> dict:
+    """The verdict, the estimates, the precondition, the plot and report.md."""
+    exp = _spec(spec, source)
+    arms = list(exp.arms)
+    bases = [json.loads((out / "bases" / f"seed{s}.json").read_text()) for s in exp.seeds]
+    pre = precondition(bases)
+    est = estimates(cells_results, arms)
+    secondary = SECONDARY if {"dr_grpo", "no_format"} <= set(arms) else None
+    verdict = judge("r1-zero", CRITERION, est, exp.seeds, secondary=secondary)
+    plot(cells_results, arms, out / "r1_zero.png")
+    heldout = _read_jsonl(out / "heldout.jsonl")
+    md = _markdown(spec, exp, cells_results, bases, pre, est, verdict, arms, heldout)
+    return {
+        "verdict": verdict,
+        "report": md,
+        "estimates": {k: list(v) for k, v in est.items()},
+        "precondition": pre,
+        "bases": bases,
+        "cells": cells_results,
+        "plot": "r1_zero.png",
+    }
 
-    exp, t0, runs = begin(Spec, spec, out, source)
-    timings: dict = {}
-    # The RL stage validates before anything trains (its data and start model are filled in).
-    stage(spec, "rl", source, model={"name_or_path": "<base>"}, run={"root": runs},
-          data={"path": "<data>", "heldout_path": "<data>"})  # fmt: skip
-    template = spec["rl"]["data"].get("template") or "{prompt}"
 
-    # 1. GSM8K-format data.
-    train_path, heldout_path = exp.train_path, exp.heldout_path
-    if train_path is None or heldout_path is None:
-        rows = synthetic_rows(exp.n_train + 3 * exp.n_heldout, seed=exp.seed)
-        train_rows = rows[: exp.n_train]
-        seen = {r["question"] for r in train_rows}
-        held_rows = [r for r in rows[exp.n_train :] if r["question"] not in seen]
-        held_rows = held_rows[: exp.n_heldout]
-        train_path, heldout_path = str(out / "gsm8k_train.jsonl"), str(out / "gsm8k_test.jsonl")
-        for path, rs in ((train_path, train_rows), (heldout_path, held_rows)):
-            Path(path).write_text("".join(to_json(r) + "\n" for r in rs))
-    train, _ = load_gsm8k(train_path)
+def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> str:
+    rl = spec["rl"]
+    ro = rl["rollout"]
+    d_est, d_lo, d_hi = pre["worked_minus_short"]
+    lines = [
+        "# R1-Zero at CPU scale: does RL from a base raise correctness and length together?",
+        "",
+        f"**Question.** {CRITERION.claim}. Does GRPO from a tiny base, on a task where the longer "
+        "(worked) answer style is the more accurate one, raise held-out correctness and mean "
+        "response length together?",
+        "",
+        "**Setting.** Chains of "
+        f"{exp.terms[0]}–{exp.terms[1]} numbers in 1..{exp.max_term} joined by +, -, *, applied "
+        f"left to right modulo 10; {exp.n_train} training "
+        f"problems, {exp.n_heldout} held-out questions absent from training. Per seed "
+        f"({exp.seeds}), a base model from scratch (`base` stage: {spec['base']['train']['steps']} "
+        "steps of plain-text documents, every token trained) whose documents answer "
+        f"{1 - exp.worked_frac:.0%} of problems short (`<think> </think> <answer> 6 </answer>`) "
+        f"and {exp.worked_frac:.0%} worked (`<think> 0*2-4=0-4=6 </think> <answer> 6 "
+        "</answer>` for 7+3*2-4); both satisfy R1's format reward. RL from that base: "
+        f"{rl['train']['steps']} steps of {ro['prompts_per_step']} prompts × {ro['group_size']} "
+        f"samples, {ro['max_new_tokens']} new tokens, lr {rl['optim']['lr']}, arms "
+        f"{', '.join(f'`{a}`' for a in arms)} (`grpo`: exact-match correctness + think_format, "
+        "group z-score, per-sequence token mean; `dr_grpo`: group-mean advantage and "
+        "`seq_mean_token_sum_norm`; `no_format`: correctness reward alone). Held-out: pass@1 over "
+        f"{exp.k} samples at T = 1 and greedy correctness; length = completion tokens of the "
+        "samples (EOS counted).",
+        "",
+        "## Precondition: the worked style is the more accurate one on the base",
+        "",
+        "| seed | worked: correct / samples | short: correct / samples | worked share | "
+        "base pass@1 | base length |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in pre["per_seed"]:
+        wa = r["worked_acc"] or 0.0
+        sa = r["short_acc"] or 0.0
+        lines.append(
+            f"| {r['seed']} | {_fmt(r['worked_acc'])} ({round(wa * r['worked_n'])}/"
+            f"{r['worked_n']}) | {_fmt(r['short_acc'])} ({round(sa * r['short_n'])}/"
+            f"{r['short_n']}) | {r['worked_frac']:.3f} | {_fmt(r['pass1'])} | {_fmt(r['len'], 1)} |"
+        )
+    ci = f"[{d_lo:+.3f}, {d_hi:+.3f}]" if d_lo is not None else "(no CI)"
+    holds = d_lo is not None and d_lo > 0
+    lines += [
+        "",
+        f"Worked − short correctness of the base's samples: **{d_est:+.3f}** {ci} (95% t interval "
+        f"over seeds): the precondition {'holds' if holds else 'does not hold'}.",
+        "",
+        "## Verdict (pre-registered)",
+        "",
+        verdict_table(verdict),
+        "",
+        "![correctness and length against step per arm](r1_zero.png)",
+        "",
+        "## Every arm: final − base, paired over seeds (95% t interval)",
+        "",
+        "| arm | pass@1 gain | greedy gain | length gain (tokens) |",
+        "|---|---|---|---|",
+    ]
+    for arm in arms:
+        lines.append(f"| {arm} | {_ci(est[f'{arm}_correctness_gain'])} | "
+                     f"{_ci(est[f'{arm}_greedy_gain'])} | {_ci(est[f'{arm}_length_gain'])} |")  # fmt: skip
+    lines += [
+        "",
+        "## Held-out numbers per cell (base → final)",
+        "",
+        "| cell | pass@1 | greedy | length | length, correct | length, incorrect | worked share "
+        "| worked acc | short acc | format |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell, r in results.items():
+        a, b = r["evals"]["0"], r["evals"][str(r["steps"])]
 
-    # 2. The base model: brief training on plain task text (a few documents with tags).
-    policy = exp.policy
-    base_stats = None
-    if policy is None:
-        docs, tagged_n = base_documents(train, template, format_frac=exp.format_frac,
-                                        seed=exp.seed)  # fmt: skip
-        base_path = out / "base_documents.jsonl"
-        base_path.write_text("".join(to_json(d) + "\n" for d in docs))
-        base_stats = {"documents": len(docs), "tagged": tagged_n}
-        base = run_config(stage(spec, "base", source, data={"source": "jsonl",
-                                                            "path": str(base_path)},
-                                run={"root": runs}))  # fmt: skip
-        policy, timings["base_s"] = base["model_dir"], base["wall_s"]
+        def pair(key, d=3, a=a, b=b):
+            return f"{_fmt(a[key], d)} → {_fmt(b[key], d)}"
 
-    # 3. GRPO from the base with the R1-Zero rewards.
-    rl = run_config(stage(spec, "rl", source, model={"name_or_path": policy}, run={"root": runs},
-                          data={"path": train_path, "heldout_path": heldout_path}))  # fmt: skip
-    timings["rl_s"] = rl["wall_s"]
-    run_dir = Path(rl["run_dir"])
-    curves = curves_from_metrics(read_metrics(run_dir / "metrics.jsonl"))
-    steps = max((s for s, _ in curves["response_len"]), default=0)
-    w = max(1, min(20, steps // 5))
-    summary = {
-        "heldout_correctness": {"first": curves["correctness"][0] if curves["correctness"] else None,
-                                "last": curves["correctness"][-1] if curves["correctness"] else None},
-        "heldout_format": {"first": curves["format"][0] if curves["format"] else None,
-                           "last": curves["format"][-1] if curves["format"] else None},
-        f"first_{w}_steps": {k: _window_mean(curves[k], 1, w)
-                             for k in ("train_correctness", "train_format", "response_len")},
-        f"last_{w}_steps": {k: _window_mean(curves[k], steps - w + 1, steps)
-                            for k in ("train_correctness", "train_format", "response_len")},
-    }  # fmt: skip
-    plot_trends(curves, out / "r1_zero.png",
-                title=f"R1-Zero trends: GRPO from a base model, GSM8K-format, "
-                      f"{rl.get('heldout_n') or exp.n_heldout} held-out problems")  # fmt: skip
-    results = {
-        "data": {"train": train_path, "heldout": heldout_path, "train_rows": len(train),
-                 "synthetic": exp.train_path is None or exp.heldout_path is None},
-        "base": policy,
-        "base_documents": base_stats,
-        "rl_run": str(run_dir),
-        "headline": rl.get("headline"),
-        "summary": summary,
-        "curves": curves,
-        "timings": timings,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }  # fmt: skip
-    write_json_atomic(out / "r1_zero.json", results)
-    return {**results, "plot": str(out / "r1_zero.png")}
+        def spair(group, s, a=a, b=b):
+            return f"{_fmt(a[group][s])} → {_fmt(b[group][s])}"
+
+        lines.append(
+            f"| {cell} | {pair('pass1')} | {pair('greedy')} | {pair('len', 1)} | "
+            f"{pair('len_correct', 1)} | {pair('len_incorrect', 1)} | "
+            f"{spair('style_frac', 'worked')} | {spair('style_acc', 'worked')} | "
+            f"{spair('style_acc', 'short')} | {pair('format')} |"
+        )
+    half = {k: (v[2] - v[0]) for k, v in est.items() if v[1] is not None}
+    lines += [
+        "",
+        f"Power: with {len(exp.seeds)} seeds the 95% interval's half-width was "
+        f"{half.get('correctness_gain', float('nan')):.3f} for the pass@1 gain and "
+        f"{half.get('length_gain', float('nan')):.1f} tokens for the length gain (GRPO arm): a mean "
+        "gain smaller than that could not be told from 0 with this seed-to-seed spread.",
+        "",
+        f"Held-out composition: {sum(len(p['terms']) == 2 * exp.terms[0] - 1 for p in heldout)} of "
+        f"{len(heldout)} problems have {exp.terms[0]} numbers (most short chains are in the "
+        "training set, and held-out questions are absent from it).",
+    ]
+    lines += ["", "## What did not reproduce", ""]
+    failed = [c for c in verdict["checks"] if not c["holds"]]
+    sec = verdict.get("secondary")
+    failed_sec = [c for c in sec["checks"] if not c["holds"]] if sec else []
+    if not holds:
+        lines.append(
+            f"- The precondition: the base's worked style was not clearly the more accurate "
+            f"({d_est:+.3f} {ci}), so RL had no accuracy to gain by writing longer; the criterion "
+            "then tests the design as much as the paper's claim."
+        )
+    if not failed and not failed_sec:
+        lines.append("Every pre-registered check, primary and secondary, held.")
+    for c in failed + failed_sec:
+        ci95 = "(no CI)" if c["ci95"] is None else f"[{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
+        lines.append(f"- {c['what']}: {c['estimate']:+.3f} {ci95}, rule: {c['rule']}.")
+    lines += [
+        '- Not attempted at this scale: reflection or "aha" behaviour (the base has never seen '
+        "any), the paper's long-horizon growth of length (tens of RL steps here, thousands there), "
+        "a real base model reading an instruction (the styles exist in the base's documents).",
+        "",
+        "Numbers: `r1_zero.json`; cells: `cells/*.json`; config as `spec.json`.",
+    ]
+    return "\n".join(lines) + "\n"
