@@ -16,22 +16,42 @@ GPU_GIB = 48.0
 # prompt tokens where a policy-gradient config does not bound them: R1-Zero's template (~170
 # tokens) plus a GSM8K question (< 200)
 PROMPT_LEN = 512
-PLACEHOLDERS = ("<policy>", "<start policy>")
 # the stages that train the start policy, skipped when `experiment.policy` names one (docs)
 START_STAGES = ("sft", "base")
 
 
-def _model_of(spec: dict, section: str) -> str:
-    """The Hub id a stage trains: its own, or (a placeholder) the replication's start policy."""
-    name = (spec[section].get("model") or {}).get("name_or_path")
-    if name in PLACEHOLDERS or name is None:
+def _built_shape(build: dict, name: str):
+    """The plan shape of a model the config builds from scratch (`model.build`)."""
+    from rlhflab.models.build import SIZE_PRESETS
+    from rlhflab.plan.shapes import shape_from_config
+
+    preset = SIZE_PRESETS[build.get("size", "base")]
+    cfg = {**preset, "vocab_size": build["vocab_size"], "tie_word_embeddings": True,
+           "head_dim": preset["hidden_size"] // preset["num_attention_heads"],
+           "model_type": build.get("arch", "qwen3"),
+           "max_position_embeddings": build.get("max_position_embeddings", 512)}  # fmt: skip
+    return shape_from_config(cfg, name=name, where=name)
+
+
+def _model_of(spec: dict, section: str):
+    """(name, plan shape) of the model a stage trains: its own (a Hub id of a built-in shape, or
+    built from scratch), or, for a placeholder, the replication's start policy or the model its
+    first stage trains."""
+    from rlhflab.plan import resolve_shape
+
+    model = spec[section].get("model") or {}
+    if "build" in model:
+        return f"{section} (built)", _built_shape(model["build"], section)
+    name = model.get("name_or_path")
+    if name is None or name.startswith("<"):
         name = (spec.get("experiment") or {}).get("policy")
-    if name in PLACEHOLDERS or name is None:  # the policy the replication's SFT stage trains
-        name = spec["sft"]["model"]["name_or_path"]
-    return name
+    if name is None or name.startswith("<"):  # the model the replication's first stage trains
+        first = next(k for k in spec if k != "experiment")
+        return _model_of(spec, first)
+    return name, resolve_shape(name)  # a built-in shape: the Hub is not read
 
 
-def _stages(path: Path) -> list[tuple[str, str, object]]:
+def _stages(path: Path) -> list[tuple[str, str, object, object]]:
     from rlhflab.config import read_yaml
     from rlhflab.replications import stage
 
@@ -40,11 +60,12 @@ def _stages(path: Path) -> list[tuple[str, str, object]]:
     for section in [k for k in spec if k != "experiment"]:
         if section in START_STAGES and (spec.get("experiment") or {}).get("policy"):
             continue  # not trained: the replication starts from experiment.policy
-        model = _model_of(spec, section)
-        over = {"model": {"name_or_path": model}}
+        model, shape = _model_of(spec, section)
+        built = "build" in (spec[section].get("model") or {})
+        over = {} if built else {"model": {"name_or_path": "x"}}
         if isinstance(spec[section].get("data"), dict) and "path" in spec[section]["data"]:
             over["data"] = {"path": "x"}
-        out.append((section, model, stage(spec, section, str(path), **over)))
+        out.append((section, model, shape, stage(spec, section, str(path), **over)))
     return out
 
 
@@ -57,10 +78,9 @@ def test_there_is_a_gpu_config_per_replication():
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
 def test_every_stage_of_a_gpu_config_fits_one_48gb_gpu_per_plan(path):
-    from rlhflab.plan import estimate, inputs_from_config, resolve_shape
+    from rlhflab.plan import estimate, inputs_from_config
 
-    for section, model, cfg in _stages(path):
-        shape = resolve_shape(model)  # a built-in shape: the Hub is not read
+    for section, model, shape, cfg in _stages(path):
         inputs, _ = inputs_from_config(cfg, shape, gpus=1, gpu_memory_gib=GPU_GIB,
                                        prompt_len=PROMPT_LEN)  # fmt: skip
         est = estimate(shape, inputs)

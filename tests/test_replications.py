@@ -1,7 +1,5 @@
-"""The replications' own arithmetic (`rlhflab replicate`): best-of-n KL, majority vote on a
-constructed case, MC step-labelled RM training through the trainer, the synthetic GSM8K rows read by
-load_gsm8k and one-line errors for bad replication configs (the R1-Zero replication's own tests:
-tests/test_replication_r1_zero.py)."""
+"""The replications' shared checks (`rlhflab replicate`): best-of-n KL and one-line errors for bad
+replication configs (each replication's own tests: tests/test_replication_<name>.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +9,6 @@ from pathlib import Path
 import pytest
 
 from rlhflab.cli import main
-from rlhflab.data.gsm8k import parse_gsm8k_row
-from rlhflab.replications.prm_orm_gsm8k import synthetic_rows
 from rlhflab.replications.rm_overopt import bon_kl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,17 +18,6 @@ def test_best_of_n_kl_is_log_n_minus_n_minus_1_over_n():
     assert bon_kl(1) == 0.0
     assert bon_kl(2) == pytest.approx(math.log(2) - 0.5, abs=1e-15)
     assert bon_kl(64) == pytest.approx(math.log(64) - 63 / 64, abs=1e-15)
-
-
-def test_synthetic_rows_are_gsm8k_rows_whose_steps_add_up():
-    for row in synthetic_rows(50, seed=3):
-        entry = parse_gsm8k_row(row)
-        value = None
-        for step in entry["steps"]:
-            lhs, rhs = step.split(" = ")
-            assert eval(lhs) == int(rhs)  # digits and +/- only
-            value = int(rhs)
-        assert str(value) == entry["answer"] and value >= 0
 
 
 @pytest.mark.parametrize(
