@@ -166,3 +166,31 @@ def test_a_secondary_criterion_is_judged_but_not_part_of_the_verdict():
 
     table = verdict_table(v)
     assert "**Verdict: reproduced**" in table and "Secondary: does not hold" in table
+
+
+def test_the_docs_verdict_table_is_generated_from_the_committed_verdicts():
+    # docs/replications.md's lead table equals summary_table of the committed runs' verdict.json
+    # (regenerate: python -c "from tests.test_replication_verdict import docs_table; print(docs_table())")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs/replications.md").read_text()
+    begin, end = "<!-- verdicts:begin -->\n", "<!-- verdicts:end -->"
+    assert doc[doc.index(begin) + len(begin) : doc.index(end)].strip() == docs_table().strip()
+
+
+def docs_table() -> str:
+    from pathlib import Path
+
+    from rlhflab.replications import REPLICATIONS
+    from rlhflab.replications.verdict import summary_table
+
+    root = Path(__file__).resolve().parents[1]
+    runs = "experiments/2026-11-28-replications"
+    rows = []
+    for name in ("r1-zero", "rm-overopt", "dpo-overopt", "prm-orm"):
+        assert name in REPLICATIONS
+        verdict = json.loads((root / runs / name / "verdict.json").read_text())
+        assert verdict["name"] == name
+        rows.append((verdict, f"../{runs}/{name}/report.md"))
+    return summary_table(rows)
