@@ -194,3 +194,16 @@ def docs_table() -> str:
         assert verdict["name"] == name
         rows.append((verdict, f"../{runs}/{name}/report.md"))
     return summary_table(rows)
+
+
+def test_replicate_summary_lines_say_the_verdict_or_the_share():
+    from rlhflab.summary import replicate_lines
+
+    crit = Criterion("claim c", (Check("gain", "the gain", above=0.0),))
+    v = judge("toy", crit, {"gain": (0.2, 0.05, 0.35)}, [0, 1, 2])
+    lines = replicate_lines("toy", {"verdict": v, "compute_s": 61, "files": ["a", "b"]}, "x.json")
+    assert lines[0].startswith("replicate toy: REPRODUCED (1/1 checks hold; seeds [0, 1, 2])")
+    assert lines[2] == "headline: the gain = 0.2 (95% CI [0.05, 0.35])"
+    assert lines[3] == "results: a, b"
+    share = {"share": "1/4", "ran": ["c1"], "skipped": [], "cells": ["c0", "c1"], "wall_s": 3}
+    assert "share 1/4: ran 1 cell(s), 0 already finished" in replicate_lines("toy", share, "x")[0]
