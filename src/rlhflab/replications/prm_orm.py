@@ -3,14 +3,15 @@ arithmetic whose every step is checkable, so the step labels are exact, at CPU s
 
     rlhflab replicate prm-orm [configs/replications/prm_orm.yaml] --out runs/prm-orm
 
-Task: chain_sum (reasoning_gym) expressions of `min_terms`..`max_terms` integers joined by + and −
-("15 - 43 - 75 + 72 + 61 =" : 4–6 steps). A worked solution is one line per operation, left to
-right, then the answer line, each line ending in "\\n":
+Task: chained sums of `min_terms`..`max_terms` one-digit integers joined by + and −, every
+intermediate value in 0..`max_value` (`chain_expressions`; scored as reasoning_gym's chain_sum),
+e.g. "4 - 1 + 7 - 2 =" (terms − 1 operations). A worked solution is one line per operation, left
+to right, then the answer line, each line ending in "\\n":
 
-    15 - 43 = -28
-    -28 - 75 = -103
-    ...
-    <answer>7</answer>
+    4 - 1 = 3
+    3 + 7 = 10
+    10 - 2 = 8
+    <answer>8</answer>
 
 1. `prepare` (shared by every seed): SFT from scratch on the canonical worked solutions of
    `n_train` training expressions; the policy samples at `temperature`.
