@@ -17,6 +17,7 @@ from rlhflab.replications.prm_orm import (
     paired_gap_stats,
     selection_accuracies,
     solution_lines,
+    top_pick_profile,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +115,26 @@ def test_paired_difference_between_any_two_selectors_by_hand():
     # every problem's pooled difference is 1/2 here, so every resample's mean is too
 
 
+def test_top_pick_profile_by_hand():
+    # Four problems of 3 operations (a full solution has 4 lines: 3 operations + the answer).
+    def s(outcome, answer, n_lines):
+        return {"outcome": outcome, "answer": answer, "lines": ["x"] * n_lines}
+
+    samples = [
+        [s(0, "3", 4), s(1, "8", 4)],  # top (0.9) right, though a wrong one is there
+        [s(1, "8", 4), s(0, None, 2)],  # top (0.7) cut off: no answer
+        [s(0, "5", 2), s(1, "8", 4)],  # top (0.6) an answer after 1 of 3 operations
+        [s(0, "7", 4), s(0, "6", 5)],  # tie 0.5/0.5: the first, a slip after 4 lines
+    ]
+    scores = [[0.1, 0.9], [0.2, 0.7], [0.6, 0.4], [0.5, 0.5]]
+    got = top_pick_profile(scores, samples, [3, 3, 3, 3])
+    assert got == {"right": 0.25, "no_answer": 0.25, "too_few_lines": 0.25, "wrong_line": 0.25}
+    # a right answer counts as right even with too few lines or none parsed beside it
+    assert top_pick_profile([[1.0]], [[s(1, "8", 1)]], [3])["right"] == 1.0
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        top_pick_profile(scores, samples, [3])
+
+
 def test_spec_refuses_repeated_seeds():
     with pytest.raises(ConfigError, match=r"experiment\.seeds: must be distinct"):
         check_experiment(Spec, {"seeds": [0, 0]}, "x.yaml")
@@ -178,4 +199,7 @@ def test_a_tiny_run_through_the_cell_runner(tmp_path, monkeypatch):
     rd = cell["rm_data"]
     assert rd["orm_positives"] * 2 == rd["train_solutions"]  # balanced
     assert len(cell["per_problem"]["PRM"]["4"]) == 6
+    top = cell["diagnostics"]["top_pick"]
+    assert set(top) == {"PRM", "ORM"} and math.isclose(sum(top["PRM"].values()), 1.0)
+    assert "top pick out of a problem's whole pool" in (out / "report.md").read_text()
     assert math.isfinite(res["verdict"]["estimate"])

@@ -3,14 +3,15 @@ arithmetic whose every step is checkable, so the step labels are exact, at CPU s
 
     rlhflab replicate prm-orm [configs/replications/prm_orm.yaml] --out runs/prm-orm
 
-Task: chain_sum (reasoning_gym) expressions of `min_terms`..`max_terms` integers joined by + and −
-("15 - 43 - 75 + 72 + 61 =" : 4–6 steps). A worked solution is one line per operation, left to
-right, then the answer line, each line ending in "\\n":
+Task: chained sums of `min_terms`..`max_terms` one-digit integers joined by + and −, every
+intermediate value in 0..`max_value` (`chain_expressions`; scored as reasoning_gym's chain_sum),
+e.g. "4 - 1 + 7 - 2 =" (terms − 1 operations). A worked solution is one line per operation, left
+to right, then the answer line, each line ending in "\\n":
 
-    15 - 43 = -28
-    -28 - 75 = -103
-    ...
-    <answer>7</answer>
+    4 - 1 = 3
+    3 + 7 = 10
+    10 - 2 = 8
+    <answer>8</answer>
 
 1. `prepare` (shared by every seed): SFT from scratch on the canonical worked solutions of
    `n_train` training expressions; the policy samples at `temperature`.
@@ -196,6 +197,48 @@ def selection_accuracies(
             for s in names:
                 out[s][n].append(acc[s] / n_resamples)
     return out
+
+
+TOP_PICK_KINDS = ("right", "no_answer", "too_few_lines", "wrong_line")
+
+
+def top_pick_profile(
+    scores: list[list[float]], samples: list[list[dict]], n_ops: list[int]
+) -> dict[str, float]:
+    """What an RM's top pick out of a problem's whole pool is, as fractions over problems: a
+    reading of why a selector falls below a random pick at large N (it picks an artefact).
+
+    Per problem, the highest-scored sample (ties: the first) is one of:
+        "right"          its final answer is right (`outcome` 1), however it got there
+        "no_answer"      else: no final answer extracted (`answer` None): cut off or malformed
+        "too_few_lines"  else: fewer lines than the expression's operations + 1 (an answer line
+                         written before every operation was done)
+        "wrong_line"     else: a wrong answer after enough lines (an arithmetic or operand slip)
+
+    Args:
+        scores: per problem, per sample score. samples: per problem, per sample, dicts with
+            "outcome" (0/1), "answer" (str | None) and "lines" (list[str]), as `_label_pool`.
+        n_ops: per problem, its number of operations.
+    Returns:
+        {kind: fraction of problems} over `TOP_PICK_KINDS` (sums to 1).
+    Raises:
+        ValueError: no problems, or lists of different lengths.
+    """
+    if not scores or not (len(scores) == len(samples) == len(n_ops)):
+        raise ValueError(f"top_pick_profile: need equal, non-empty lists (got {len(scores)}, "
+                         f"{len(samples)}, {len(n_ops)})")  # fmt: skip
+    counts = dict.fromkeys(TOP_PICK_KINDS, 0)
+    for sc, row, k in zip(scores, samples, n_ops, strict=True):
+        s = row[max(range(len(sc)), key=lambda j: sc[j])]
+        if s["outcome"] == 1:
+            counts["right"] += 1
+        elif s["answer"] is None:
+            counts["no_answer"] += 1
+        elif len(s["lines"]) < k + 1:
+            counts["too_few_lines"] += 1
+        else:
+            counts["wrong_line"] += 1
+    return {kind: c / len(scores) for kind, c in counts.items()}
 
 
 def paired_gap_stats(
@@ -389,6 +432,7 @@ def _prm_step_probs(scorer, ss, *, batch: int = 256) -> list[list[list[float]]]:
 def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
     """One seed: sample and label the RM data, train the ORM and PRM, sample the held-out pool,
     score it, select (module doc). Returns per-problem accuracies and the diagnostics."""
+    from rlhflab.data.prm import solve_steps
     from rlhflab.eval.best_of_n import score_pool
     from rlhflab.eval.rm_metrics import auc
     from rlhflab.models.loading import load_model, load_tokenizer
@@ -502,6 +546,7 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
                     step_x.append(p_step)
                     step_y.append(float(lab == 1))
     flat_ok = [c for row in correct for c in row]
+    n_ops = [len(solve_steps(p.entry["metadata"]["expression"])) for p in heldout]
     diag = {
         "pool_accuracy": sum(flat_ok) / len(flat_ok),
         "prm_step_auc": auc(step_x, step_y),
@@ -513,6 +558,10 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
         "pool_right_answer_with_a_wrong_step": sum(
             s["outcome"] == 1 and -1 in s["labels"] for row in plab for s in row
         ),
+        "top_pick": {
+            name: top_pick_profile(sc, plab, n_ops)
+            for name, sc in (("PRM", prm_scores), ("ORM", orm_scores))
+        },
     }
     r4 = {s: {str(n): [round(v, 5) for v in vals] for n, vals in by_n.items()}
           for s, by_n in acc.items()}  # fmt: skip
@@ -630,6 +679,20 @@ def _ci(v) -> str:
     return f"{est:+.3f} [{lo:+.3f}, {hi:+.3f}]" if lo is not None else f"{est:+.3f} (no CI)"
 
 
+def _top_pick_lines(res: dict, pool: int) -> list[str]:
+    """The RMs' top picks out of each problem's whole pool (`top_pick_profile`), mean over seeds."""
+    tops = [d["top_pick"] for d in res["diagnostics"].values() if "top_pick" in d]
+    if not tops:
+        return []
+    words = {"right": "right", "no_answer": "no final answer", "too_few_lines":
+             "an answer before every operation was done", "wrong_line": "a wrong answer after "
+             "enough lines (a slip)"}  # fmt: skip
+    parts = [f"{rm}: " + ", ".join(f"{words[k]} {sum(t[rm][k] for t in tops) / len(tops):.2f}"
+                                   for k in TOP_PICK_KINDS) for rm in ("PRM", "ORM")]  # fmt: skip
+    return [f"Each RM's top pick out of a problem's whole pool of {pool} (fraction of problems, "
+            "mean over seeds): " + "; ".join(parts) + ".", ""]  # fmt: skip
+
+
 def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag: dict) -> str:
     from rlhflab.replications.verdict import verdict_table
 
@@ -706,6 +769,7 @@ def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag
         f"answer: PRM {', '.join(_f(x) for x in diag['prm_solution_auc'])}, ORM "
         f"{', '.join(_f(x) for x in diag['orm_solution_auc'])}.",
         "",
+        *_top_pick_lines(res, max(ns)),
         f"Against the baselines at N = {ns[-1]} (paired, same bootstrap): "
         + "; ".join(f"{k} {_ci(v)}" for k, v in res["baselines_at_nmax"].items())
         + ".",
