@@ -628,8 +628,11 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         f"{exp.terms[0]}–{exp.terms[1]} numbers in 1..{exp.max_term} joined by {ops}, applied "
         f"left to right modulo 10; {exp.n_train} training "
         f"problems, {exp.n_heldout} held-out questions absent from training. Per seed "
-        f"({exp.seeds}), a base model from scratch (`base` stage: {spec['base']['train']['steps']} "
-        "steps of plain-text documents, every token trained) whose documents answer "
+        f"({exp.seeds}), a base model from scratch (`base` stage: a "
+        f"{spec['base']['model'].get('build', {}).get('size', '?')} "
+        f"{spec['base']['model'].get('build', {}).get('arch', '?')} model, "
+        f"{spec['base']['train']['steps']} steps of plain-text documents, every token trained) "
+        "whose documents answer "
         f"{1 - exp.worked_frac:.0%} of problems short (`{completion(ex, worked=False)}`) "
         f"and {exp.worked_frac:.0%} worked (`{completion(ex, worked=True)}` for "
         f"{''.join(map(str, ex))}); both satisfy R1's format reward. "
@@ -738,7 +741,11 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         lines.append(
             f"- The precondition: the base's worked style was not clearly the more accurate "
             f"({d_est:+.3f} {ci}), so RL had no accuracy to gain by writing longer; the criterion "
-            "then tests the design as much as the paper's claim."
+            "then tests the design as much as the paper's claim. The base's pass@1 was "
+            + ", ".join(_fmt(r["pass1"]) for r in pre["per_seed"])
+            + " (seeds in order; a uniform guess of a one-digit answer scores 0.100): where the "
+            "base has not learned the worked steps, a designed error rate in the short answers "
+            "cannot make the worked ones the more accurate."
         )
     if not failed and not failed_sec:
         lines.append("Every pre-registered check, primary and secondary, held.")
