@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_worked_steps_rewrite_the_chain_left_to_right_modulo_10():
-    # 7+3*2-4: 7+3 = 10 -> 0, "0*2-4"; 0*2 = 0 -> "0-4"; 0-4 = -4 -> 6 (mod 10).
+    # 7+3*2-4: 7+3 = 10 -> 0; 0*2 = 0; 0-4 = -4 -> 6 (mod 10), one step per operation.
     chain = [7, "+", 3, "*", 2, "-", 4]
     assert R.evaluate_chain(chain) == ((7 + 3) * 2 - 4) % 10 == 6
-    assert R.worked_steps(chain) == "0*2-4=0-4=6"
-    assert R.worked_steps([5, "*", 3, "-", 2]) == "5-2=3"  # 15 -> 5; 5-2 = 3
+    assert R.worked_steps(chain) == "7+3=0 0*2=0 0-4=6"
+    assert R.worked_steps([5, "*", 3, "-", 2]) == "5*3=5 5-2=3"  # 15 -> 5; 5-2 = 3
     assert R.completion([5, "*", 3, "-", 2], worked=True) == (
-        "<think> 5-2=3 </think> <answer> 3 </answer>"
+        "<think> 5*3=5 5-2=3 </think> <answer> 3 </answer>"
     )
     assert R.completion([5, "*", 3, "-", 2], worked=False) == (
         "<think> </think> <answer> 3 </answer>"
@@ -116,6 +117,50 @@ def test_precondition_is_worked_minus_short_per_seed_with_a_t_interval():
     assert [r["seed"] for r in pre["per_seed"]] == [0, 1, 2]
 
 
+def test_short_documents_carry_a_wrong_guess_at_the_configured_rate_worked_ones_never():
+    # The designed precondition: every document is parsed back (question -> the sum modulo 10 by
+    # Python's own arithmetic; the answer and style read from the text). Worked documents are
+    # always right and every step of their scratchpad is right; a short document's answer is
+    # wrong in a share near short_error (4000 documents, about 2800 short: the binomial standard
+    # error of the share is sqrt(0.6 * 0.4 / 2800) = 0.0093, so +-0.04 is over 4 of them), and a
+    # wrong guess is the right answer +-1..3 modulo 10, each offset present.
+    rows = R.chain_problems(4000, terms=(3, 4), max_term=9, seed=3, ops=["+"])
+    assert all(set(r["terms"][1::2]) == {"+"} for r in rows)
+    docs, counts = R.base_documents(rows, "Q: {prompt} A:", worked_frac=0.3, seed=7,
+                                    short_error=0.6)  # fmt: skip
+    doc_re = re.compile(r"^Q: ([0-9+]+) mod 10 A: <think> (.*?)</think> <answer> (\d) </answer>$")
+    short = wrong = worked = 0
+    offsets = set()
+    for row, doc in zip(rows, docs, strict=True):
+        m = doc_re.match(doc["text"])
+        assert m is not None, doc
+        assert f"{m.group(1)} mod 10" == row["question"]
+        nums = [int(x) for x in m.group(1).split("+")]
+        right, said = sum(nums) % 10, int(m.group(3))
+        if R.style_of(doc["text"]) == "worked":
+            worked += 1
+            assert said == right
+            steps = m.group(2).strip().split(" ")
+            assert len(steps) == len(nums) - 1
+            for i, step in enumerate(steps):  # step i: "a+b=c", a the running sum, b number i + 1
+                a, b, c = (int(x) for x in re.split(r"[+=]", step))
+                assert (a, b, c) == (sum(nums[: i + 1]) % 10, nums[i + 1], sum(nums[: i + 2]) % 10)
+        else:
+            assert m.group(2) == ""
+            short += 1
+            if said != right:
+                wrong += 1
+                offsets.add((said - right) % 10)
+    assert counts == {"documents": 4000, "worked": worked, "short": short, "short_wrong": wrong}
+    assert abs(worked / 4000 - 0.3) < 0.04 and abs(wrong / short - 0.6) < 0.04
+    assert offsets == {1, 2, 3, 7, 8, 9}  # +-1..3 modulo 10
+    # short_error 0 (the default): every document right; 1: every short one wrong.
+    _, c0 = R.base_documents(rows[:200], "Q: {prompt} A:", worked_frac=0.3, seed=7)
+    _, c1 = R.base_documents(rows[:200], "Q: {prompt} A:", worked_frac=0.3, seed=7,
+                             short_error=1.0)  # fmt: skip
+    assert c0["short_wrong"] == 0 and c1["short_wrong"] == c1["short"] > 0
+
+
 def test_base_documents_share_the_rl_prompt_boundary(tmp_path, tiny_tokenizer):
     # An R1-Zero base model has seen plain text, never a chat template: each base document, read
     # and tokenized as the base stage trains on it, starts with exactly the token ids the RL stage
@@ -137,8 +182,9 @@ def test_base_documents_share_the_rl_prompt_boundary(tmp_path, tiny_tokenizer):
     train_path.write_text("".join(to_json(r) + "\n" for r in rows[:8]))
     held_path.write_text("".join(to_json(r) + "\n" for r in rows[8:]))
     train = rows[:8]
-    docs, worked_n = R.base_documents(train, spec["rl"]["data"]["template"], worked_frac=0.5,
-                                      seed=0)  # fmt: skip
+    docs, counts = R.base_documents(train, spec["rl"]["data"]["template"], worked_frac=0.5,
+                                    seed=0, short_error=0.5)  # fmt: skip
+    worked_n = counts["worked"]
     assert len(docs) == 8 and 0 < worked_n < 8
     docs_path = tmp_path / "docs.jsonl"
     docs_path.write_text("".join(to_json(d) + "\n" for d in docs))

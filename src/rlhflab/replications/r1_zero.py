@@ -4,22 +4,24 @@ response length together — on a task and base where longer reasoning buys accu
 
     rlhflab replicate r1-zero [configs/replications/r1_zero.yaml] --out runs/r1-zero
 
-1. Task (`prepare`): chains of 3–4 one-digit numbers and operations +, -, * applied left to right
-   modulo 10 (`chain_problems`), e.g. `7+3*2-4 mod 10` = 6; the held-out problems are questions
-   absent from the training set.
+1. Task (`prepare`): chains of 3–4 one-digit numbers and operations (`experiment.ops`, a subset
+   of +, -, *; the default config: sums) applied left to right modulo 10 (`chain_problems`), e.g.
+   `7+3*2-4 mod 10` = 6; the held-out problems are questions absent from the training set.
 2. Base model, one per seed (built by the first cell of that seed that needs it, under a file
    lock, so `--only i/N` shares never train one twice): a tiny model from scratch trained briefly
    on plain-text documents (no chat template; the RL prompt is a prefix of each document) in which
    every problem is answered in one of two styles, both in R1's `<think>…</think><answer>…</answer>`
    form (so the format reward is satisfied by either):
        short  (in the head)  `<think> </think> <answer> 6 </answer>`
-       worked (step by step) `<think> 0*2-4=0-4=6 </think> <answer> 6 </answer>`
-   with the short style the majority (`experiment.worked_frac` of the documents are worked). A
-   model this small composes several non-commuting operations in one token poorly and one at a
-   time well, so the worked style should be the more accurate and is the longer one (sums and
-   products, which commute, were tried first: there the short style was the more accurate). The
-   precondition is measured on the base, not assumed: held-out samples at T = 1, correctness by
-   style (`style_of`).
+       worked (step by step) `<think> 7+3=0 0*2=0 0-4=6 </think> <answer> 6 </answer>`
+   with the short style the majority (`experiment.worked_frac` of the documents are worked).
+   The precondition — the worked style is the more accurate and the longer one — is designed
+   into the documents: a short document's answer is a wrong guess (the right one ± 1..3 modulo
+   10, `wrong_guess`) with probability `experiment.short_error`, a worked one is always right, as
+   answers given "in the head" are less reliable than worked ones in the text real base models
+   read. (Without it the base did not oblige: on mixed +, -, * its two styles were both near
+   chance, on sums its short answers were the more accurate at T = 1.) It is measured on the
+   base, not assumed: held-out samples at T = 1, correctness by style (`style_of`).
 3. RL, one cell per seed × arm (`experiment.arms`, each replacing whole sections of the `rl`
    stage):
    `grpo` (correctness + format reward, group z-score advantage, GRPO's per-sequence token mean),
@@ -42,6 +44,7 @@ import random
 import re
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -89,7 +92,10 @@ class Spec(Experiment):
     n_heldout: int = Field(200, ge=2)
     terms: tuple[int, int] = (3, 5)  # numbers per problem, inclusive range
     max_term: int = Field(9, ge=1)  # each number in 1..max_term
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
     worked_frac: float = Field(0.25, ge=0, le=1)  # base documents in the worked style
+    # short-style base documents whose answer is a wrong guess (worked ones are always right)
+    short_error: float = Field(0.0, ge=0, le=1)
     k: int = Field(4, ge=1)  # held-out samples per problem at T = 1 (pass@1 over k)
     eval_max_new_tokens: int = Field(48, ge=1)
     eval_steps: list[int] = Field(default_factory=list)  # RL checkpoints evaluated besides the end
@@ -104,18 +110,20 @@ class Spec(Experiment):
 OPS = {"+": lambda a, b: (a + b) % 10, "-": lambda a, b: (a - b) % 10, "*": lambda a, b: a * b % 10}
 
 
-def chain_problems(n: int, *, terms: tuple[int, int], max_term: int, seed: int) -> list[dict]:
+def chain_problems(n: int, *, terms: tuple[int, int], max_term: int, seed: int,
+                   ops: tuple[str, ...] | list[str] = tuple(OPS)) -> list[dict]:  # fmt: skip
     """`n` chains `{"question": "7+3*2-4 mod 10", "answer": "6", "terms": [7, "+", 3, "*", 2, "-",
-    4]}`: numbers and operations (+, -, *) applied left to right modulo 10 (((7+3)*2-4) mod 10),
-    with a number of numbers uniform in `terms` (inclusive), each uniform in 1..`max_term`, and
-    each operation uniform (`random.Random(seed)`); questions may repeat."""
+    4]}`: numbers and operations (uniform over `ops`, a subset of +, -, *) applied left to right
+    modulo 10 (((7+3)*2-4) mod 10), with a number of numbers uniform in `terms` (inclusive), each
+    uniform in 1..`max_term` (`random.Random(seed)`); questions may repeat."""
     rng = random.Random(seed)
+    ops = list(ops)
     rows = []
     for _ in range(n):
         k = rng.randint(*terms)
         chain: list = [rng.randint(1, max_term)]
         for _ in range(k - 1):
-            chain += [rng.choice(list(OPS)), rng.randint(1, max_term)]
+            chain += [rng.choice(ops), rng.randint(1, max_term)]
         rows.append({"question": "".join(map(str, chain)) + " mod 10",
                      "answer": str(evaluate_chain(chain)), "terms": chain})  # fmt: skip
     return rows
@@ -132,7 +140,7 @@ def evaluate_chain(chain: list) -> int:
 def split_problems(spec: Spec) -> tuple[list[dict], list[dict]]:
     """The training problems and the held-out ones (distinct questions absent from training)."""
     rows = chain_problems(spec.n_train + 20 * spec.n_heldout, terms=spec.terms,
-                          max_term=spec.max_term, seed=spec.data_seed)  # fmt: skip
+                          max_term=spec.max_term, seed=spec.data_seed, ops=spec.ops)  # fmt: skip
     train = rows[: spec.n_train]
     seen = {r["question"] for r in train}
     held: list[dict] = []
@@ -149,30 +157,46 @@ def split_problems(spec: Spec) -> tuple[list[dict], list[dict]]:
 
 
 def worked_steps(chain: list) -> str:
-    """The worked solution: the chain rewritten once per operation with its first two numbers
-    replaced by their result modulo 10 (a scratchpad whose next expression copies the previous
-    one's tail), down to the answer: [7, "+", 3, "*", 2, "-", 4] -> "0*2-4=0-4=6"."""
-    lines, xs = [], list(chain)
-    while len(xs) > 1:
-        xs = [OPS[xs[1]](xs[0], xs[2]), *xs[3:]]
-        lines.append("".join(map(str, xs)))
-    return "=".join(lines)
+    """The worked solution: one step per operation, `a op b=c` with `a` the running value (the
+    first number, then the previous step's result) and `b` the chain's next number, each step's
+    operands written right before its result: [7, "+", 3, "*", 2, "-", 4] -> "7+3=0 0*2=0 0-4=6"
+    (modulo 10). A tiny model adds two digits it has just written far more easily than two read
+    many tokens back."""
+    acc, steps = chain[0] % 10, []
+    for op, x in zip(chain[1::2], chain[2::2], strict=True):
+        new = OPS[op](acc, x)
+        steps.append(f"{acc}{op}{x}={new}")
+        acc = new
+    return " ".join(steps)
 
 
-def completion(chain: list, *, worked: bool) -> str:
-    """A document's answer in R1's format: the worked style `<think> 0*2=0 </think> <answer> 0
-    </answer>` or the short one `<think> </think> <answer> 0 </answer>` (for 7+3*2)."""
-    think = worked_steps(chain) + " " if worked else ""
-    return f"<think> {think}</think> <answer> {evaluate_chain(chain)} </answer>"
+def completion(chain: list, *, worked: bool, answer: int | None = None) -> str:
+    """A document's answer in R1's format: the worked style `<think> 7+3=0 0*2=0 </think> <answer> 0
+    </answer>` or the short one `<think> </think> <answer> 0 </answer>` (for 7+3*2); `answer`
+    replaces the chain's value in a short completion (a wrong guess), never in a worked one."""
+    if worked:
+        return f"<think> {worked_steps(chain)} </think> <answer> {evaluate_chain(chain)} </answer>"
+    value = evaluate_chain(chain) if answer is None else answer
+    return f"<think> </think> <answer> {value} </answer>"
 
 
-def base_documents(problems: list[dict], template: str, *, worked_frac: float,
-                   seed: int) -> tuple[list[dict], int]:  # fmt: skip
-    """The base model's documents `{"text": prompt + " " + completion}`, one per problem, and how
-    many are worked: prompt = `template` with `{prompt}` replaced by the question (the RL stage's
-    prompt text: no chat template, a base model has seen plain text), the completion worked with
-    probability `worked_frac` (`random.Random(seed)`), else short. The base stage trains on every
-    token, so the RL prompt's tokens are a prefix of the document's (checked by a test).
+def wrong_guess(value: int, rng: random.Random) -> int:
+    """A wrong one-digit answer near `value`: `value` ± 1..3 modulo 10 (offset uniform over the
+    six choices), never `value` itself."""
+    return (value + rng.choice([-3, -2, -1, 1, 2, 3])) % 10
+
+
+def base_documents(problems: list[dict], template: str, *, worked_frac: float, seed: int,
+                   short_error: float = 0.0) -> tuple[list[dict], dict]:  # fmt: skip
+    """The base model's documents `{"text": prompt + " " + completion}`, one per problem, and
+    their counts `{"documents", "worked", "short", "short_wrong"}`: prompt = `template` with
+    `{prompt}` replaced by the question (the RL stage's prompt text: no chat template, a base
+    model has seen plain text), the completion worked with probability `worked_frac`
+    (`random.Random(seed)`), else short; a short completion's answer is a wrong guess
+    (`wrong_guess`) with probability `short_error`, a worked one is always right. This is the
+    designed precondition: answers written "in the head" are less reliable than worked ones, as
+    in the text real base models read. The base stage trains on every token, so the RL prompt's
+    tokens are a prefix of the document's (checked by a test).
 
     Raises:
         ConfigError: the template ends with whitespace (its RL prompt would end in a lone space
@@ -186,13 +210,16 @@ def base_documents(problems: list[dict], template: str, *, worked_frac: float,
             "so the RL prompt's token boundary is the base documents' one"
         )
     rng = random.Random(seed)
-    docs, worked_n = [], 0
+    docs, counts = [], {"documents": len(problems), "worked": 0, "short": 0, "short_wrong": 0}
     for p in problems:
         worked = rng.random() < worked_frac
-        worked_n += worked
+        wrong = not worked and rng.random() < short_error
+        counts["worked" if worked else "short"] += 1
+        counts["short_wrong"] += wrong
+        answer = wrong_guess(evaluate_chain(p["terms"]), rng) if wrong else None
         prompt = template.replace("{prompt}", p["question"])
-        docs.append({"text": f"{prompt} {completion(p['terms'], worked=worked)}"})
-    return docs, worked_n
+        docs.append({"text": f"{prompt} {completion(p['terms'], worked=worked, answer=answer)}"})
+    return docs, counts
 
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
@@ -346,14 +373,12 @@ def prepare(spec: dict, out: Path, source: str) -> None:
     for name, rows in (("train.jsonl", train), ("heldout.jsonl", held)):
         (out / name).write_text("".join(to_json(r) + "\n" for r in rows))
     for seed in exp.seeds:
-        docs, worked_n = base_documents(train, _template(spec), worked_frac=exp.worked_frac,
-                                        seed=seed)  # fmt: skip
+        docs, counts = base_documents(train, _template(spec), worked_frac=exp.worked_frac,
+                                      seed=seed, short_error=exp.short_error)  # fmt: skip
         (out / f"base_documents_seed{seed}.jsonl").write_text(
             "".join(to_json(d) + "\n" for d in docs)
         )
-        (out / f"base_documents_seed{seed}.json").write_text(
-            json.dumps({"documents": len(docs), "worked": worked_n})
-        )
+        (out / f"base_documents_seed{seed}.json").write_text(json.dumps(counts))
 
 
 def _base(spec: dict, seed: int, out: Path, source: str) -> dict:
@@ -581,10 +606,17 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
     }
 
 
+def _example(ops: list[str]) -> list:
+    """The report's example chain: 7, 3, 2, 4 joined by the configured operations in turn."""
+    return [7, ops[0], 3, ops[1 % len(ops)], 2, ops[2 % len(ops)], 4]
+
+
 def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> str:
     rl = spec["rl"]
     ro = rl["rollout"]
     d_est, d_lo, d_hi = pre["worked_minus_short"]
+    ops = ", ".join(exp.ops)
+    ex = _example(exp.ops)
     lines = [
         "# R1-Zero at CPU scale: does RL from a base raise correctness and length together?",
         "",
@@ -593,14 +625,27 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         "response length together?",
         "",
         "**Setting.** Chains of "
-        f"{exp.terms[0]}–{exp.terms[1]} numbers in 1..{exp.max_term} joined by +, -, *, applied "
+        f"{exp.terms[0]}–{exp.terms[1]} numbers in 1..{exp.max_term} joined by {ops}, applied "
         f"left to right modulo 10; {exp.n_train} training "
         f"problems, {exp.n_heldout} held-out questions absent from training. Per seed "
-        f"({exp.seeds}), a base model from scratch (`base` stage: {spec['base']['train']['steps']} "
-        "steps of plain-text documents, every token trained) whose documents answer "
-        f"{1 - exp.worked_frac:.0%} of problems short (`<think> </think> <answer> 6 </answer>`) "
-        f"and {exp.worked_frac:.0%} worked (`<think> 0*2-4=0-4=6 </think> <answer> 6 "
-        "</answer>` for 7+3*2-4); both satisfy R1's format reward. RL from that base: "
+        f"({exp.seeds}), a base model from scratch (`base` stage: a "
+        f"{spec['base']['model'].get('build', {}).get('size', '?')} "
+        f"{spec['base']['model'].get('build', {}).get('arch', '?')} model, "
+        f"{spec['base']['train']['steps']} steps of plain-text documents, every token trained) "
+        "whose documents answer "
+        f"{1 - exp.worked_frac:.0%} of problems short (`{completion(ex, worked=False)}`) "
+        f"and {exp.worked_frac:.0%} worked (`{completion(ex, worked=True)}` for "
+        f"{''.join(map(str, ex))}); both satisfy R1's format reward. "
+        + (
+            f"**Designed precondition:** a short document's answer is a wrong guess (the right "
+            f"one ± 1..3 modulo 10) with probability {exp.short_error} (`experiment.short_error`), "
+            "a worked document's answer is always right — answers given in the head are less "
+            "reliable than worked ones, by construction of the base's data (as in the text real "
+            "base models read). "
+            if exp.short_error > 0
+            else ""
+        )
+        + "RL from that base: "
         f"{rl['train']['steps']} steps of {ro['prompts_per_step']} prompts × {ro['group_size']} "
         f"samples, {ro['max_new_tokens']} new tokens, lr {rl['optim']['lr']}, arms "
         f"{', '.join(f'`{a}`' for a in arms)} (`grpo`: exact-match correctness + think_format, "
@@ -625,7 +670,16 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         )
     ci = f"[{d_lo:+.3f}, {d_hi:+.3f}]" if d_lo is not None else "(no CI)"
     holds = d_lo is not None and d_lo > 0
+    docs = [(b["seed"], b["documents"]) for b in bases]
     lines += [
+        "",
+        "Base documents (as constructed): "
+        + "; ".join(
+            f"seed {s}: {d['worked']} worked, {d.get('short', d['documents'] - d['worked'])} "
+            f"short of which {d.get('short_wrong', 0)} with a wrong answer"
+            for s, d in docs
+        )
+        + ".",
         "",
         f"Worked − short correctness of the base's samples: **{d_est:+.3f}** {ci} (95% t interval "
         f"over seeds): the precondition {'holds' if holds else 'does not hold'}.",
@@ -687,7 +741,11 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         lines.append(
             f"- The precondition: the base's worked style was not clearly the more accurate "
             f"({d_est:+.3f} {ci}), so RL had no accuracy to gain by writing longer; the criterion "
-            "then tests the design as much as the paper's claim."
+            "then tests the design as much as the paper's claim. The base's pass@1 was "
+            + ", ".join(_fmt(r["pass1"]) for r in pre["per_seed"])
+            + " (seeds in order; a uniform guess of a one-digit answer scores 0.100): where the "
+            "base has not learned the worked steps, a designed error rate in the short answers "
+            "cannot make the worked ones the more accurate."
         )
     if not failed and not failed_sec:
         lines.append("Every pre-registered check, primary and secondary, held.")
