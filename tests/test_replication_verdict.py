@@ -152,7 +152,7 @@ def test_shares_then_report_equal_one_whole_run(tmp_path):
     assert log == []
     with pytest.raises(ConfigError, match=r"another config \(experiment.n differs\)"):
         run_cells("toy", mod, {"experiment": {"n": 6}}, split, "toy.yaml", print_fn=quiet)
-    with pytest.raises(ConfigError, match="expected i/N"):
+    with pytest.raises(ConfigError, match=r"^replicate toy --only '2/2': expected i/N"):
         run_cells("toy", mod, spec, split, "toy.yaml", only="2/2", print_fn=quiet)
 
 

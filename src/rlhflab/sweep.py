@@ -154,17 +154,17 @@ def cell_name(index: int, point: dict[str, str], seed: int) -> str:
     return f"p{index:02d}-{body[:60]}-s{seed}"
 
 
-def parse_only(text: str | None) -> tuple[int, int] | None:
+def parse_only(text: str | None, *, command: str = "sweep") -> tuple[int, int] | None:
     """`"2/8"` → (2, 8): this job runs the cells j with j mod 8 = 2. None → every cell.
 
     Raises:
-        ConfigError: not `i/N` with integers 0 <= i < N.
+        ConfigError: not `i/N` with integers 0 <= i < N (the message names `command`).
     """
     if text is None:
         return None
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
     if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
-        raise ConfigError(f"sweep --only '{text}': expected i/N with 0 <= i < N (e.g. 0/4)")
+        raise ConfigError(f"{command} --only '{text}': expected i/N with 0 <= i < N (e.g. 0/4)")
     return int(m.group(1)), int(m.group(2))
 
 

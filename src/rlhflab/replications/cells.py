@@ -108,7 +108,7 @@ def run_cells(
     from rlhflab.replications.verdict import write_verdict
     from rlhflab.sweep import parse_only
 
-    share = parse_only(only)
+    share = parse_only(only, command=f"replicate {name}")
     if share is not None and report_only:
         raise ConfigError(f"replicate {name}: --only and --report exclude each other")
     ids = module.cells(spec, source)
