@@ -207,3 +207,11 @@ def test_replicate_summary_lines_say_the_verdict_or_the_share():
     assert lines[3] == "results: a, b"
     share = {"share": "1/4", "ran": ["c1"], "skipped": [], "cells": ["c0", "c1"], "wall_s": 3}
     assert "share 1/4: ran 1 cell(s), 0 already finished" in replicate_lines("toy", share, "x")[0]
+
+
+def test_format_interval_by_hand():
+    from rlhflab.replications.verdict import format_interval
+
+    assert format_interval((0.5, 0.1, 0.9)) == "+0.500 [+0.100, +0.900]"
+    assert format_interval((0.5, None, None)) == "+0.500 (no CI)"
+    assert format_interval((0.25, -0.125, 1.5), fmt=".3g", none="") == "0.25 [-0.125, 1.5]"

@@ -37,7 +37,14 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from rlhflab.replications import Experiment, PositiveFloats, begin, check_experiment, stage
-from rlhflab.replications.verdict import Check, Criterion, judge, t_interval, verdict_table
+from rlhflab.replications.verdict import (
+    Check,
+    Criterion,
+    format_interval,
+    judge,
+    t_interval,
+    verdict_table,
+)
 
 #: β values the criterion names (the default config runs them all).
 LOW_BETAS = (0.01, 0.03)
@@ -199,6 +206,7 @@ def measure(policy, reference, tokenizer, problems, verifier, *, instruction: st
     from rlhflab.data.formatting import encode_prompt
     from rlhflab.data.prompts import render_row
     from rlhflab.eval.accuracy import mean_and_stderr
+    from rlhflab.losses.kl import k1
     from rlhflab.rollout.engines import SamplingParams, make_engine
     from rlhflab.rollout.sampler import completion_logps, decode_completions
 
@@ -222,7 +230,7 @@ def measure(policy, reference, tokenizer, problems, verifier, *, instruction: st
             ro = engine.generate(flat, sampled, generator=gen)
             lp, _ = completion_logps(policy, ro)
             lr, _ = completion_logps(reference, ro)
-            kls += ((lp - lr) * ro.mask).sum(dim=1).tolist()
+            kls += (k1(lp, lr) * ro.mask).sum(dim=1).tolist()
             scores = binary(verifier.score_batch(
                 decode_completions(tokenizer, ro, engine.stop_token_ids), rows))  # fmt: skip
             gold += [sum(scores[i * samples : (i + 1) * samples]) / samples
@@ -370,8 +378,7 @@ def estimates(cells_results: dict[str, dict]) -> tuple[dict, dict]:
 
 
 def _ci(x) -> str:
-    m, lo, hi = x
-    return f"{m:+.3f}" if lo is None else f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    return format_interval(x, none="")
 
 
 def _failed_line(check: dict) -> str:

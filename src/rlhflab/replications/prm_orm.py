@@ -49,7 +49,14 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from rlhflab.replications import Counts, Experiment, begin, stage
-from rlhflab.replications.verdict import Check, Criterion, bootstrap_interval, judge, t_interval
+from rlhflab.replications.verdict import (
+    Check,
+    Criterion,
+    bootstrap_interval,
+    format_interval,
+    judge,
+    t_interval,
+)
 
 NAME = "prm-orm"
 
@@ -675,8 +682,7 @@ def _f(x: float) -> str:
 
 
 def _ci(v) -> str:
-    est, lo, hi = v
-    return f"{est:+.3f} [{lo:+.3f}, {hi:+.3f}]" if lo is not None else f"{est:+.3f} (no CI)"
+    return format_interval(v)
 
 
 def _top_pick_lines(res: dict, pool: int) -> list[str]:

@@ -49,7 +49,14 @@ from typing import Literal
 from pydantic import Field
 
 from rlhflab.replications import Experiment, check_experiment, stage
-from rlhflab.replications.verdict import Check, Criterion, judge, t_interval, verdict_table
+from rlhflab.replications.verdict import (
+    Check,
+    Criterion,
+    format_interval,
+    judge,
+    t_interval,
+    verdict_table,
+)
 
 CRITERION = Criterion(
     claim="GRPO straight from a base model with rule-based rewards (correctness + format) raises "
@@ -534,8 +541,7 @@ def _fmt(x, d=3) -> str:
 
 
 def _ci(v) -> str:
-    est, lo, hi = v
-    return f"{est:+.3f} [{lo:+.3f}, {hi:+.3f}]" if lo is not None else f"{est:+.3f} (no CI)"
+    return format_interval(v)
 
 
 def plot(results: dict[str, dict], arms: list[str], path: Path) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from rlhflab.replications import Counts, Experiment, begin, check_experiment, stage
-from rlhflab.replications.verdict import Check, Criterion
+from rlhflab.replications.verdict import Check, Criterion, format_interval
 
 #: The pre-registered criterion (best-of-n), judged on the continuous gold relative to n = 1.
 #: "Peak position" is d* = α/(2β) as a fraction of the largest measured d (capped to [−10, 10]):
@@ -268,6 +268,7 @@ def sequence_kl(
     """
     import torch
 
+    from rlhflab.losses.distill import reverse_kl  # KL(π ‖ π_ref) per position, full vocabulary
     from rlhflab.ops import position_ids_from_mask
     from rlhflab.rollout.sampler import pack
 
@@ -282,9 +283,10 @@ def sequence_kl(
             kw = dict(input_ids=ro.input_ids, attention_mask=attn, use_cache=False,
                       position_ids=position_ids_from_mask(attn),
                       logits_to_keep=ro.completion_ids.size(1) + 1)  # fmt: skip
-            lp = torch.log_softmax(policy(**kw).logits[:, :-1].double(), -1)  # (B, T, V)
-            lq = torch.log_softmax(reference(**kw).logits[:, :-1].double(), -1)
-            kl = (lp.exp() * (lp - lq)).sum(-1) * ro.mask.double()  # (B, T)
+            zp = policy(**kw).logits[:, :-1].double()  # (B, T, V)
+            zq = reference(**kw).logits[:, :-1].double()
+            kl = reverse_kl(zp.flatten(0, 1), zq.flatten(0, 1)).view(zp.shape[:2])  # (B, T)
+            kl = kl * ro.mask.double()
             out += kl.sum(1).tolist()
     return out
 
@@ -662,8 +664,7 @@ def plot(bon_curves: list[dict], rl_curves: list[dict], estimates: dict, path: P
 
 
 def _ci(v) -> str:
-    est, lo, hi = v
-    return f"{est:.3g} [{lo:.3g}, {hi:.3g}]" if lo is not None else f"{est:.3g}"
+    return format_interval(v, fmt=".3g", none="")
 
 
 def markdown(results: dict, exp: Spec, table: str) -> str:

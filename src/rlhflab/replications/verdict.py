@@ -242,6 +242,15 @@ def _judge_checks(name: str, criterion: Criterion, estimates: dict[str, Interval
     return checks
 
 
+def format_interval(value: Interval, *, fmt: str = "+.3f", none: str = " (no CI)") -> str:
+    """An estimate and its 95% interval as text, "est [lo, hi]" with each number formatted by
+    `fmt`; without an interval (one seed) the estimate followed by `none`."""
+    est, lo, hi = value
+    if lo is None:
+        return f"{est:{fmt}}{none}"
+    return f"{est:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
 def _check_rows(checks: list[dict]) -> list[str]:
     rows = ["| estimate | value (95% CI) | rule | holds |", "|---|---|---|---|"]
     for c in checks:
