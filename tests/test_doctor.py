@@ -140,6 +140,61 @@ def test_rows_past_the_budget_are_skipped_saying_so(tmp_path):
     assert json.loads((tmp_path / "d.json").read_text())["rows"] == report["rows"]
 
 
+def _sleeper(name: str, seconds: float):
+    """Row `name`'s check: its child process sleeps `seconds` (passes if allowed to finish)."""
+    from rlhflab.doctor import Row, run_child
+
+    def check(ctx):
+        run_child([sys.executable, "-c", f"import time; time.sleep({seconds})"], ctx.timeout_s)
+        return Row(name, "pass", "slept")
+
+    return check
+
+
+def test_a_row_the_budget_cuts_short_is_a_skip_not_a_fail(tmp_path, monkeypatch):
+    # issue: on a GPU, `doctor --budget` cut a launched row's timeout to the seconds left; the row
+    # was then killed and would have been reported as a failure of the machine
+    from rlhflab import doctor
+
+    monkeypatch.setattr(
+        doctor, "checks", lambda quick: {"a": _sleeper("a", 60), "b": _sleeper("b", 60)}
+    )
+    report = doctor.run_doctor(budget_s=7, timeout_s=30)
+    a, b = report["rows"]
+    assert a["status"] == "skip" and a["reason"].startswith(
+        "not finished: the --budget of 7 s ran out "
+    ), a
+    assert a["reason"].endswith("s into this row (its timeout is 30 s)")
+    assert 6 <= a["seconds"] < 30
+    assert b == {"name": "b", "status": "skip", "numbers": {}, "seconds": 0.0,
+                 "reason": "not run: the --budget of 7 s was spent"}  # fmt: skip
+    assert report["exit_code"] == 0
+    # the row's own timeout (not the budget's) stopping it is still a failure
+    report = doctor.run_doctor(budget_s=100, timeout_s=2)
+    assert [r["status"] for r in report["rows"]] == ["fail", "fail"]
+    assert report["rows"][0]["reason"] == "timed out after 2 s (killed)"
+
+
+def test_the_report_is_on_disk_after_every_row(tmp_path, monkeypatch):
+    # issue: a doctor killed from outside (a job's time limit) left no report of the rows it ran
+    from rlhflab import doctor
+
+    monkeypatch.setattr(
+        doctor, "checks", lambda quick: {"a": _sleeper("a", 0), "b": _sleeper("b", 0)}
+    )
+    seen = []
+    out = tmp_path / "d.json"
+    report = doctor.run_doctor(out=out, echo=lambda row: seen.append(
+        json.loads(out.read_text()) if out.exists() else None))  # fmt: skip
+    # when row a ends nothing is written yet; when b ends, a's row is on disk, incomplete
+    assert seen[0] is None
+    assert seen[1]["complete"] is False and [r["name"] for r in seen[1]["rows"]] == ["a"]
+    assert seen[1]["rows"][0]["status"] == "pass"
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and final["rows"] == report["rows"]
+    assert [r["name"] for r in final["rows"]] == ["a", "b"]
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
 def test_the_launched_configs_split_over_any_number_of_ranks(ranks, tmp_path):
     # issue: 4 prompts per step (or 4 DPO pairs) do not split over 8 GPUs; every global batch is

@@ -128,6 +128,9 @@ def failure_line(stdout: str, stderr: str, rc: int) -> str:
     return f"{line} ({how})"
 
 
+TIMED_OUT = "timed out after"  # how a row's reason starts when run_child killed it
+
+
 def run_child(cmd: list[str], timeout_s: float, env: dict | None = None, cwd=None) -> str:
     """Run `cmd` in its own session; its stdout. Raises CheckFailed with a one-line reason when
     it exits non-zero (`failure_line`) or runs past `timeout_s` (its whole process group, e.g.
@@ -140,7 +143,7 @@ def run_child(cmd: list[str], timeout_s: float, env: dict | None = None, cwd=Non
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise CheckFailed(f"timed out after {timeout_s:.0f} s (killed)") from None
+        raise CheckFailed(f"{TIMED_OUT} {timeout_s:.0f} s (killed)") from None
     if proc.returncode != 0:
         raise CheckFailed(failure_line(out, err, proc.returncode))
     return out
@@ -735,10 +738,13 @@ def run_doctor(*, quick: bool = False, out: str | Path | None = None, only: list
                echo: Callable[[Row], None] | None = None) -> dict:  # fmt: skip
     """Run the checks (all, `QUICK_ROWS` with `quick`, or the rows named in `only`, plus
     train/sft when a selected row needs its model); write the report JSON to `out` (atomically)
-    when given. Returns {"quick", "rows": [Row.to_dict()], "failed", "exit_code", "wall_s",
-    "peak_tflops"}. `timeout_s`: seconds per row (`TIMEOUT_S` by default); `budget_s`: seconds
-    for the whole run: a row's timeout is cut to what is left, and rows that would start with
-    under 5 s left are skipped, saying so. `echo(row)` is called as each row ends (progress).
+    when given, after every row ("complete": false) and at the end ("complete": true), so a
+    doctor killed from outside leaves the rows it finished. Returns {"quick", "only",
+    "peak_tflops", "budget_s", "complete", "rows": [Row.to_dict()], "failed", "exit_code",
+    "wall_s"}. `timeout_s`: seconds per row (`TIMEOUT_S` by default); `budget_s`: seconds for
+    the whole run: a row's timeout is cut to what is left (a row the cut timeout stops is a skip,
+    "not finished", not a fail), and rows that would start with under 5 s left are skipped,
+    saying so. `echo(row)` is called as each row ends (progress).
     Raises ConfigError naming the unknown rows of `only`."""
     from rlhflab.errors import ConfigError
 
@@ -757,7 +763,22 @@ def run_doctor(*, quick: bool = False, out: str | Path | None = None, only: list
     limit = timeout_s or TIMEOUT_S["quick" if quick else "full"]
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="rlhflab-doctor-"))
-    rows = []
+    rows: list[Row] = []
+
+    def report(complete: bool) -> dict:
+        rep = {
+            "quick": quick, "only": only, "peak_tflops": peak_tflops, "budget_s": budget_s,
+            "complete": complete, "rows": [r.to_dict() for r in rows],
+            "failed": [r.name for r in rows if r.status == "fail"],
+            "exit_code": exit_code(rows), "wall_s": round(time.perf_counter() - t0, 1),
+        }  # fmt: skip
+        if out:  # after every row too, so a doctor killed from outside leaves the rows it ran
+            from rlhflab.serialize import write_json_atomic
+
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(Path(out), rep)
+        return rep
+
     try:
         ctx = Context(work, quick, limit, peak_tflops)
         for name, fn in table.items():
@@ -765,25 +786,21 @@ def run_doctor(*, quick: bool = False, out: str | Path | None = None, only: list
             if left is not None and left < 5:
                 row = Row(name, "skip", f"not run: the --budget of {budget_s:.0f} s was spent")
             else:
-                ctx.timeout_s = limit if left is None else min(limit, left)
+                cut = left is not None and left < limit
+                ctx.timeout_s = min(limit, left) if cut else limit
                 row = run_check(name, fn, ctx)
+                if cut and row.status == "fail" and row.reason.startswith(TIMED_OUT):
+                    # the budget, not the row's own timeout, stopped it: not a failure
+                    row = Row(name, "skip", f"not finished: the --budget of {budget_s:.0f} s "
+                              f"ran out {row.seconds:.0f} s into this row (its timeout is "
+                              f"{limit:.0f} s)", seconds=row.seconds)  # fmt: skip
             rows.append(row)
             if echo:
                 echo(row)
+            report(complete=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = {
-        "quick": quick, "only": only, "peak_tflops": peak_tflops, "budget_s": budget_s,
-        "rows": [r.to_dict() for r in rows],
-        "failed": [r.name for r in rows if r.status == "fail"],
-        "exit_code": exit_code(rows), "wall_s": round(time.perf_counter() - t0, 1),
-    }  # fmt: skip
-    if out:
-        from rlhflab.serialize import write_json_atomic
-
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(Path(out), report)
-    return report
+    return report(complete=True)
 
 
 def render(report: dict) -> None:
