@@ -121,6 +121,24 @@ def test_planned_peak_of_a_config():
     assert gib is not None and gib > 0
 
 
+def test_the_runs_plan_takes_its_longest_prompt():
+    # issue: on a GPU, a GRPO run with ~40-token prompts logged perf/plan_peak_gib 78.4 beside a
+    # measured 49.3 GiB: the plan had assumed its default 256-token prompts
+    from types import SimpleNamespace
+
+    from rlhflab.trainers.loop import longest_prompt
+
+    cfg = config_from_dict(tiny_pg("/tmp/unused", "/tmp/unused"))
+
+    def plan(n):
+        return throughput.planned_peak_gib(cfg, SHAPE, gpus=1, gpu_memory_gib=80.0, prompt_len=n)
+
+    assert plan(None) == plan(256)  # the plan's default
+    assert plan(16) < plan(256)
+    assert longest_prompt(SimpleNamespace(prompts=[[5, 6, 7], [1] * 7, [2]])) == 7
+    assert longest_prompt(SimpleNamespace()) is None  # SFT, RM, DPO: their configs bound it
+
+
 # -- Every trainer family on a tiny run ---------------------------------------------------------
 # Tolerance of the sum check: the stages and perf/step_s read two clocks a few statements apart
 # at each end of the step, so they differ by microseconds — unless the process is descheduled

@@ -306,14 +306,18 @@ class StageTimer:
         return out
 
 
-def planned_peak_gib(cfg, shape, *, gpus: int, gpu_memory_gib: float) -> float | None:
+def planned_peak_gib(cfg, shape, *, gpus: int, gpu_memory_gib: float,
+                     prompt_len: int | None = None) -> float | None:  # fmt: skip
     """`rlhflab plan`'s predicted per-GPU peak (GiB) for run config `cfg` on model `shape`
     (`rlhflab.plan.inputs_from_config` + `estimate`: resident state + the largest phase), or None
-    when the plan does not cover the run (a trainer it does not plan, a bad field)."""
+    when the plan does not cover the run (a trainer it does not plan, a bad field).
+    `prompt_len`: prompt tokens where the config does not bound them (a run passes its longest
+    training prompt); None: the plan's default (256)."""
     from rlhflab.plan import estimate, inputs_from_config
 
     try:
-        inputs, _ = inputs_from_config(cfg, shape, gpus=gpus, gpu_memory_gib=gpu_memory_gib)
+        inputs, _ = inputs_from_config(cfg, shape, gpus=gpus, gpu_memory_gib=gpu_memory_gib,
+                                       prompt_len=prompt_len)  # fmt: skip
         return float(estimate(shape, inputs)["per_gpu_gib"])
     except (ValueError, AttributeError, KeyError, TypeError):
         return None

@@ -338,6 +338,13 @@ class Trainer:
         return {}
 
 
+def longest_prompt(trainer: Trainer) -> int | None:
+    """The longest training prompt in tokens of a trainer that samples from prompts
+    (`trainer.prompts`: token-id lists), else None (the plan's default applies)."""
+    prompts = getattr(trainer, "prompts", None)
+    return max(map(len, prompts)) if prompts else None
+
+
 def perf_setup(cfg, trainer: Trainer, device) -> tuple[StageTimer, dict, float | None]:
     """The run's stage timer (with the trained model's shape for FLOPs, when its config has
     one), the `perf/` keys every line repeats, and one card's peak TFLOP/s for MFU.
@@ -345,7 +352,8 @@ def perf_setup(cfg, trainer: Trainer, device) -> tuple[StageTimer, dict, float |
     Peak: `perf.peak_tflops`, else on CUDA the card's entry of `throughput.PEAK_TFLOPS`
     (`perf/peak_tflops` is logged), else None (no MFU: CPU, or a card not in the table).
     On CUDA, `perf/plan_peak_gib` is `rlhflab plan`'s prediction of the per-GPU peak for this
-    config (`throughput.planned_peak_gib`, computed once here) beside the measured
+    config (`throughput.planned_peak_gib`, computed once here, with the longest training prompt
+    as the prompt length when the trainer samples from prompts) beside the measured
     `perf/peak_mem_gib`; on CPU neither is logged."""
     from rlhflab import throughput
 
@@ -365,7 +373,11 @@ def perf_setup(cfg, trainer: Trainer, device) -> tuple[StageTimer, dict, float |
     if timer.cuda and timer.enabled and timer.shape is not None:
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         planned = throughput.planned_peak_gib(
-            cfg, timer.shape, gpus=distributed.world_size(), gpu_memory_gib=total
+            cfg,
+            timer.shape,
+            gpus=distributed.world_size(),
+            gpu_memory_gib=total,
+            prompt_len=longest_prompt(trainer),
         )
         if planned is not None:
             static["perf/plan_peak_gib"] = planned
