@@ -21,6 +21,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Cycles accepted for now (none since checkpoint/ and rundir.py import only downward).
 KNOWN_CYCLES: set[frozenset[str]] = set()
+# Submodules that still import names defined in their package's __init__.py (being moved into
+# modules of their own, so that the __init__.py is a face).
+KNOWN_FACE_IMPORTS: set[str] = {
+    "rlhflab.replications.dpo_overopt",
+    "rlhflab.replications.prm_orm",
+    "rlhflab.replications.r1_zero",
+    "rlhflab.replications.rm_overopt",
+}
 # Private names imported across modules, in areas being rewritten (config.py → config/ package).
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
@@ -166,6 +174,22 @@ def test_graph_sees_the_package():
 def test_no_import_cycle_between_modules():
     cycles = [c for c in _cycles(GRAPH) if frozenset(c) not in KNOWN_CYCLES]
     assert not cycles, f"import cycles: {[sorted(c) for c in cycles]}"
+
+
+def test_no_submodule_imports_its_packages_face():
+    """A package's __init__.py is its face (it re-exports its submodules), and the graph leaves
+    the face's imports of its own submodules out; so a submodule that imports a name defined in
+    the face (`from rlhflab.distributed import is_main` inside distributed/state.py) is a cycle
+    the cycle tests cannot see. Code lives in modules; a submodule imports its siblings.
+    (`__main__` modules run their package's face by design.)"""
+    bad = []
+    for module, targets in GRAPH.items():
+        if module.endswith(".__main__") or module in KNOWN_FACE_IMPORTS:
+            continue
+        for t in targets:
+            if t != "rlhflab" and MODULES[t][1] and module.startswith(t + "."):
+                bad.append((module, t))
+    assert not bad, f"submodules importing their package's __init__: {bad}"
 
 
 def test_no_import_cycle_between_packages():

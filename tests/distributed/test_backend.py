@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from rlhflab import distributed
+from rlhflab.distributed import group
+from rlhflab.errors import ConfigError
 
 
 def _served(backend: str) -> set[str]:
@@ -34,12 +36,12 @@ def test_backend_on_cpu_is_gloo():
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    saved = dict(distributed._STATE)
+    saved = dict(group._STATE)
     # no parent-death signal or watchdog thread for the test process itself
-    monkeypatch.setattr(distributed, "exit_with_parent", lambda *a, **k: False)
+    monkeypatch.setattr(group, "exit_with_parent", lambda *a, **k: False)
     yield
-    distributed._STATE.clear()
-    distributed._STATE.update(saved)
+    group._STATE.clear()
+    group._STATE.update(saved)
 
 
 def _fake_launch(monkeypatch, *, cuda: bool) -> dict:
@@ -50,9 +52,9 @@ def _fake_launch(monkeypatch, *, cuda: bool) -> dict:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(group.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(
-        distributed.dist,
+        group.dist,
         "init_process_group",
         lambda backend, **kw: calls.setdefault("backend", backend),
     )
@@ -69,14 +71,14 @@ def test_setup_on_a_cuda_machine_asks_for_a_group_that_serves_cpu_tensors(monkey
     # Host-side counters (all_reduce_sum of a CPU float64, any_rank, sum_dict, micro_batches)
     # and GPU tensors (sync_grads, FSDP2) must both have a backend.
     assert {"cpu", "cuda"} <= _served(calls["backend"])
-    distributed._STATE["owned"] = False  # nothing was really started
+    group._STATE["owned"] = False  # nothing was really started
 
 
 def test_setup_on_cpu_asks_for_gloo(monkeypatch, fresh_state):
     calls = _fake_launch(monkeypatch, cuda=False)
     distributed.setup("fsdp2", timeout_s=5)
     assert calls["backend"] == "gloo"
-    distributed._STATE["owned"] = False
+    group._STATE["owned"] = False
 
 
 def test_more_ranks_than_gpus_is_a_one_line_config_error(monkeypatch, fresh_state):
@@ -86,7 +88,7 @@ def test_more_ranks_than_gpus_is_a_one_line_config_error(monkeypatch, fresh_stat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(distributed.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         distributed.setup("fsdp2", timeout_s=5)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("rank 1: LOCAL_RANK 1 but this node shows 1 CUDA")

@@ -59,6 +59,7 @@ from rlhflab.cli.commands import (
     _dumps as _dumps,  # re-exported: tests and callers import it from rlhflab.cli
 )
 from rlhflab.errors import HealthStop, Interrupted, PeerRefused, RlhfLabError
+from rlhflab.rollout.engines import ENGINE_NAMES
 
 EXIT_USER_ERROR = 2
 #: `replicate NAME`: the keys of `rlhflab.replications.REPLICATIONS` (a test keeps them equal; the
@@ -264,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")
     p.add_argument(
         "--engine",
-        choices=["hf", "vllm"],
+        choices=list(ENGINE_NAMES),
         default="hf",
         help="rollout engine that samples, as rollout.engine (vllm: the rlhflab[vllm] extra)",
     )

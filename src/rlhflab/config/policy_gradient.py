@@ -18,6 +18,7 @@ from rlhflab.config.sections import (
     TrainerConfig,
 )
 from rlhflab.errors import ConfigError
+from rlhflab.rollout.engines import ENGINE_NAMES
 
 # ---------------------------------------------------------------------------------------------
 # Policy gradients
@@ -99,7 +100,7 @@ class RolloutConfig(Strict):
     top_k: int = Field(0, ge=0)  # 0: off
     min_p: float = Field(0.0, ge=0, lt=1)  # 0: off
     stop_token_ids: list[int] = Field(default_factory=list)  # besides EOS and the model's own
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal[ENGINE_NAMES] = "hf"  # rlhflab.rollout.engines.ENGINES
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     # engine "hf" only (rlhflab.rollout.sampler.sample): "eager" drops stopped rows at every

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhflab.distributed import _STATE, _on, _talk, device, is_main
+from rlhflab.distributed.group import _STATE, _on, _talk, device, is_main
 
 # ---------------------------------------------------------------------------------------------
 # Models

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhflab.distributed import is_main
+from rlhflab.distributed.group import is_main
 from rlhflab.distributed.models import is_sharded
 
 # ---------------------------------------------------------------------------------------------

@@ -47,3 +47,30 @@ def test_tensor_parallel_needs_torchrun_ranks():
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 with rollout.dynamic_samp"):
         check_parallel(2, 2, dynamic=True)
     check_parallel(1, 2, dynamic=True)
+
+
+def test_the_engine_table_is_the_one_list_of_engines(monkeypatch, tiny_model, tiny_tokenizer):
+    """`rollout.engine`'s choices, the CLI's `--engine` choices and `make_engine` all come from
+    `ENGINES`: an engine added there is accepted everywhere; a name not in it is refused in one
+    line naming the key."""
+    import typing
+
+    from rlhflab.cli import build_parser
+    from rlhflab.rollout.engines import ENGINES, engine_class, registry
+    from rlhflab.rollout.engines.hf import HFEngine
+
+    assert typing.get_args(RolloutConfig.model_fields["engine"].annotation) == tuple(ENGINES)
+    (engine_opt,) = [a for a in build_parser()._subparsers._group_actions[0].choices["eval"]
+                     ._actions if "--engine" in a.option_strings]  # fmt: skip
+    assert engine_opt.choices == list(ENGINES)
+    assert engine_class("hf") is HFEngine
+    with pytest.raises(ConfigError, match=r"^rollout\.engine: unknown engine 'nope'; choose one"):
+        engine_class("nope")
+
+    class Recorder(HFEngine):  # a new engine: one row in the table
+        name = "recorder"
+
+    monkeypatch.setitem(registry.ENGINES, "recorder", f"{__name__}:Recorder")
+    monkeypatch.setitem(globals(), "Recorder", Recorder)
+    cfg = RolloutConfig.model_construct(engine="recorder", stop_token_ids=[])
+    assert type(make_engine(cfg, tiny_model, tiny_tokenizer)) is Recorder

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from rlhflab.rollout.engines import SamplingParams
+from rlhflab.rollout.engines.base import SamplingParams, unwrapped
 from rlhflab.rollout.sampler import DECODE_PATHS, Rollout, sample
 
 
@@ -71,6 +71,45 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = tuple(stop_token_ids)
         self.autocast_dtype = autocast_dtype
+
+    @classmethod
+    def from_config(cls, rollout_cfg, model: torch.nn.Module, tokenizer, *,
+                    stop_token_ids: tuple[int, ...],
+                    autocast_dtype: torch.dtype | None = None) -> HFEngine:  # fmt: skip
+        """The engine for `rollout.engine: hf`: `rollout_cfg` (`rlhflab.config.RolloutConfig`, or
+        None for the defaults) gives `decode`, `sync_every`, `cuda_graph`, `half_weights`.
+        Raises ConfigError, naming the key, for a static decode on a model without a static KV
+        cache, and for half weights without a bf16/fp16 autocast dtype or on a LoRA policy."""
+        from rlhflab.errors import ConfigError
+        from rlhflab.rollout.sampler import supports_static_decode
+
+        decode = getattr(rollout_cfg, "decode", "eager")
+        if decode == "static" and not supports_static_decode(unwrapped(model)):
+            raise ConfigError(
+                f"rollout.decode: static needs a model that takes a static KV cache; "
+                f"{type(unwrapped(model)).__name__} does not (use rollout.decode=eager)"
+            )
+        half_weights = getattr(rollout_cfg, "half_weights", False)
+        if half_weights:
+            from rlhflab.models.lora import is_lora
+
+            if autocast_dtype not in (torch.bfloat16, torch.float16):
+                raise ConfigError(
+                    "rollout.half_weights: needs a bf16 or fp16 compute dtype (autocast); "
+                    f"this run computes in {autocast_dtype or 'the model dtype'}"
+                )
+            if is_lora(unwrapped(model)):
+                raise ConfigError("rollout.half_weights: not for LoRA policies (model.lora)")
+        return cls(
+            model,
+            pad_token_id=tokenizer.pad_token_id,
+            stop_token_ids=stop_token_ids,
+            autocast_dtype=autocast_dtype,
+            decode=decode,
+            sync_every=getattr(rollout_cfg, "sync_every", 8),
+            cuda_graph=getattr(rollout_cfg, "cuda_graph", True),
+            half_weights=half_weights,
+        )
 
     def generate(
         self,

@@ -72,7 +72,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import ConfigError
-from rlhflab.rollout.engines import SamplingParams
+from rlhflab.rollout.engines.base import SamplingParams, unwrapped
 from rlhflab.rollout.sampler import Rollout, draw_seed, left_pad
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,6 +154,16 @@ class VLLMEngine:
         self.n_pushes = 0
         self.last_push_buckets = 0  # buckets of the last push (reload_weights calls)
         self.last_push_max_bytes = 0  # largest bucket of the last push (bytes of full tensors)
+
+    @classmethod
+    def from_config(cls, rollout_cfg, model: torch.nn.Module, tokenizer, *,
+                    stop_token_ids: tuple[int, ...],
+                    autocast_dtype: torch.dtype | None = None) -> VLLMEngine:  # fmt: skip
+        """The engine for `rollout.engine: vllm`: `from_model` with `rollout_cfg.vllm` (LoRA
+        policies too: adapters are merged into the pushed weights). `autocast_dtype` is unused
+        (vLLM runs in `rollout.vllm.dtype`)."""
+        return cls.from_model(unwrapped(model), tokenizer, rollout_cfg.vllm,
+                              stop_token_ids=stop_token_ids)  # fmt: skip
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, vcfg, *, stop_token_ids, seed: int = 0):
