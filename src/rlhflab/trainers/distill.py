@@ -55,7 +55,7 @@ from rlhflab.models.loading import context_length
 from rlhflab.models.lora import apply_lora
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch
-from rlhflab.rollout.engines import SamplingParams, make_engine
+from rlhflab.rollout.engines import SamplingParams, awake, generating, make_engine
 from rlhflab.rollout.sampler import (
     Rollout,
     completion_logps,
@@ -330,12 +330,12 @@ class Distill(Trainer):
         return bool(self.heldout)
 
     def evaluate(self, step: int) -> dict:
-        res = heldout_eval(
-            self.cfg, self.model, self.tokenizer, self.heldout, self.verifier, self.tracker, step,
-            self.autocast_dtype, system=self.system, instruction=self.instruction,
-            baseline=self.baseline, engine=self.engine,
-        )  # fmt: skip
-        self.engine.sleep()
+        with awake(self.engine):
+            res = heldout_eval(
+                self.cfg, self.model, self.tokenizer, self.heldout, self.verifier, self.tracker,
+                step, self.autocast_dtype, system=self.system, instruction=self.instruction,
+                baseline=self.baseline, engine=self.engine,
+            )  # fmt: skip
         self.health.observe_eval(step, res)
         return res
 
@@ -420,17 +420,12 @@ class Distill(Trainer):
             draw_seed(self.sampler_rng, device)  # the draw `sample` would take: stay in step
             return ScoredBatch.gather(None, self.tokenizer.pad_token_id, device)
         problems = [self.splits.train[i] for i in mine for _ in range(g)]
-        model.eval()
-        engine.wake()
-        with distributed.gathered(model):
+        with generating(model, engine, train_after=not teacher):  # the teacher stays in eval
             rollout = engine.generate(
                 [self.prompts[i] for i in mine], self.sampling, generator=self.sampler_rng,
                 rows=list(range(g0 * g, g1 * g)), n_rows=len(chosen) * g,
                 width=max(len(self.prompts[i]) for i in chosen),
             )  # fmt: skip
-        engine.sleep()
-        if not teacher:
-            model.train()
         texts = decode_completions(self.tokenizer, rollout, engine.stop_token_ids)
         scores = self.verifier.score_batch(texts, problems) if self.is_task else [0.0] * len(texts)
         rewards = torch.tensor(scores, dtype=torch.float32, device=device)

@@ -69,7 +69,7 @@ from rlhflab.rewards.shaping import TextRewardScorer, score_components
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.async_rollouts import AsyncRollouts
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
-from rlhflab.rollout.engines import SamplingParams, make_engine
+from rlhflab.rollout.engines import SamplingParams, awake, generating, make_engine
 from rlhflab.rollout.sampler import decode_completions, draw_seed
 from rlhflab.trainers import pg_phases
 from rlhflab.trainers.common import (
@@ -267,19 +267,19 @@ class PolicyGradient(Trainer):
         if self.episode_env is not None:  # episodes: success, turns, tool calls
             return self._evaluate_episodes(step)
         res = {}
-        if self.heldout:
-            res = heldout_eval(
-                self.cfg, self.model, self.tokenizer, self.heldout, self.scorer, self.tracker,
-                step, self.autocast_dtype, system=self.system, instruction=self.instruction,
-                baseline=self.baseline, engine=self.engine,
-            )  # fmt: skip
-        for s in self.eval_sets:
-            self.set_evals[s["name"]] = heldout_eval(
-                self.cfg, self.model, self.tokenizer, s["rows"], s["verifier"], self.tracker,
-                step, self.autocast_dtype, system=s["system"], instruction=s["instruction"],
-                engine=self.engine, prefix=f"eval/{s['name']}",
-            )  # fmt: skip
-        self.engine.sleep()
+        with awake(self.engine):
+            if self.heldout:
+                res = heldout_eval(
+                    self.cfg, self.model, self.tokenizer, self.heldout, self.scorer,
+                    self.tracker, step, self.autocast_dtype, system=self.system,
+                    instruction=self.instruction, baseline=self.baseline, engine=self.engine,
+                )  # fmt: skip
+            for s in self.eval_sets:
+                self.set_evals[s["name"]] = heldout_eval(
+                    self.cfg, self.model, self.tokenizer, s["rows"], s["verifier"], self.tracker,
+                    step, self.autocast_dtype, system=s["system"], instruction=s["instruction"],
+                    engine=self.engine, prefix=f"eval/{s['name']}",
+                )  # fmt: skip
         if res:
             self.health.observe_eval(step, res)
         return res
@@ -426,16 +426,12 @@ class PolicyGradient(Trainer):
         n = len(prompts)
         g0 = distributed.shard_bounds(cfg.rollout.prompts_per_step)[0]
         greedy = SamplingParams(n=1, max_new_tokens=cfg.rollout.max_new_tokens, greedy=True)
-        model.eval()
-        engine.wake()
-        with distributed.gathered(model):
+        with generating(model, engine):
             rollout = engine.generate(
                 prompts, greedy, generator=torch.Generator(device=self.device).manual_seed(0),
                 rows=list(range(g0, g0 + n)), n_rows=cfg.rollout.prompts_per_step,
                 width=max(len(p) for p in prompts),
             )  # fmt: skip
-        engine.sleep()
-        model.train()
         _, rewards, _ = self.score(
             rollout, problems, engine, where=f"step {step} (greedy baseline)"
         )
@@ -491,9 +487,7 @@ class PolicyGradient(Trainer):
             take_part_without_rows(cfg.reward.components, cfg.parallel, device)
             return ScoredBatch.gather(None, tokenizer.pad_token_id, device)
         problems = [self.splits.train[i] for i in mine for _ in range(group_size)]
-        model.eval()
-        engine.wake()
-        with distributed.gathered(model):
+        with generating(model, engine):
             rollout = engine.generate(
                 [prompts[i] for i in mine],
                 self.sampling,
@@ -502,8 +496,6 @@ class PolicyGradient(Trainer):
                 n_rows=len(chosen) * group_size,
                 width=max(len(prompts[i]) for i in chosen),  # the global batch's prompt width
             )
-        engine.sleep()
-        model.train()
         texts, rewards, components = self.score(rollout, problems, engine, where=f"step {step}")
         components = {k: v.to(device) for k, v in components.items()}
         local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
@@ -530,12 +522,9 @@ class PolicyGradient(Trainer):
         group-contiguous), the reward the environment's summed step rewards; one trajectory per
         episode, its loss mask 1 on the model's tokens only (rlhflab.rollout.trajectory)."""
         problems = [self.splits.train[i] for i in chosen for _ in range(self.group_size)]
-        self.model.eval()
-        self.engine.wake()
-        out = run_episodes(self.engine, self.tokenizer, self.episode_env, problems,
-                           self.sampling_one, self.limits, generator=self.sampler_rng)  # fmt: skip
-        self.engine.sleep()
-        self.model.train()
+        with generating(self.model, self.engine):
+            out = run_episodes(self.engine, self.tokenizer, self.episode_env, problems,
+                               self.sampling_one, self.limits, generator=self.sampler_rng)  # fmt: skip
         device = self.device
         stats = out.stats()
         return ScoredBatch(
@@ -554,12 +543,9 @@ class PolicyGradient(Trainer):
 
     def _evaluate_episodes(self, step: int) -> dict:
         """Held-out episodes (greedy): eval/accuracy (= success), turns, tool_calls, truncated."""
-        self.model.eval()
-        self.engine.wake()
-        per = evaluate_episodes(self.engine, self.tokenizer, self.episode_env, self.heldout,
-                                self.limits, batch_size=self.cfg.eval.batch_size)  # fmt: skip
-        self.engine.sleep()
-        self.model.train()
+        with generating(self.model, self.engine):
+            per = evaluate_episodes(self.engine, self.tokenizer, self.episode_env, self.heldout,
+                                    self.limits, batch_size=self.cfg.eval.batch_size)  # fmt: skip
         accuracy, stderr = mean_and_stderr(per["success"])
         n = max(1, len(per["success"]))
         res = {"accuracy": accuracy, "accuracy_stderr": stderr, "n": len(per["success"]),
