@@ -12,6 +12,7 @@ from rlhflab.errors import ConfigError
 from rlhflab.replications import check_experiment
 from rlhflab.replications.prm_orm import (
     Spec,
+    chain_expressions,
     exact_step_labels,
     paired_difference,
     paired_gap_stats,
@@ -135,6 +136,23 @@ def test_top_pick_profile_by_hand():
         top_pick_profile(scores, samples, [3])
 
 
+@pytest.mark.parametrize("max_value", [9, 12, 19])
+def test_chain_expressions_keep_every_intermediate_value_in_range(max_value):
+    # Evaluated left to right term by term (not by the code under test): every running value
+    # stays in 0..max_value, the stated value is the last one, the lengths are as asked.
+    rows = chain_expressions(500, min_terms=3, max_terms=5, max_value=max_value, seed=4)
+    assert len(rows) == 500 and len({e for e, _ in rows}) == 500
+    for expr, value in rows:
+        t = expr.split()
+        assert 3 <= (len(t) + 1) // 2 <= 5
+        run = [int(t[0])]
+        for op, k in zip(t[1::2], t[2::2], strict=True):
+            assert op in "+-" and 1 <= int(k) <= 9
+            run.append(run[-1] + int(k) if op == "+" else run[-1] - int(k))
+        assert all(0 <= v <= max_value for v in run), expr
+        assert run[-1] == value
+
+
 def test_spec_refuses_repeated_seeds():
     with pytest.raises(ConfigError, match=r"experiment\.seeds: must be distinct"):
         check_experiment(Spec, {"seeds": [0, 0]}, "x.yaml")
@@ -203,3 +221,94 @@ def test_a_tiny_run_through_the_cell_runner(tmp_path, monkeypatch):
     assert set(top) == {"PRM", "ORM"} and math.isclose(sum(top["PRM"].values()), 1.0)
     assert "top pick out of a problem's whole pool" in (out / "report.md").read_text()
     assert math.isfinite(res["verdict"]["estimate"])
+
+
+def _token_only_rm(model64, num_labels):
+    """A reward model whose head output at a position depends on that position's token only:
+    every attention and MLP output projection is zero, so the residual stream is the token's
+    embedding. A wrong reading position (off by one, the padding side) then shows as a wrong
+    token's value."""
+    import torch
+
+    from rlhflab.models.reward import reward_model_from_causal_lm
+
+    rm = reward_model_from_causal_lm(model64, num_labels=num_labels, pad_token_id=0).eval()
+    with torch.no_grad():
+        for layer in rm.base_model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = rm.score.weight
+        head.copy_(0.2 * torch.randn(head.shape, generator=torch.Generator().manual_seed(3),
+                                     dtype=head.dtype))  # fmt: skip
+    return rm
+
+
+def _alone(rm, token_id):
+    """The head's class probabilities of a one-token sequence [token_id] (float64)."""
+    import torch
+
+    ids = torch.tensor([[token_id]])
+    with torch.no_grad():
+        h = rm.base_model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        return torch.softmax(rm.score(h)[0, 0].double(), -1)
+
+
+def test_prm_and_orm_read_the_positions_their_labels_were_trained_on(tiny_model64, tiny_tokenizer):
+    """The PRM's training loss sits on each line's newline, and the replication's scorer reads
+    P(step correct) there and nowhere else, for prompts of different lengths in one padded batch
+    and for a cut-off solution (its last line has no newline: no score); the ORM's score is read
+    at the last real token (eos). Expected values from single-token forwards of a model whose
+    output depends on the current token only (`_token_only_rm`)."""
+    import types
+
+    import torch
+
+    from rlhflab.data.formatting import encode_completion, encode_prompt, render_prompt
+    from rlhflab.data.prm import PRMExample, separator_id, tokenize_prm
+    from rlhflab.data.reward_data import StepLabelledCompletion
+    from rlhflab.eval.best_of_n import score_pool
+    from rlhflab.replications.prm_orm import _prm_step_probs
+    from rlhflab.rewards.reward_model import RewardModelScorer
+    from rlhflab.trainers.reward_model import rm_losses
+
+    tok = tiny_tokenizer
+    sep = separator_id(tok)
+    prm = _token_only_rm(tiny_model64, 2)
+    p_sep = float(_alone(prm, sep)[1])  # P(correct) the PRM gives at any newline
+    questions = ["4 - 1 + 7 =", "12 + 3 - 5 - 1 + 2 ="]  # two prompt lengths: left padding
+    prompts = [encode_prompt(tok, render_prompt(tok, q)) for q in questions]
+    assert len(prompts[0]) != len(prompts[1])
+    full = ["4 - 1 = 3", "3 + 7 = 10", "<answer>10</answer>"]
+    texts = ["\n".join(full) + "\n", "12 + 3 = 15\n15 - 5 = 10\n10 - 1"]  # the second: cut off
+    comps = [encode_completion(tok, texts[0]), encode_completion(tok, texts[1])[:-1]]  # no eos
+
+    # Training: 2-class CE at the newlines of [+1, −1, +1] and of a second row's one +1 line,
+    # in one padded batch: −(3 log p + log(1 − p)).
+    cfg = types.SimpleNamespace(kind="prm")
+    ex = PRMExample(render_prompt(tok, questions[0]), full, [1, -1, 1], "")
+    p_ids, c_ids, labels = tokenize_prm(tok, ex, num_classes=2)
+    c_short = encode_completion(tok, "1 + 2 = 3\n")  # ends newline, eos: the newline is +1
+    short = StepLabelledCompletion(prompts[1], c_short, [-100] * (len(c_short) - 2) + [1, -100])
+    losses, _, _ = rm_losses(cfg, prm, [StepLabelledCompletion(p_ids, c_ids, labels), short],
+                             0, "cpu", None)  # fmt: skip
+    want = -(3 * math.log(p_sep) + math.log(1 - p_sep))
+    assert float(losses.detach().sum()) == pytest.approx(want, rel=1e-6)  # the CE is float32
+
+    # Scoring: one P(correct) per finished line, in both rows of one padded batch.
+    ss = types.SimpleNamespace(prompt_ids=prompts, completion_ids=[[comps[0]], [comps[1]]])
+    scorer = RewardModelScorer(prm, kind="prm", pad_token_id=0, sep_id=sep, prm_reduce="prod")
+    got = _prm_step_probs(scorer, ss)
+    assert [len(got[0][0]), len(got[1][0])] == [3, 2]
+    for row in (got[0][0], got[1][0]):
+        assert row == pytest.approx([p_sep] * len(row), rel=1e-6)  # softmax in float32
+
+    # ORM: P(right) at the last real token: eos for a finished solution, the last digit if cut.
+    orm = _token_only_rm(tiny_model64, 1)
+    ss_orm = types.SimpleNamespace(prompt_ids=prompts, completion_ids=[[comps[0]], [comps[1]]])
+    got = score_pool(RewardModelScorer(orm, kind="orm", pad_token_id=0), ss_orm)
+    for row, last in ((got[0], comps[0][-1]), (got[1], comps[1][-1])):
+        ids = torch.tensor([[last]])
+        with torch.no_grad():
+            h = orm.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            z = float(orm.score(h.last_hidden_state)[0, 0, 0])
+        assert row == pytest.approx([1 / (1 + math.exp(-z))], rel=1e-6)

@@ -332,6 +332,8 @@ def chain_expressions(n: int, *, min_terms: int, max_terms: int, max_value: int,
         parts = [str(value)]
         for _ in range(rng.randint(min_terms, max_terms) - 1):
             k = rng.randint(1, 9)
+            while value + k > max_value and value - k < 0:  # neither fits (max_value < 18)
+                k = rng.randint(1, 9)
             plus_ok, minus_ok = value + k <= max_value, value - k >= 0
             if plus_ok and (not minus_ok or rng.random() < 0.5):
                 value, op = value + k, "+"
