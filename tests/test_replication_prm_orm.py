@@ -77,6 +77,15 @@ def test_selection_accuracies_by_hand():
     assert tie["majority"][2][0] == pytest.approx(0.5, abs=0.03)
     with pytest.raises(ValueError, match="best-of-4 needs 4"):
         selection_accuracies({}, correct, answers, [4], n_resamples=1, seed=0)
+    # An RM picks among the samples that state an answer: the top score (0.9) has none, so the
+    # pick is the best answered one, right (0.5) for the PRM, wrong (0.8) for the ORM.
+    ans = [[None, "7", "5"]]
+    cut = {"PRM": [[0.9, 0.1, 0.5]], "ORM": [[0.9, 0.8, 0.1]]}
+    got = selection_accuracies(cut, [[0.0, 0.0, 1.0]], ans, [3], n_resamples=3, seed=0)
+    assert got["PRM"][3] == [1.0] and got["ORM"][3] == [0.0]
+    # no sample of the subset answers: the top score all the same (wrong, as none can be right)
+    got = selection_accuracies(cut, [[0.0, 0.0]], [[None, None]], [2], n_resamples=2, seed=0)
+    assert got["PRM"][2] == [0.0]
 
 
 def _cell(prm: dict[int, list[float]], orm: dict[int, list[float]]) -> dict:
@@ -312,3 +321,24 @@ def test_prm_and_orm_read_the_positions_their_labels_were_trained_on(tiny_model6
             h = orm.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
             z = float(orm.score(h.last_hidden_state)[0, 0, 0])
         assert row == pytest.approx([1 / (1 + math.exp(-z))], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("lines", "kind"),
+    [
+        (["4 - 1 = 3", "3 + 7 = 10", "<answer>10</answer>"], None),
+        (["4 - 1 = 3", "3 + 7 = 11", "<answer>11</answer>"], "slip_by_1"),  # 10 expected
+        (["4 - 1 = 2", "2 + 7 = 9", "<answer>9</answer>"], "slip_by_1"),  # 3 expected
+        (["4 - 1 = 3", "3 + 7 = 13"], "slip_by_more"),
+        (["4 - 1 = 3", "3 - 7 = -4"], "operands"),  # − instead of +
+        (["4 + 1 = 5"], "operands"),
+        (["4 - 1 = 3", "<answer>3</answer>"], "answer_line"),  # before the second operation
+        (["4 - 1 = 3", "3 + 7 = 10", "<answer>11</answer>"], "answer_line"),  # a wrong value
+        (["4 - 1 = 3", "3 + 7 ="], "unreadable"),
+        (["4 - 1 = 3", "3 + 7 = 10", "10 + 1 = 11"], "unreadable"),  # a line after K = 2
+    ],
+)
+def test_first_error_kind_by_hand(lines, kind):
+    from rlhflab.replications.prm_orm import first_error_kind
+
+    assert first_error_kind("4 - 1 + 7", "10", lines) == kind
