@@ -342,3 +342,24 @@ def test_first_error_kind_by_hand(lines, kind):
     from rlhflab.replications.prm_orm import first_error_kind
 
     assert first_error_kind("4 - 1 + 7", "10", lines) == kind
+
+
+def test_blind_spot_lines_name_the_kinds_below_the_threshold_and_their_share():
+    from rlhflab.replications.prm_orm import ERROR_KINDS, _blind_spot_lines
+
+    def ek(auc_slip, counts):
+        aucs = dict.fromkeys(ERROR_KINDS, 0.9) | {"slip_by_1": auc_slip, "unreadable": None}
+        return {
+            "error_kinds": {
+                "prm_step_auc": aucs,
+                "count": dict(zip(ERROR_KINDS, counts, strict=True)),
+            }
+        }
+
+    # seed a: slips by 1 are 6 of 10 wrong samples, AUC 0.5; seed b: 2 of 10, AUC 0.6.
+    # mean AUC 0.55 < 0.6; mean share (0.6 + 0.2) / 2 = 40%; every other kind is at 0.9.
+    res = {"diagnostics": {"a": ek(0.5, [6, 1, 1, 1, 1]), "b": ek(0.6, [2, 2, 2, 2, 2])}}
+    (line,) = _blind_spot_lines(res)
+    assert "slip by 1 (step AUC 0.55)" in line and "40% of the wrong samples" in line
+    assert "operands" not in line and "unreadable" not in line
+    assert _blind_spot_lines(res, below=0.5) == []

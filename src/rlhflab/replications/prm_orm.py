@@ -828,6 +828,28 @@ def _error_kind_lines(res: dict) -> list[str]:
     ]
 
 
+def _blind_spot_lines(res: dict, *, below: float = 0.6) -> list[str]:
+    """The error kinds the PRM cannot tell from a right step (mean held-out step AUC < `below`)
+    and their share of the wrong samples (`_auc_by_error_kind`, mean over seeds)."""
+    ek = [d["error_kinds"] for d in res["diagnostics"].values() if "error_kinds" in d]
+    if not ek:
+        return []
+    blind, share = [], 0.0
+    for k in ERROR_KINDS:
+        vals = [e["prm_step_auc"][k] for e in ek if e["prm_step_auc"][k] is not None]
+        if vals and sum(vals) / len(vals) < below:
+            frac = [e["count"][k] / max(1, sum(e["count"].values())) for e in ek]
+            share += sum(frac) / len(frac)
+            blind.append(f"{k.replace('_', ' ')} (step AUC {sum(vals) / len(vals):.2f})")
+    if not blind:
+        return []
+    return [f"- Why, as measured: the PRM cannot tell these first errors from right steps: "
+            f"{', '.join(blind)}; they start {share:.0%} of the wrong samples. A pool of many "
+            "samples almost always holds several, and as the right samples share one text and "
+            "so one score, the top pick is then often one of them (a reading of the error-kind "
+            "table above, not a separate test)."]  # fmt: skip
+
+
 def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag: dict) -> str:
     from rlhflab.replications.verdict import verdict_table
 
@@ -933,6 +955,7 @@ def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag
         if not holds.get("prm_minus_orm_at_nmax", True):
             lines.append("  The PRM does not beat the ORM at the largest N at this scale; see the "
                          "power line above for the effect the design could detect.")  # fmt: skip
+        lines += _blind_spot_lines(res)
         lines.append(f"- {departures}")
     bl = res["baselines_at_nmax"]
     for rm in ("PRM", "ORM"):
