@@ -11,6 +11,7 @@ import pytest
 from rlhflab.errors import ConfigError
 from rlhflab.replications import check_experiment
 from rlhflab.replications.prm_orm import (
+    ERROR_KINDS,
     Spec,
     chain_expressions,
     exact_step_labels,
@@ -229,6 +230,10 @@ def test_a_tiny_run_through_the_cell_runner(tmp_path, monkeypatch):
     top = cell["diagnostics"]["top_pick"]
     assert set(top) == {"PRM", "ORM"} and math.isclose(sum(top["PRM"].values()), 1.0)
     assert "top pick out of a problem's whole pool" in (out / "report.md").read_text()
+    ek = cell["diagnostics"]["error_kinds"]
+    assert set(ek["count"]) == set(ERROR_KINDS) and 0 <= ek["right_canonical_frac"] <= 1
+    assert sum(ek["count"].values()) <= 6 * 4  # at most every sample of 6 problems × 4
+    assert "| first error | wrong samples (per seed) |" in (out / "report.md").read_text()
     assert math.isfinite(res["verdict"]["estimate"])
 
 
