@@ -349,22 +349,23 @@ def test_first_error_kind_by_hand(lines, kind):
     assert first_error_kind("4 - 1 + 7", "10", lines) == kind
 
 
-def test_blind_spot_lines_name_the_kinds_below_the_threshold_and_their_share():
+def test_blind_spot_lines_give_each_kinds_auc_and_share_and_the_inverted_ones():
     from rlhflab.replications.prm_orm import ERROR_KINDS, _blind_spot_lines
 
-    def ek(auc_slip, counts):
+    def diag(auc_slip, counts, acc):
         aucs = dict.fromkeys(ERROR_KINDS, 0.9) | {"slip_by_1": auc_slip, "unreadable": None}
-        return {
-            "error_kinds": {
-                "prm_step_auc": aucs,
-                "count": dict(zip(ERROR_KINDS, counts, strict=True)),
-            }
-        }
+        return {"pool_accuracy": acc,
+                "error_kinds": {"prm_step_auc": aucs,
+                                "count": dict(zip(ERROR_KINDS, counts, strict=True))}}  # fmt: skip
 
-    # seed a: slips by 1 are 6 of 10 wrong samples, AUC 0.5; seed b: 2 of 10, AUC 0.6.
-    # mean AUC 0.55 < 0.6; mean share (0.6 + 0.2) / 2 = 40%; every other kind is at 0.9.
-    res = {"diagnostics": {"a": ek(0.5, [6, 1, 1, 1, 1]), "b": ek(0.6, [2, 2, 2, 2, 2])}}
-    (line,) = _blind_spot_lines(res)
-    assert "slip by 1 (step AUC 0.55)" in line and "40% of the wrong samples" in line
-    assert "operands" not in line and "unreadable" not in line
-    assert _blind_spot_lines(res, below=0.5) == []
+    # seed a: slips by 1 are 6 of 10 wrong samples, AUC 0.4; seed b: 2 of 10, AUC 0.5:
+    # mean AUC 0.45 (< 0.5: inverted), mean share (0.6 + 0.2) / 2 = 40%. Operands: 1/10 and
+    # 2/10 -> 15%. Pool accuracy (0.7 + 0.8) / 2 = 0.75 of 64 samples -> 16 wrong.
+    res = {"pool_size": 64,
+           "diagnostics": {"a": diag(0.4, [6, 1, 1, 1, 1], 0.7),
+                           "b": diag(0.5, [2, 2, 2, 2, 2], 0.8)}}  # fmt: skip
+    why, inv = _blind_spot_lines(res)
+    assert "slip by 1 0.45 (40%)" in why and "operands 0.90 (15%)" in why
+    assert "unreadable" not in why and "about 16 of a problem's 64 samples are wrong" in why
+    assert inv.endswith("(step AUC < 0.5): slip by 1.")
+    assert len(_blind_spot_lines(res, below=0.3)) == 1

@@ -764,6 +764,7 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         "gap_at_nmax_per_seed": seed_gaps,
         "baselines_at_nmax": {k: list(v) for k, v in baselines.items()},
         "power": power,
+        "pool_size": max(ns),
         "diagnostics": {c: r["diagnostics"] for c, r in cells_results.items()},
         "rm_data": rm_data,
         "timings": {c: r["timings"] for c, r in cells_results.items()},
@@ -828,26 +829,37 @@ def _error_kind_lines(res: dict) -> list[str]:
     ]
 
 
-def _blind_spot_lines(res: dict, *, below: float = 0.6) -> list[str]:
-    """The error kinds the PRM cannot tell from a right step (mean held-out step AUC < `below`)
-    and their share of the wrong samples (`_auc_by_error_kind`, mean over seeds)."""
+def _blind_spot_lines(res: dict, *, below: float = 0.5) -> list[str]:
+    """Why the PRM's pick fails, from the held-out diagnostics (mean over seeds): its step AUC
+    for each kind of first error with that kind's share of the wrong samples, the wrong samples
+    per problem, and the kinds it ranks above right steps (step AUC < `below`)."""
     ek = [d["error_kinds"] for d in res["diagnostics"].values() if "error_kinds" in d]
     if not ek:
         return []
-    blind, share = [], 0.0
+    parts, inverted = [], []
     for k in ERROR_KINDS:
         vals = [e["prm_step_auc"][k] for e in ek if e["prm_step_auc"][k] is not None]
-        if vals and sum(vals) / len(vals) < below:
-            frac = [e["count"][k] / max(1, sum(e["count"].values())) for e in ek]
-            share += sum(frac) / len(frac)
-            blind.append(f"{k.replace('_', ' ')} (step AUC {sum(vals) / len(vals):.2f})")
-    if not blind:
-        return []
-    return [f"- Why, as measured: the PRM cannot tell these first errors from right steps: "
-            f"{', '.join(blind)}; they start {share:.0%} of the wrong samples. A pool of many "
-            "samples almost always holds several, and as the right samples share one text and "
-            "so one score, the top pick is then often one of them (a reading of the error-kind "
-            "table above, not a separate test)."]  # fmt: skip
+        if not vals:
+            continue
+        frac = [e["count"][k] / max(1, sum(e["count"].values())) for e in ek]
+        a = sum(vals) / len(vals)
+        parts.append(f"{k.replace('_', ' ')} {a:.2f} ({sum(frac) / len(frac):.0%})")
+        if a < below:
+            inverted.append(k.replace("_", " "))
+    acc = [d["pool_accuracy"] for d in res["diagnostics"].values()]
+    pool = res.get("pool_size")
+    wrong = "" if pool is None else (
+        f" about {(1 - sum(acc) / len(acc)) * pool:.0f} of a problem's {pool} samples are wrong,"
+    )  # fmt: skip
+    out = [f"- Why, as measured: the PRM's held-out step AUC by kind of first error (its share "
+           f"of the wrong samples) is {', '.join(parts)};{wrong} and the right samples share "
+           "one text and so one score, so an RM picks right out of the whole pool only when it "
+           "ranks that text above every wrong sample, which step AUCs of this size rarely allow "
+           "(a reading of the tables above, not a separate test)."]  # fmt: skip
+    if inverted:
+        out.append(f"- The PRM scores these first errors above right steps (step AUC < {below}): "
+                   f"{', '.join(inverted)}.")  # fmt: skip
+    return out
 
 
 def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag: dict) -> str:
