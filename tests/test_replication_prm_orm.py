@@ -229,7 +229,7 @@ def test_a_tiny_run_through_the_cell_runner(tmp_path, monkeypatch):
     assert len(cell["per_problem"]["PRM"]["4"]) == 6
     top = cell["diagnostics"]["top_pick"]
     assert set(top) == {"PRM", "ORM"} and math.isclose(sum(top["PRM"].values()), 1.0)
-    assert "top pick out of a problem's whole pool" in (out / "report.md").read_text()
+    assert "top-scored sample out of a problem's whole pool" in (out / "report.md").read_text()
     ek = cell["diagnostics"]["error_kinds"]
     assert set(ek["count"]) == set(ERROR_KINDS) and 0 <= ek["right_canonical_frac"] <= 1
     assert sum(ek["count"].values()) <= 6 * 4  # at most every sample of 6 problems × 4

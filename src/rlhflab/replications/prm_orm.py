@@ -791,7 +791,8 @@ def _top_pick_lines(res: dict, pool: int) -> list[str]:
              "enough lines (a slip)"}  # fmt: skip
     parts = [f"{rm}: " + ", ".join(f"{words[k]} {sum(t[rm][k] for t in tops) / len(tops):.2f}"
                                    for k in TOP_PICK_KINDS) for rm in ("PRM", "ORM")]  # fmt: skip
-    return [f"Each RM's top pick out of a problem's whole pool of {pool} (fraction of problems, "
+    return [f"Each RM's top-scored sample out of a problem's whole pool of {pool}, over all "
+            "samples (before the pick among those that state an answer; fraction of problems, "
             "mean over seeds): " + "; ".join(parts) + ".", ""]  # fmt: skip
 
 
@@ -821,10 +822,11 @@ def _error_kind_lines(res: dict) -> list[str]:
         "",
         *rows,
         "",
-        f"{canon:.2f} of the right samples are the canonical solution's very text, so all right "
-        "samples of a problem get one score: out of a pool with many wrong samples an RM picks a "
-        "right one only when it scores that text above every wrong sample of the problem, and an "
-        "error kind it cannot tell apart (AUC near 0.5) is enough to make its top pick wrong.",
+        f"{canon:.2f} of the right samples are the canonical solution's very text, so nearly all "
+        "right samples of a problem share one score: out of a pool with many wrong samples an RM "
+        "picks a right one only when it scores that text above every wrong sample of the "
+        "problem, and an error kind it tells apart poorly is enough to make its top pick often "
+        "wrong.",
         "",
     ]
 
