@@ -11,7 +11,9 @@ import pytest
 from rlhflab.errors import ConfigError
 from rlhflab.replications import check_experiment
 from rlhflab.replications.prm_orm import (
+    ERROR_KINDS,
     Spec,
+    chain_expressions,
     exact_step_labels,
     paired_difference,
     paired_gap_stats,
@@ -76,6 +78,15 @@ def test_selection_accuracies_by_hand():
     assert tie["majority"][2][0] == pytest.approx(0.5, abs=0.03)
     with pytest.raises(ValueError, match="best-of-4 needs 4"):
         selection_accuracies({}, correct, answers, [4], n_resamples=1, seed=0)
+    # An RM picks among the samples that state an answer: the top score (0.9) has none, so the
+    # pick is the best answered one, right (0.5) for the PRM, wrong (0.8) for the ORM.
+    ans = [[None, "7", "5"]]
+    cut = {"PRM": [[0.9, 0.1, 0.5]], "ORM": [[0.9, 0.8, 0.1]]}
+    got = selection_accuracies(cut, [[0.0, 0.0, 1.0]], ans, [3], n_resamples=3, seed=0)
+    assert got["PRM"][3] == [1.0] and got["ORM"][3] == [0.0]
+    # no sample of the subset answers: the top score all the same (wrong, as none can be right)
+    got = selection_accuracies(cut, [[0.0, 0.0]], [[None, None]], [2], n_resamples=2, seed=0)
+    assert got["PRM"][2] == [0.0]
 
 
 def _cell(prm: dict[int, list[float]], orm: dict[int, list[float]]) -> dict:
@@ -133,6 +144,23 @@ def test_top_pick_profile_by_hand():
     assert top_pick_profile([[1.0]], [[s(1, "8", 1)]], [3])["right"] == 1.0
     with pytest.raises(ValueError, match="equal, non-empty"):
         top_pick_profile(scores, samples, [3])
+
+
+@pytest.mark.parametrize("max_value", [9, 12, 19])
+def test_chain_expressions_keep_every_intermediate_value_in_range(max_value):
+    # Evaluated left to right term by term (not by the code under test): every running value
+    # stays in 0..max_value, the stated value is the last one, the lengths are as asked.
+    rows = chain_expressions(500, min_terms=3, max_terms=5, max_value=max_value, seed=4)
+    assert len(rows) == 500 and len({e for e, _ in rows}) == 500
+    for expr, value in rows:
+        t = expr.split()
+        assert 3 <= (len(t) + 1) // 2 <= 5
+        run = [int(t[0])]
+        for op, k in zip(t[1::2], t[2::2], strict=True):
+            assert op in "+-" and 1 <= int(k) <= 9
+            run.append(run[-1] + int(k) if op == "+" else run[-1] - int(k))
+        assert all(0 <= v <= max_value for v in run), expr
+        assert run[-1] == value
 
 
 def test_spec_refuses_repeated_seeds():
@@ -201,5 +229,143 @@ def test_a_tiny_run_through_the_cell_runner(tmp_path, monkeypatch):
     assert len(cell["per_problem"]["PRM"]["4"]) == 6
     top = cell["diagnostics"]["top_pick"]
     assert set(top) == {"PRM", "ORM"} and math.isclose(sum(top["PRM"].values()), 1.0)
-    assert "top pick out of a problem's whole pool" in (out / "report.md").read_text()
+    assert "top-scored sample out of a problem's whole pool" in (out / "report.md").read_text()
+    ek = cell["diagnostics"]["error_kinds"]
+    assert set(ek["count"]) == set(ERROR_KINDS) and 0 <= ek["right_canonical_frac"] <= 1
+    assert sum(ek["count"].values()) <= 6 * 4  # at most every sample of 6 problems × 4
+    assert "| first error | wrong samples (per seed) |" in (out / "report.md").read_text()
     assert math.isfinite(res["verdict"]["estimate"])
+
+
+def _token_only_rm(model64, num_labels):
+    """A reward model whose head output at a position depends on that position's token only:
+    every attention and MLP output projection is zero, so the residual stream is the token's
+    embedding. A wrong reading position (off by one, the padding side) then shows as a wrong
+    token's value."""
+    import torch
+
+    from rlhflab.models.reward import reward_model_from_causal_lm
+
+    rm = reward_model_from_causal_lm(model64, num_labels=num_labels, pad_token_id=0).eval()
+    with torch.no_grad():
+        for layer in rm.base_model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = rm.score.weight
+        head.copy_(0.2 * torch.randn(head.shape, generator=torch.Generator().manual_seed(3),
+                                     dtype=head.dtype))  # fmt: skip
+    return rm
+
+
+def _alone(rm, token_id):
+    """The head's class probabilities of a one-token sequence [token_id] (float64)."""
+    import torch
+
+    ids = torch.tensor([[token_id]])
+    with torch.no_grad():
+        h = rm.base_model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        return torch.softmax(rm.score(h)[0, 0].double(), -1)
+
+
+def test_prm_and_orm_read_the_positions_their_labels_were_trained_on(tiny_model64, tiny_tokenizer):
+    """The PRM's training loss sits on each line's newline, and the replication's scorer reads
+    P(step correct) there and nowhere else, for prompts of different lengths in one padded batch
+    and for a cut-off solution (its last line has no newline: no score); the ORM's score is read
+    at the last real token (eos). Expected values from single-token forwards of a model whose
+    output depends on the current token only (`_token_only_rm`)."""
+    import types
+
+    import torch
+
+    from rlhflab.data.formatting import encode_completion, encode_prompt, render_prompt
+    from rlhflab.data.prm import PRMExample, separator_id, tokenize_prm
+    from rlhflab.data.reward_data import StepLabelledCompletion
+    from rlhflab.eval.best_of_n import score_pool
+    from rlhflab.replications.prm_orm import _prm_step_probs
+    from rlhflab.rewards.reward_model import RewardModelScorer
+    from rlhflab.trainers.reward_model import rm_losses
+
+    tok = tiny_tokenizer
+    sep = separator_id(tok)
+    prm = _token_only_rm(tiny_model64, 2)
+    p_sep = float(_alone(prm, sep)[1])  # P(correct) the PRM gives at any newline
+    questions = ["4 - 1 + 7 =", "12 + 3 - 5 - 1 + 2 ="]  # two prompt lengths: left padding
+    prompts = [encode_prompt(tok, render_prompt(tok, q)) for q in questions]
+    assert len(prompts[0]) != len(prompts[1])
+    full = ["4 - 1 = 3", "3 + 7 = 10", "<answer>10</answer>"]
+    texts = ["\n".join(full) + "\n", "12 + 3 = 15\n15 - 5 = 10\n10 - 1"]  # the second: cut off
+    comps = [encode_completion(tok, texts[0]), encode_completion(tok, texts[1])[:-1]]  # no eos
+
+    # Training: 2-class CE at the newlines of [+1, −1, +1] and of a second row's one +1 line,
+    # in one padded batch: −(3 log p + log(1 − p)).
+    cfg = types.SimpleNamespace(kind="prm")
+    ex = PRMExample(render_prompt(tok, questions[0]), full, [1, -1, 1], "")
+    p_ids, c_ids, labels = tokenize_prm(tok, ex, num_classes=2)
+    c_short = encode_completion(tok, "1 + 2 = 3\n")  # ends newline, eos: the newline is +1
+    short = StepLabelledCompletion(prompts[1], c_short, [-100] * (len(c_short) - 2) + [1, -100])
+    losses, _, _ = rm_losses(cfg, prm, [StepLabelledCompletion(p_ids, c_ids, labels), short],
+                             0, "cpu", None)  # fmt: skip
+    want = -(3 * math.log(p_sep) + math.log(1 - p_sep))
+    assert float(losses.detach().sum()) == pytest.approx(want, rel=1e-6)  # the CE is float32
+
+    # Scoring: one P(correct) per finished line, in both rows of one padded batch.
+    ss = types.SimpleNamespace(prompt_ids=prompts, completion_ids=[[comps[0]], [comps[1]]])
+    scorer = RewardModelScorer(prm, kind="prm", pad_token_id=0, sep_id=sep, prm_reduce="prod")
+    got = _prm_step_probs(scorer, ss)
+    assert [len(got[0][0]), len(got[1][0])] == [3, 2]
+    for row in (got[0][0], got[1][0]):
+        assert row == pytest.approx([p_sep] * len(row), rel=1e-6)  # softmax in float32
+
+    # ORM: P(right) at the last real token: eos for a finished solution, the last digit if cut.
+    orm = _token_only_rm(tiny_model64, 1)
+    ss_orm = types.SimpleNamespace(prompt_ids=prompts, completion_ids=[[comps[0]], [comps[1]]])
+    got = score_pool(RewardModelScorer(orm, kind="orm", pad_token_id=0), ss_orm)
+    for row, last in ((got[0], comps[0][-1]), (got[1], comps[1][-1])):
+        ids = torch.tensor([[last]])
+        with torch.no_grad():
+            h = orm.base_model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            z = float(orm.score(h.last_hidden_state)[0, 0, 0])
+        assert row == pytest.approx([1 / (1 + math.exp(-z))], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("lines", "kind"),
+    [
+        (["4 - 1 = 3", "3 + 7 = 10", "<answer>10</answer>"], None),
+        (["4 - 1 = 3", "3 + 7 = 11", "<answer>11</answer>"], "slip_by_1"),  # 10 expected
+        (["4 - 1 = 2", "2 + 7 = 9", "<answer>9</answer>"], "slip_by_1"),  # 3 expected
+        (["4 - 1 = 3", "3 + 7 = 13"], "slip_by_more"),
+        (["4 - 1 = 3", "3 - 7 = -4"], "operands"),  # − instead of +
+        (["4 + 1 = 5"], "operands"),
+        (["4 - 1 = 3", "<answer>3</answer>"], "answer_line"),  # before the second operation
+        (["4 - 1 = 3", "3 + 7 = 10", "<answer>11</answer>"], "answer_line"),  # a wrong value
+        (["4 - 1 = 3", "3 + 7 ="], "unreadable"),
+        (["4 - 1 = 3", "3 + 7 = 10", "10 + 1 = 11"], "unreadable"),  # a line after K = 2
+    ],
+)
+def test_first_error_kind_by_hand(lines, kind):
+    from rlhflab.replications.prm_orm import first_error_kind
+
+    assert first_error_kind("4 - 1 + 7", "10", lines) == kind
+
+
+def test_blind_spot_lines_give_each_kinds_auc_and_share_and_the_inverted_ones():
+    from rlhflab.replications.prm_orm import ERROR_KINDS, _blind_spot_lines
+
+    def diag(auc_slip, counts, acc):
+        aucs = dict.fromkeys(ERROR_KINDS, 0.9) | {"slip_by_1": auc_slip, "unreadable": None}
+        return {"pool_accuracy": acc,
+                "error_kinds": {"prm_step_auc": aucs,
+                                "count": dict(zip(ERROR_KINDS, counts, strict=True))}}  # fmt: skip
+
+    # seed a: slips by 1 are 6 of 10 wrong samples, AUC 0.4; seed b: 2 of 10, AUC 0.5:
+    # mean AUC 0.45 (< 0.5: inverted), mean share (0.6 + 0.2) / 2 = 40%. Operands: 1/10 and
+    # 2/10 -> 15%. Pool accuracy (0.7 + 0.8) / 2 = 0.75 of 64 samples -> 16 wrong.
+    res = {"pool_size": 64,
+           "diagnostics": {"a": diag(0.4, [6, 1, 1, 1, 1], 0.7),
+                           "b": diag(0.5, [2, 2, 2, 2, 2], 0.8)}}  # fmt: skip
+    why, inv = _blind_spot_lines(res)
+    assert "slip by 1 0.45 (40%)" in why and "operands 0.90 (15%)" in why
+    assert "unreadable" not in why and "about 16 of a problem's 64 samples are wrong" in why
+    assert inv.endswith("(step AUC < 0.5): slip by 1.")
+    assert len(_blind_spot_lines(res, below=0.3)) == 1

@@ -27,12 +27,14 @@ to right, then the answer line, each line ending in "\\n":
 3. Best-of-N on `n_heldout` held-out expressions (the same expressions for every seed, fresh
    samples per seed): `max(ns)` samples each; for N in `ns`, `n_resamples` random N-subsets per
    problem, the same subsets for every selector: the PRM's pick (product of its step P(correct),
-   Lightman §2.6), the ORM's pick (P(right) at the last token), majority vote over final answers,
+   Lightman §2.6), the ORM's pick (P(right) at the last token), each among the samples that state
+   a final answer (`selection_accuracies`), majority vote over final answers,
    and a random pick (its expectation, the subset's mean correctness); pass@N as the ceiling.
 4. Statistics (`report`): per-problem paired differences PRM − ORM, pooled over seeds, with a
    cluster bootstrap over problems (a problem resampled keeps all its seeds); the pre-registered
    `CRITERION` below. RM diagnostics on the held-out pool: PRM step AUC (exact labels, lines up to
-   the first error), solution AUC of each RM against the final answer's correctness.
+   the first error), solution AUC of each RM against the final answer's correctness, both split
+   by the kind of a wrong sample's first error (`first_error_kind`), and each RM's top pick.
 Output (`--out`): report.md, verdict.json, prm_orm.json, prm_orm.png, cells/, runs/.
 """
 
@@ -153,6 +155,46 @@ def exact_step_labels(expression: str, answer: str, lines: list[str]) -> list[in
     return labels
 
 
+ERROR_KINDS = ("slip_by_1", "slip_by_more", "operands", "answer_line", "unreadable")
+
+
+def first_error_kind(expression: str, answer: str, lines: list[str]) -> str | None:
+    """The kind of a solution's first wrong line (`exact_step_labels`); None when no line is.
+
+    The lines before the first wrong one are right, so they are the canonical solution's
+    (`solve_steps`), and the line expected there is known: the canonical `a op b = c` at index
+    k < K, the answer line at K (K operations). The first wrong line is:
+        "slip_by_1"     `x o y = z` with the expected operands and operator, |z − c| = 1
+        "slip_by_more"  the same with |z − c| > 1
+        "operands"      `x o y = z` with other operands or another operator than expected
+        "answer_line"   `<answer>v</answer>`: a wrong value at K, or written before every
+                        operation was done (k < K)
+        "unreadable"    anything else (neither form, or an operation line where the answer
+                        line belongs)
+
+    Args:
+        expression: e.g. "4 - 1 + 7". answer: its value as text. lines: without newlines.
+    Returns:
+        one of `ERROR_KINDS`, or None.
+    """
+    from rlhflab.data.prm import _STEP_RE, solve_steps
+
+    labels = exact_step_labels(expression, answer, lines)
+    if -1 not in labels:
+        return None
+    i = labels.index(-1)
+    canon = solve_steps(expression)
+    if _ANSWER_RE.match(lines[i]) and i <= len(canon):
+        return "answer_line"
+    m = _STEP_RE.match(lines[i])
+    if m is None or i >= len(canon):
+        return "unreadable"
+    a, op, b, c = _STEP_RE.match(canon[i]).groups()
+    if (int(m[1]), m[2], int(m[3])) != (int(a), op, int(b)):
+        return "operands"
+    return "slip_by_1" if abs(int(m[4]) - int(c)) == 1 else "slip_by_more"
+
+
 def selection_accuracies(
     scores: dict[str, list[list[float]]],
     correct: list[list[float]],
@@ -166,7 +208,11 @@ def selection_accuracies(
 
     For each problem and N, `n_resamples` subsets of N of its samples (without replacement, in a
     random order; one rng stream for all selectors) are drawn; per subset:
-        an RM in `scores`: 1 if the highest-scored sample is right (ties: the first in subset order)
+        an RM in `scores`: 1 if the highest-scored sample among those that state a final answer
+            is right (ties: the first in subset order; a subset with no answer at all: the
+            highest-scored sample). A solution that never states an answer cannot be graded
+            right, and a product of fewer step scores would otherwise favour one cut off early;
+            majority vote ignores them too
         "majority": 1 if the most common final answer among the subset (None never counts; ties:
             the answer met first in subset order) is that of a right sample; 0 with no answer
         "random": the subset's mean correctness (the expected accuracy of a uniform pick)
@@ -191,8 +237,9 @@ def selection_accuracies(
             acc = dict.fromkeys(names, 0.0)
             for _ in range(n_resamples):
                 idx = rng.sample(range(len(ok)), n)
+                answered = [j for j in idx if answers[i][j] is not None] or idx
                 for s, sc in scores.items():
-                    acc[s] += ok[max(idx, key=lambda j, sc=sc: sc[i][j])]
+                    acc[s] += ok[max(answered, key=lambda j, sc=sc: sc[i][j])]
                 votes = Counter(answers[i][j] for j in idx if answers[i][j] is not None)
                 if votes:
                     top = max(votes.values())
@@ -332,6 +379,8 @@ def chain_expressions(n: int, *, min_terms: int, max_terms: int, max_value: int,
         parts = [str(value)]
         for _ in range(rng.randint(min_terms, max_terms) - 1):
             k = rng.randint(1, 9)
+            while value + k > max_value and value - k < 0:  # neither fits (max_value < 18)
+                k = rng.randint(1, 9)
             plus_ok, minus_ok = value + k <= max_value, value - k >= 0
             if plus_ok and (not minus_ok or rng.random() < 0.5):
                 value, op = value + k, "+"
@@ -554,6 +603,7 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
                     step_y.append(float(lab == 1))
     flat_ok = [c for row in correct for c in row]
     n_ops = [len(solve_steps(p.entry["metadata"]["expression"])) for p in heldout]
+    by_kind = _auc_by_error_kind(heldout, plab, step_probs, prm_scores, orm_scores)
     diag = {
         "pool_accuracy": sum(flat_ok) / len(flat_ok),
         "prm_step_auc": auc(step_x, step_y),
@@ -565,6 +615,7 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
         "pool_right_answer_with_a_wrong_step": sum(
             s["outcome"] == 1 and -1 in s["labels"] for row in plab for s in row
         ),
+        "error_kinds": by_kind,
         "top_pick": {
             name: top_pick_profile(sc, plab, n_ops)
             for name, sc in (("PRM", prm_scores), ("ORM", orm_scores))
@@ -574,6 +625,50 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
           for s, by_n in acc.items()}  # fmt: skip
     return {"seed": seed, "rm_data": rm_data, "diagnostics": diag, "timings": timings,
             "per_problem": r4}  # fmt: skip
+
+
+def _auc_by_error_kind(heldout, plab, step_probs, prm_scores, orm_scores) -> dict:
+    """What each RM can tell apart, by the kind of error (`first_error_kind`) on the held-out
+    pool: the PRM's step AUC (its P(correct) on right steps against first wrong steps of a kind)
+    and each RM's solution AUC (right solutions against wrong ones whose first error is of a
+    kind); the count of each kind; the fraction of right samples that are the canonical text."""
+    from rlhflab.data.prm import solve_steps
+    from rlhflab.eval.rm_metrics import auc
+
+    right_steps, steps = [], {k: [] for k in ERROR_KINDS}
+    right_sol: dict[str, list] = {"PRM": [], "ORM": []}
+    sols: dict[str, dict] = {rm: {k: [] for k in ERROR_KINDS} for rm in right_sol}
+    canonical = n_right = 0
+    for i, (p, row) in enumerate(zip(heldout, plab, strict=True)):
+        expr = p.entry["metadata"]["expression"]
+        canon = [*solve_steps(expr), f"<answer>{p.answer}</answer>"]
+        for j, s in enumerate(row):
+            ps = step_probs[i][j]
+            aligned = len(ps) == len(s["lines"])
+            kind = first_error_kind(expr, p.answer, s["lines"])
+            if aligned:
+                right_steps += [x for x, lab in zip(ps, s["labels"], strict=True) if lab == 1]
+                if kind is not None:
+                    steps[kind].append(ps[s["labels"].index(-1)])
+            if s["outcome"] == 1:
+                n_right += 1
+                canonical += s["lines"] == canon
+                right_sol["PRM"].append(prm_scores[i][j])
+                right_sol["ORM"].append(orm_scores[i][j])
+            elif kind is not None:
+                sols["PRM"][kind].append(prm_scores[i][j])
+                sols["ORM"][kind].append(orm_scores[i][j])
+
+    def sep(pos, neg):
+        return auc(pos + neg, [1.0] * len(pos) + [0.0] * len(neg)) if pos and neg else None
+
+    return {
+        "count": {k: len(sols["PRM"][k]) for k in ERROR_KINDS},
+        "prm_step_auc": {k: sep(right_steps, steps[k]) for k in ERROR_KINDS},
+        "prm_solution_auc": {k: sep(right_sol["PRM"], sols["PRM"][k]) for k in ERROR_KINDS},
+        "orm_solution_auc": {k: sep(right_sol["ORM"], sols["ORM"][k]) for k in ERROR_KINDS},
+        "right_canonical_frac": canonical / max(1, n_right),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -669,6 +764,7 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         "gap_at_nmax_per_seed": seed_gaps,
         "baselines_at_nmax": {k: list(v) for k, v in baselines.items()},
         "power": power,
+        "pool_size": max(ns),
         "diagnostics": {c: r["diagnostics"] for c, r in cells_results.items()},
         "rm_data": rm_data,
         "timings": {c: r["timings"] for c, r in cells_results.items()},
@@ -695,8 +791,77 @@ def _top_pick_lines(res: dict, pool: int) -> list[str]:
              "enough lines (a slip)"}  # fmt: skip
     parts = [f"{rm}: " + ", ".join(f"{words[k]} {sum(t[rm][k] for t in tops) / len(tops):.2f}"
                                    for k in TOP_PICK_KINDS) for rm in ("PRM", "ORM")]  # fmt: skip
-    return [f"Each RM's top pick out of a problem's whole pool of {pool} (fraction of problems, "
+    return [f"Each RM's top-scored sample out of a problem's whole pool of {pool}, over all "
+            "samples (before the pick among those that state an answer; fraction of problems, "
             "mean over seeds): " + "; ".join(parts) + ".", ""]  # fmt: skip
+
+
+def _error_kind_lines(res: dict) -> list[str]:
+    """The held-out AUCs by error kind (`_auc_by_error_kind`), mean over seeds."""
+    ek = [d["error_kinds"] for d in res["diagnostics"].values() if "error_kinds" in d]
+    if not ek:
+        return []
+
+    def mean(key, kind):
+        vals = [e[key][kind] for e in ek if e[key][kind] is not None]
+        return "–" if not vals else f"{sum(vals) / len(vals):.2f}"
+
+    words = {"slip_by_1": "arithmetic slip by 1", "slip_by_more": "arithmetic slip by more",
+             "operands": "wrong operands or operator", "answer_line": "wrong or early answer line",
+             "unreadable": "unreadable line"}  # fmt: skip
+    rows = ["| first error | wrong samples (per seed) | PRM step AUC | PRM solution AUC | "
+            "ORM solution AUC |", "|---|---|---|---|---|"]  # fmt: skip
+    for k in ERROR_KINDS:
+        rows.append(f"| {words[k]} | {', '.join(str(e['count'][k]) for e in ek)} | "
+                    f"{mean('prm_step_auc', k)} | {mean('prm_solution_auc', k)} | "
+                    f"{mean('orm_solution_auc', k)} |")  # fmt: skip
+    canon = sum(e["right_canonical_frac"] for e in ek) / len(ek)
+    return [
+        "What each RM tells apart, by the kind of a wrong sample's first error (held-out pools; "
+        "AUC of right steps or right solutions against those wrong ones, mean over seeds):",
+        "",
+        *rows,
+        "",
+        f"{canon:.2f} of the right samples are the canonical solution's very text, so nearly all "
+        "right samples of a problem share one score: out of a pool with many wrong samples an RM "
+        "picks a right one only when it scores that text above every wrong sample of the "
+        "problem, and an error kind it tells apart poorly is enough to make its top pick often "
+        "wrong.",
+        "",
+    ]
+
+
+def _blind_spot_lines(res: dict, *, below: float = 0.5) -> list[str]:
+    """Why the PRM's pick fails, from the held-out diagnostics (mean over seeds): its step AUC
+    for each kind of first error with that kind's share of the wrong samples, the wrong samples
+    per problem, and the kinds it ranks above right steps (step AUC < `below`)."""
+    ek = [d["error_kinds"] for d in res["diagnostics"].values() if "error_kinds" in d]
+    if not ek:
+        return []
+    parts, inverted = [], []
+    for k in ERROR_KINDS:
+        vals = [e["prm_step_auc"][k] for e in ek if e["prm_step_auc"][k] is not None]
+        if not vals:
+            continue
+        frac = [e["count"][k] / max(1, sum(e["count"].values())) for e in ek]
+        a = sum(vals) / len(vals)
+        parts.append(f"{k.replace('_', ' ')} {a:.2f} ({sum(frac) / len(frac):.0%})")
+        if a < below:
+            inverted.append(k.replace("_", " "))
+    acc = [d["pool_accuracy"] for d in res["diagnostics"].values()]
+    pool = res.get("pool_size")
+    wrong = "" if pool is None else (
+        f" about {(1 - sum(acc) / len(acc)) * pool:.0f} of a problem's {pool} samples are wrong,"
+    )  # fmt: skip
+    out = [f"- Why, as measured: the PRM's held-out step AUC by kind of first error (its share "
+           f"of the wrong samples) is {', '.join(parts)};{wrong} and the right samples share "
+           "one text and so one score, so an RM picks right out of the whole pool only when it "
+           "ranks that text above every wrong sample, which step AUCs of this size rarely allow "
+           "(a reading of the tables above, not a separate test)."]  # fmt: skip
+    if inverted:
+        out.append(f"- The PRM scores these first errors above right steps (step AUC < {below}): "
+                   f"{', '.join(inverted)}.")  # fmt: skip
+    return out
 
 
 def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag: dict) -> str:
@@ -749,7 +914,8 @@ def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag
         f"- Best-of-N: {n_prob} held-out expressions (the same for every seed) × {max(ns)} fresh "
         f"samples per seed; for each N, {exp.n_resamples} random N-subsets per problem, the same "
         "subsets for every selector. PRM score: product of its step P(correct) (Lightman §2.6); "
-        "ORM score: P(right) at the last token; majority vote over final answers; random pick "
+        "ORM score: P(right) at the last token; each RM picks among the samples that state a "
+        "final answer (any, if none does); majority vote over final answers; random pick "
         "(its expectation); pass@N as the ceiling. A pick is right when its final answer is "
         "(Lightman's grading); in the pools "
         f"{', '.join(str(d) for d in diag['pool_right_answer_with_a_wrong_step'])} right answers "
@@ -776,6 +942,7 @@ def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag
         f"{', '.join(_f(x) for x in diag['orm_solution_auc'])}.",
         "",
         *_top_pick_lines(res, max(ns)),
+        *_error_kind_lines(res),
         f"Against the baselines at N = {ns[-1]} (paired, same bootstrap): "
         + "; ".join(f"{k} {_ci(v)}" for k, v in res["baselines_at_nmax"].items())
         + ".",
@@ -802,6 +969,7 @@ def _markdown(exp, res: dict, ns: list[int], n_prob: int, seeds: list[int], diag
         if not holds.get("prm_minus_orm_at_nmax", True):
             lines.append("  The PRM does not beat the ORM at the largest N at this scale; see the "
                          "power line above for the effect the design could detect.")  # fmt: skip
+        lines += _blind_spot_lines(res)
         lines.append(f"- {departures}")
     bl = res["baselines_at_nmax"]
     for rm in ("PRM", "ORM"):
