@@ -21,14 +21,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Cycles accepted for now (none since checkpoint/ and rundir.py import only downward).
 KNOWN_CYCLES: set[frozenset[str]] = set()
-# Submodules that still import names defined in their package's __init__.py (being moved into
-# modules of their own, so that the __init__.py is a face).
-KNOWN_FACE_IMPORTS: set[str] = {
-    "rlhflab.replications.dpo_overopt",
-    "rlhflab.replications.prm_orm",
-    "rlhflab.replications.r1_zero",
-    "rlhflab.replications.rm_overopt",
-}
+# Submodules that still import names defined in their package's __init__.py (none: every
+# package's code lives in modules, its __init__.py is a face).
+KNOWN_FACE_IMPORTS: set[str] = set()
 # Private names imported across modules, in areas being rewritten (config.py → config/ package).
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 

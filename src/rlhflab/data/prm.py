@@ -53,7 +53,8 @@ DEFAULT_SEP = "\n"
 # ---------------------------------------------------------------------------------------------
 
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
-_STEP_RE = re.compile(r"^\s*(-?\d+)\s*([-+*/])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
+#: one worked-solution line "a op b = c" (integers): groups a, op, b, c
+STEP_RE = re.compile(r"^\s*(-?\d+)\s*([-+*/])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 
 
 def _parse_expr(expression: str) -> Any:
@@ -145,7 +146,7 @@ def label_steps(expression: str, steps: list[str]) -> list[int]:
     labels: list[int] = []
     broken = False  # an earlier step was wrong, or the state is no longer trackable
     for text in steps:
-        m = _STEP_RE.match(text)
+        m = STEP_RE.match(text)
         if m is None or isinstance(state, Fraction) or state is None:
             labels.append(-1)
             broken, state = True, None if m is None else state
@@ -186,7 +187,7 @@ def final_value(steps: list[str]) -> str | None:
     """The result of the last step ("= c"), the answer a worked solution arrives at."""
     if not steps:
         return None
-    m = _STEP_RE.match(steps[-1])
+    m = STEP_RE.match(steps[-1])
     return m[4] if m else None
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from rlhflab.replications import Experiment, PositiveFloats, begin, check_experiment, stage
+from rlhflab.replications.common import Experiment, PositiveFloats, begin, check_experiment, stage
 from rlhflab.replications.verdict import (
     Check,
     Criterion,

@@ -50,7 +50,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from rlhflab.replications import Counts, Experiment, begin, stage
+from rlhflab.replications.common import Counts, Experiment, begin, stage
 from rlhflab.replications.verdict import (
     Check,
     Criterion,
@@ -177,7 +177,7 @@ def first_error_kind(expression: str, answer: str, lines: list[str]) -> str | No
     Returns:
         one of `ERROR_KINDS`, or None.
     """
-    from rlhflab.data.prm import _STEP_RE, solve_steps
+    from rlhflab.data.prm import STEP_RE, solve_steps
 
     labels = exact_step_labels(expression, answer, lines)
     if -1 not in labels:
@@ -186,10 +186,10 @@ def first_error_kind(expression: str, answer: str, lines: list[str]) -> str | No
     canon = solve_steps(expression)
     if _ANSWER_RE.match(lines[i]) and i <= len(canon):
         return "answer_line"
-    m = _STEP_RE.match(lines[i])
+    m = STEP_RE.match(lines[i])
     if m is None or i >= len(canon):
         return "unreadable"
-    a, op, b, c = _STEP_RE.match(canon[i]).groups()
+    a, op, b, c = STEP_RE.match(canon[i]).groups()
     if (int(m[1]), m[2], int(m[3])) != (int(a), op, int(b)):
         return "operands"
     return "slip_by_1" if abs(int(m[4]) - int(c)) == 1 else "slip_by_more"
@@ -437,7 +437,7 @@ def prepare(spec: dict, out: Path, source: str) -> None:
 
 def cells(spec: dict, source: str) -> list[str]:
     """One cell per seed: "seed0", "seed1", ..."""
-    from rlhflab.replications import check_experiment
+    from rlhflab.replications.common import check_experiment
 
     exp = check_experiment(Spec, spec.get("experiment"), source)
     return [f"seed{s}" for s in exp.seeds]
@@ -721,7 +721,7 @@ def _plot(curves: dict, ns: list[int], path: Path, title: str) -> None:
 
 def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -> dict:
     """The estimates, verdict, plot and report.md from every seed's cell (module doc)."""
-    from rlhflab.replications import check_experiment
+    from rlhflab.replications.common import check_experiment
 
     exp = check_experiment(Spec, spec.get("experiment"), source)
     ns = sorted(exp.ns)

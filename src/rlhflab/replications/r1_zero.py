@@ -48,7 +48,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhflab.replications import Experiment, check_experiment, stage
+from rlhflab.replications.common import Experiment, check_experiment, stage
 from rlhflab.replications.verdict import (
     Check,
     Criterion,

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from rlhflab.replications import Counts, Experiment, begin, check_experiment, stage
+from rlhflab.replications.common import Counts, Experiment, begin, check_experiment, stage
 from rlhflab.replications.verdict import Check, Criterion, format_interval
 
 #: The pre-registered criterion (best-of-n), judged on the continuous gold relative to n = 1.
