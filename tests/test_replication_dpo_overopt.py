@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from rlhflab.replications.dpo_overopt import CRITERION, cells, estimates, rise_and_fall
+from rlhflab.replications.dpo_overopt import (
+    CRITERION,
+    cells,
+    estimates,
+    measured_steps,
+    rise_and_fall,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 T975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom (tables)
@@ -79,6 +85,26 @@ def test_estimates_give_every_criterion_key_and_the_kl_gap_paired_over_seeds():
     del results["beta1-seed0"], results["beta1-seed1"], results["beta1-seed2"]
     with pytest.raises(ValueError, match=r"needs β \[1.0\]"):
         estimates(results)
+
+
+def test_measured_steps_are_dense_then_sparse_and_always_end_at_the_last_step():
+    # every 2 up to step 4 (0, 2, 4), then multiples of 3 after it (6, 9), and the last step 10
+    assert measured_steps(10, 2, 4, 3) == [0, 2, 4, 6, 9, 10]
+    # one schedule throughout: multiples of 4, then the last step
+    assert measured_steps(10, 4) == [0, 4, 8, 10]
+    # one epoch of 64 steps every 8, then every 32 up to 3 epochs (192 = a multiple: no repeat)
+    assert measured_steps(192, 8, 64, 32) == [0, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192]
+    with pytest.raises(ValueError, match="measured_steps"):
+        measured_steps(0, 4)
+
+
+def test_spec_refuses_a_sparse_period_without_its_dense_end():
+    from rlhflab.errors import ConfigError
+    from rlhflab.replications import check_experiment
+    from rlhflab.replications.dpo_overopt import Spec
+
+    with pytest.raises(ConfigError, match="dense_until and every_after go together"):
+        check_experiment(Spec, {"every_after": 32}, "x.yaml")
 
 
 def test_cells_are_beta_by_seed():
