@@ -122,9 +122,10 @@ def test_tiny_replication_runs_through_the_cell_runner(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     spec = apply_overrides(read_yaml(ROOT / "configs/replications/dpo_overopt.yaml"), [
         "experiment.betas=[0.01,0.03,1.0]", "experiment.seeds=[0,1]", "experiment.every=2",
+        "experiment.dense_until=2", "experiment.every_after=3",
         "experiment.heldout_problems=8", "sft.train.steps=3", "sft.task.n_train=200",
         "sft.model.build.size=tiny", "dpo.task.n_train=200", "dpo.verifiable.n_prompts=8",
-        "dpo.verifiable.samples_per_prompt=2", "dpo.train.steps=3", "dpo.train.batch_size=4",
+        "dpo.verifiable.samples_per_prompt=2", "dpo.train.steps=4", "dpo.train.batch_size=4",
         "dpo.train.micro_batch_size=4",
     ])  # fmt: skip
     out = tmp_path / "out"
@@ -134,7 +135,8 @@ def test_tiny_replication_runs_through_the_cell_runner(tmp_path, monkeypatch):
     assert set(verdict) >= {"name", "claim", "criterion", "estimate", "ci95", "seeds", "reproduced"}
     assert verdict["seeds"] == [0, 1] and len(verdict["checks"]) == len(CRITERION.checks)
     cell = json.loads((out / "cells" / "beta0.01-seed1.json").read_text())
-    assert [p["step"] for p in cell["points"]] == [0, 2, 3]  # every 2 steps and the last
+    # every 2 steps up to step 2, then multiples of 3, and the last step
+    assert [p["step"] for p in cell["points"]] == [0, 2, 3, 4]
     assert cell["points"][0]["kl"] == pytest.approx(0.0, abs=1e-5)  # π = π_ref at step 0
-    assert cell["loss"]["args"] == {"beta": 0.01, "alpha": pytest.approx(0.1)}  # α = 10 β
+    assert cell["loss"]["args"] == {"beta": 0.01, "alpha": pytest.approx(0.001)}  # α = 0.1 β
     assert (out / "dpo_overopt.png").is_file() and "dpo_overopt.png" in res["report"]

@@ -488,11 +488,12 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         f"completion). Seeds {exp.seeds}; β {exp.betas}.",
         "",
         "Why RPO (DPO + α · length-normalised NLL on the chosen completion, Pang et al. 2024) and "
-        "not plain DPO: offline DPO on these pairs never first improves (its greedy accuracy falls "
-        "from the first measurement at every β and learning rate tried while this design was "
-        "chosen), so its curve can only decline; the NLL term gives the rise. α ∝ β keeps the "
-        "ratio of the two gradients at step 0 the same for every β (Adam is invariant to the "
-        "loss's scale), so β changes only where the DPO term saturates, as in plain DPO.",
+        "not plain DPO: offline DPO on these pairs first lowers the greedy accuracy (at every β "
+        "and learning rate screened while these designs were chosen); the NLL term is what lets "
+        "the gold recover and rise. α ∝ β keeps the ratio of the two gradients at step 0 the same "
+        "for every β (Adam is invariant to the loss's scale), so β changes only where the DPO term "
+        f"saturates, as in plain DPO; α/β = {exp.alpha_per_beta} is small, so that at a low β, "
+        "where the DPO term does not saturate, it can dominate once the margins are large.",
         "",
         "![gold vs √KL](dpo_overopt.png)",
         "",
