@@ -15,6 +15,7 @@ from rlhflab.replications.dpo_overopt import (
     cells,
     estimates,
     measured_steps,
+    per_seed_rows,
     rise_and_fall,
 )
 
@@ -105,6 +106,13 @@ def test_spec_refuses_a_sparse_period_without_its_dense_end():
 
     with pytest.raises(ConfigError, match="dense_until and every_after go together"):
         check_experiment(Spec, {"every_after": 32}, "x.yaml")
+
+
+def test_per_seed_rows_name_the_highest_checkpoint_and_the_last_one():
+    # one cell: gold 0.2, 0.5, 0.5, 0.1 at steps 0, 4, 8, 12 → highest 0.5 first reached at step 4
+    pts = [{"step": 4 * i, "gold": g, "kl": 0.5 * i} for i, g in enumerate([0.2, 0.5, 0.5, 0.1])]
+    rows = per_seed_rows({"beta0.01-seed3": {"beta": 0.01, "seed": 3, "points": pts}})
+    assert rows[2] == "| 0.01 | 3 | 0.200 | 0.500 (4) | 0.100 | 1.50 |"
 
 
 def test_cells_are_beta_by_seed():

@@ -423,6 +423,20 @@ def _failed_line(check: dict) -> str:
     return f"- {check['what']}: {check['estimate']:+.3f} {ci_text}; rule: {check['rule']}."
 
 
+def per_seed_rows(cells_results: dict[str, dict]) -> list[str]:
+    """A markdown table, one row per β and seed: gold at step 0, the highest gold over the
+    checkpoints with its step (the earliest on a tie), gold and KL at the last checkpoint."""
+    rows = ["| β | seed | gold at step 0 | highest gold (step) | gold at the last step | KL at "
+            "the last step (nats) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for b, rs in _by_beta(cells_results).items():
+        for r in rs:
+            pts = r["points"]
+            top = max(range(len(pts)), key=lambda i: (pts[i]["gold"], -i))
+            rows.append(f"| {b:g} | {r['seed']} | {pts[0]['gold']:.3f} | {pts[top]['gold']:.3f} "
+                        f"({pts[top]['step']}) | {pts[-1]['gold']:.3f} | {pts[-1]['kl']:.2f} |")  # fmt: skip
+    return rows
+
+
 def _schedule_text(exp: Spec) -> str:
     if exp.dense_until is None:
         return f"every {exp.every} steps"
@@ -512,6 +526,12 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         "**What did not reproduce.**",
         "",
         *not_reproduced,
+        "",
+        "**Per seed** (descriptive, not part of the criterion; all held-out problems): gold at "
+        "step 0, the highest gold at any checkpoint (its step), gold and KL(π‖π_ref) (nats) at "
+        "the last checkpoint.",
+        "",
+        *per_seed_rows(cells_results),
         "",
         "**Power.** Half-widths of the 95% intervals over these seeds (fraction of samples "
         "correct): " + "; ".join(power) + f". KL gap {_halfwidth(est[kl_key])} nats. A true "
