@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from rlhflab.replications.dpo_overopt import CRITERION, cells, estimates, rise_and_fall
+from rlhflab.replications.dpo_overopt import (
+    CRITERION,
+    cells,
+    estimates,
+    measured_steps,
+    per_seed_rows,
+    rise_and_fall,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 T975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom (tables)
@@ -81,6 +88,33 @@ def test_estimates_give_every_criterion_key_and_the_kl_gap_paired_over_seeds():
         estimates(results)
 
 
+def test_measured_steps_are_dense_then_sparse_and_always_end_at_the_last_step():
+    # every 2 up to step 4 (0, 2, 4), then multiples of 3 after it (6, 9), and the last step 10
+    assert measured_steps(10, 2, 4, 3) == [0, 2, 4, 6, 9, 10]
+    # one schedule throughout: multiples of 4, then the last step
+    assert measured_steps(10, 4) == [0, 4, 8, 10]
+    # one epoch of 64 steps every 8, then every 32 up to 3 epochs (192 = a multiple: no repeat)
+    assert measured_steps(192, 8, 64, 32) == [0, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192]
+    with pytest.raises(ValueError, match="measured_steps"):
+        measured_steps(0, 4)
+
+
+def test_spec_refuses_a_sparse_period_without_its_dense_end():
+    from rlhflab.errors import ConfigError
+    from rlhflab.replications import check_experiment
+    from rlhflab.replications.dpo_overopt import Spec
+
+    with pytest.raises(ConfigError, match="dense_until and every_after go together"):
+        check_experiment(Spec, {"every_after": 32}, "x.yaml")
+
+
+def test_per_seed_rows_name_the_highest_checkpoint_and_the_last_one():
+    # one cell: gold 0.2, 0.5, 0.5, 0.1 at steps 0, 4, 8, 12 → highest 0.5 first reached at step 4
+    pts = [{"step": 4 * i, "gold": g, "kl": 0.5 * i} for i, g in enumerate([0.2, 0.5, 0.5, 0.1])]
+    rows = per_seed_rows({"beta0.01-seed3": {"beta": 0.01, "seed": 3, "points": pts}})
+    assert rows[2] == "| 0.01 | 3 | 0.200 | 0.500 (4) | 0.100 | 1.50 |"
+
+
 def test_cells_are_beta_by_seed():
     spec = {"experiment": {"betas": [0.01, 1.0], "seeds": [3, 5]}}
     assert cells(spec, "x.yaml") == ["beta0.01-seed3", "beta1-seed3", "beta0.01-seed5",
@@ -96,9 +130,10 @@ def test_tiny_replication_runs_through_the_cell_runner(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     spec = apply_overrides(read_yaml(ROOT / "configs/replications/dpo_overopt.yaml"), [
         "experiment.betas=[0.01,0.03,1.0]", "experiment.seeds=[0,1]", "experiment.every=2",
+        "experiment.dense_until=2", "experiment.every_after=3",
         "experiment.heldout_problems=8", "sft.train.steps=3", "sft.task.n_train=200",
         "sft.model.build.size=tiny", "dpo.task.n_train=200", "dpo.verifiable.n_prompts=8",
-        "dpo.verifiable.samples_per_prompt=2", "dpo.train.steps=3", "dpo.train.batch_size=4",
+        "dpo.verifiable.samples_per_prompt=2", "dpo.train.steps=4", "dpo.train.batch_size=4",
         "dpo.train.micro_batch_size=4",
     ])  # fmt: skip
     out = tmp_path / "out"
@@ -108,7 +143,8 @@ def test_tiny_replication_runs_through_the_cell_runner(tmp_path, monkeypatch):
     assert set(verdict) >= {"name", "claim", "criterion", "estimate", "ci95", "seeds", "reproduced"}
     assert verdict["seeds"] == [0, 1] and len(verdict["checks"]) == len(CRITERION.checks)
     cell = json.loads((out / "cells" / "beta0.01-seed1.json").read_text())
-    assert [p["step"] for p in cell["points"]] == [0, 2, 3]  # every 2 steps and the last
+    # every 2 steps up to step 2, then multiples of 3, and the last step
+    assert [p["step"] for p in cell["points"]] == [0, 2, 3, 4]
     assert cell["points"][0]["kl"] == pytest.approx(0.0, abs=1e-5)  # π = π_ref at step 0
-    assert cell["loss"]["args"] == {"beta": 0.01, "alpha": pytest.approx(0.1)}  # α = 10 β
+    assert cell["loss"]["args"] == {"beta": 0.01, "alpha": pytest.approx(0.001)}  # α = 0.1 β
     assert (out / "dpo_overopt.png").is_file() and "dpo_overopt.png" in res["report"]

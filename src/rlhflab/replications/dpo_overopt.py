@@ -8,9 +8,10 @@ Direct Alignment Algorithms", arXiv 2406.02900), at small scale, as cells (β ×
    training prompts × `samples_per_prompt` samples of the SFT model, best vs worst by the
    verifier (the gold answer as "chosen" when no sample is right) — `DIR/pairs/seed<s>.json`.
 2. A cell = one offline run of the `dpo` stage's loss at one β and seed, on that seed's pairs
-   (reference = the SFT model throughout), driven a step at a time: at step 0, every
-   `experiment.every` steps and at the last step, the policy is measured on held-out problems
-   (`measure`): `samples_per_problem` samples per problem at temperature 1, their mean
+   (reference = the SFT model throughout), driven a step at a time: at the steps of
+   `measured_steps` (step 0, every `experiment.every` steps up to `dense_until`, e.g. the first
+   epoch, then every `every_after` steps, and the last step), the policy is measured on held-out
+   problems (`measure`): `samples_per_problem` samples per problem at temperature 1, their mean
    Σ_t log π(y_t|·) − log π_ref(y_t|·) (the Monte-Carlo estimate of KL(π‖π_ref), nats per
    completion), the verifier's mean on the same samples (the gold) and the greedy accuracy, each
    also for the even- and odd-indexed halves of the problems.
@@ -34,7 +35,7 @@ import math
 import random
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhflab.replications.common import Experiment, PositiveFloats, begin, check_experiment, stage
 from rlhflab.replications.verdict import (
@@ -88,7 +89,11 @@ class Spec(Experiment):
     # the RPO NLL weight as a multiple of β (loss.args.alpha = alpha_per_beta · β), so that the
     # DPO and NLL gradients keep one ratio at step 0 whatever β; None: loss.args as configured
     alpha_per_beta: float | None = Field(None, gt=0)
-    every: int = Field(4, ge=1)  # optimizer steps between measurements
+    every: int = Field(4, ge=1)  # optimizer steps between measurements (up to dense_until)
+    # after step `dense_until` (e.g. the first epoch), measure every `every_after` steps instead;
+    # None: `every` throughout
+    dense_until: int | None = Field(None, ge=0)
+    every_after: int | None = Field(None, ge=1)
     heldout_problems: int = Field(400, ge=4)
     samples_per_problem: int = Field(2, ge=1)
     max_new_tokens: int = Field(10, ge=1)
@@ -101,6 +106,36 @@ class Spec(Experiment):
         if not v or len(set(v)) != len(v):
             raise ValueError("must be a non-empty list of distinct integers, e.g. [0, 1, 2]")
         return v
+
+    @model_validator(mode="after")
+    def _schedule(self) -> Spec:
+        if (self.dense_until is None) != (self.every_after is None):
+            raise ValueError("dense_until and every_after go together (both set, or neither)")
+        return self
+
+
+def measured_steps(steps: int, every: int, dense_until: int | None = None,
+                   every_after: int | None = None) -> list[int]:  # fmt: skip
+    """The optimizer steps after which a cell measures the policy, in order: 0, every `every`
+    steps up to and including `dense_until`, then every `every_after` steps (counted from 0, so
+    multiples of `every_after`), and the last step `steps` always. `dense_until` or `every_after`
+    None: every `every` steps throughout.
+
+    Example: steps 10, every 2, dense_until 4, every_after 3 → [0, 2, 4, 6, 9, 10].
+
+    Raises:
+        ValueError: steps < 1 or every < 1 or every_after < 1.
+    """
+    if steps < 1 or every < 1 or (every_after is not None and every_after < 1):
+        raise ValueError(f"measured_steps: need steps, every, every_after >= 1 (got {steps}, "
+                         f"{every}, {every_after})")  # fmt: skip
+    sparse = dense_until is not None and every_after is not None
+    out = [0]
+    for s in range(1, steps + 1):
+        period = every_after if sparse and s > dense_until else every
+        if s % period == 0 or s == steps:
+            out.append(s)
+    return out
 
 
 def cell_id(beta: float, seed: int) -> str:
@@ -252,8 +287,8 @@ def binary(scores: list[float]) -> list[float]:
 
 
 def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
-    """One β and seed: the offline run (`dpo` stage, this seed's prepared pairs), measured at
-    step 0, every `experiment.every` steps and at the last step (`measure`)."""
+    """One β and seed: the offline run (`dpo` stage, this seed's prepared pairs), measured
+    (`measure`) after the steps of `measured_steps`."""
     from rlhflab.data.formatting import task_instruction
     from rlhflab.data.tasks import make_splits
     from rlhflab.models.loading import load_model, load_tokenizer
@@ -279,6 +314,7 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
     kw = {"instruction": task_instruction(task), "max_new_tokens": exp.max_new_tokens,
           "samples": exp.samples_per_problem, "seed": exp.seed + 1000 * seed}  # fmt: skip
     pairs, counts = _pairs(out, seed)
+    at = set(measured_steps(cfg.train.steps, exp.every, exp.dense_until, exp.every_after))
     session = Run(cfg, _with_pairs(pairs, counts))
     points = []
     with session:
@@ -286,7 +322,7 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
         points.append({"step": 0, **measure(model, reference, tokenizer, problems, verifier, **kw)})
         while session.step() is not None:
             step = session.steps_done
-            if step % exp.every == 0 or step == cfg.train.steps:
+            if step in at:
                 points.append({"step": step,
                                **measure(model, reference, tokenizer, problems, verifier, **kw)})  # fmt: skip
     results = session.finish()
@@ -387,6 +423,27 @@ def _failed_line(check: dict) -> str:
     return f"- {check['what']}: {check['estimate']:+.3f} {ci_text}; rule: {check['rule']}."
 
 
+def per_seed_rows(cells_results: dict[str, dict]) -> list[str]:
+    """A markdown table, one row per β and seed: gold at step 0, the highest gold over the
+    checkpoints with its step (the earliest on a tie), gold and KL at the last checkpoint."""
+    rows = ["| β | seed | gold at step 0 | highest gold (step) | gold at the last step | KL at "
+            "the last step (nats) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for b, rs in _by_beta(cells_results).items():
+        for r in rs:
+            pts = r["points"]
+            top = max(range(len(pts)), key=lambda i: (pts[i]["gold"], -i))
+            rows.append(f"| {b:g} | {r['seed']} | {pts[0]['gold']:.3f} | {pts[top]['gold']:.3f} "
+                        f"({pts[top]['step']}) | {pts[-1]['gold']:.3f} | {pts[-1]['kl']:.2f} |")  # fmt: skip
+    return rows
+
+
+def _schedule_text(exp: Spec) -> str:
+    if exp.dense_until is None:
+        return f"every {exp.every} steps"
+    return (f"every {exp.every} steps up to step {exp.dense_until}, then every "
+            f"{exp.every_after} steps")  # fmt: skip
+
+
 def _halfwidth(x) -> str:
     return "no CI" if x[1] is None else f"±{(x[2] - x[1]) / 2:.3f}"
 
@@ -438,18 +495,19 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         f"`{loss['name']}` with β per cell and α = {exp.alpha_per_beta} β "
         f"(β = {any_cell['beta']:g}: {loss['args']}); {any_cell['steps']} steps × "
         f"{any_cell['batch_size']} pairs = {any_cell['epochs']} epoch(s); the reference stays the "
-        f"SFT model. A measurement at step 0, every {exp.every} steps and at the last step, on "
+        f"SFT model. A measurement at step 0, {_schedule_text(exp)} and at the last step, on "
         f"{any_cell['heldout_problems']} held-out problems ({exp.samples_per_problem} samples each "
         "at temperature 1, and the greedy completion): gold = fraction of samples the verifier "
         "scores correct; KL(π‖π_ref) = mean over the samples of Σ_t log π − log π_ref (nats per "
         f"completion). Seeds {exp.seeds}; β {exp.betas}.",
         "",
         "Why RPO (DPO + α · length-normalised NLL on the chosen completion, Pang et al. 2024) and "
-        "not plain DPO: offline DPO on these pairs never first improves (its greedy accuracy falls "
-        "from the first measurement at every β and learning rate tried while this design was "
-        "chosen), so its curve can only decline; the NLL term gives the rise. α ∝ β keeps the "
-        "ratio of the two gradients at step 0 the same for every β (Adam is invariant to the "
-        "loss's scale), so β changes only where the DPO term saturates, as in plain DPO.",
+        "not plain DPO: offline DPO on these pairs first lowers the greedy accuracy (at every β "
+        "and learning rate screened while these designs were chosen); the NLL term is what lets "
+        "the gold recover and rise. α ∝ β keeps the ratio of the two gradients at step 0 the same "
+        "for every β (Adam is invariant to the loss's scale), so β changes only where the DPO term "
+        f"saturates, as in plain DPO; α/β = {exp.alpha_per_beta} is small, so that at a low β, "
+        "where the DPO term does not saturate, it can dominate once the margins are large.",
         "",
         "![gold vs √KL](dpo_overopt.png)",
         "",
@@ -468,6 +526,12 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         "**What did not reproduce.**",
         "",
         *not_reproduced,
+        "",
+        "**Per seed** (descriptive, not part of the criterion; all held-out problems): gold at "
+        "step 0, the highest gold at any checkpoint (its step), gold and KL(π‖π_ref) (nats) at "
+        "the last checkpoint.",
+        "",
+        *per_seed_rows(cells_results),
         "",
         "**Power.** Half-widths of the 95% intervals over these seeds (fraction of samples "
         "correct): " + "; ".join(power) + f". KL gap {_halfwidth(est[kl_key])} nats. A true "
