@@ -100,6 +100,10 @@ class CheckFailed(Exception):
         self.numbers = numbers or {}
 
 
+class TimedOut(CheckFailed):
+    """A check's child process ran past its timeout and was killed (`run_child`)."""
+
+
 class Skipped(Exception):
     """A check that does not apply on this machine; the message says why."""
 
@@ -128,9 +132,6 @@ def failure_line(stdout: str, stderr: str, rc: int) -> str:
     return f"{line} ({how})"
 
 
-TIMED_OUT = "timed out after"  # how a row's reason starts when run_child killed it
-
-
 def run_child(cmd: list[str], timeout_s: float, env: dict | None = None, cwd=None) -> str:
     """Run `cmd` in its own session; its stdout. Raises CheckFailed with a one-line reason when
     it exits non-zero (`failure_line`) or runs past `timeout_s` (its whole process group, e.g.
@@ -143,7 +144,7 @@ def run_child(cmd: list[str], timeout_s: float, env: dict | None = None, cwd=Non
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise CheckFailed(f"{TIMED_OUT} {timeout_s:.0f} s (killed)") from None
+        raise TimedOut(f"timed out after {timeout_s:.0f} s (killed)") from None
     if proc.returncode != 0:
         raise CheckFailed(failure_line(out, err, proc.returncode))
     return out
@@ -660,6 +661,8 @@ class Context:
         self.work = work
         self.quick = quick
         self.timeout_s = timeout_s
+        self.row_limit_s = timeout_s  # a row's own timeout, before a --budget cuts it
+        self.budget_cut_s: float | None = None  # the --budget (s) when it cut this row's timeout
         self.cuda = torch.cuda.is_available()
         self.ranks = torch.cuda.device_count() if self.cuda else 2
         self.backend = "cpu:gloo,cuda:nccl" if self.cuda else "gloo"
@@ -718,12 +721,21 @@ def _needs_base(name: str) -> bool:
 
 
 def run_check(name: str, fn: Callable[[Context], Row], ctx: Context) -> Row:
-    """`fn(ctx)` as a row: an exception becomes a failed row with its one-line reason."""
+    """`fn(ctx)` as a row: an exception becomes a failed row with its one-line reason; a timeout
+    that the `--budget` cut short (`ctx.budget_cut_s`, the budget in seconds, is set) is a skip,
+    "not finished", since the row did not get its own timeout."""
     t0 = time.perf_counter()
     try:
         row = fn(ctx)
     except Skipped as exc:
         row = Row(name, "skip", str(exc))
+    except TimedOut as exc:
+        if ctx.budget_cut_s is None:
+            row = Row(name, "fail", str(exc), exc.numbers)
+        else:
+            row = Row(name, "skip", f"not finished: the --budget of {ctx.budget_cut_s:.0f} s ran "
+                      f"out {time.perf_counter() - t0:.0f} s into this row (its timeout is "
+                      f"{ctx.row_limit_s:.0f} s)")  # fmt: skip
     except CheckFailed as exc:
         row = Row(name, "fail", str(exc), exc.numbers)
     except Exception as exc:  # a bug in the check or the machine: the row's reason
@@ -788,12 +800,8 @@ def run_doctor(*, quick: bool = False, out: str | Path | None = None, only: list
             else:
                 cut = left is not None and left < limit
                 ctx.timeout_s = min(limit, left) if cut else limit
+                ctx.budget_cut_s = budget_s if cut else None
                 row = run_check(name, fn, ctx)
-                if cut and row.status == "fail" and row.reason.startswith(TIMED_OUT):
-                    # the budget, not the row's own timeout, stopped it: not a failure
-                    row = Row(name, "skip", f"not finished: the --budget of {budget_s:.0f} s "
-                              f"ran out {row.seconds:.0f} s into this row (its timeout is "
-                              f"{limit:.0f} s)", seconds=row.seconds)  # fmt: skip
             rows.append(row)
             if echo:
                 echo(row)

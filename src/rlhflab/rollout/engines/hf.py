@@ -180,7 +180,7 @@ def half_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """
     from rlhflab.models.lora import is_lora
 
-    src = getattr(model, "module", model)
+    src = unwrapped(model)
     if is_lora(src):
         raise ValueError("half_weights: a LoRA policy has no plain architecture to copy")
     device = next(src.parameters()).device
@@ -201,7 +201,7 @@ def refresh_half_copy(copy: torch.nn.Module, model: torch.nn.Module) -> None:
     A parameter that is an FSDP2 shard (DTensor) is gathered alone (`full_tensor`, a collective:
     every rank refreshes, in the same order), so no rank holds more than one full float32
     parameter beyond its shards. Raises KeyError for a parameter the model does not have."""
-    src = dict(getattr(model, "module", model).named_parameters())
+    src = dict(unwrapped(model).named_parameters())
     for name, p in copy.named_parameters():
         s = src[name].detach()
         if hasattr(s, "full_tensor"):
