@@ -49,6 +49,7 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"envs", "plan"},
     {"eval", "summary", "next_steps", "throughput"},
+    {"experience"},
     {"trainers"},
     {"pipeline", "quickstart", "compare", "prm_vs_orm", "doctor"},
     {"sweep"},
@@ -216,6 +217,54 @@ def test_imports_go_down_the_layers():
             if upward and frozenset({_top(module), _top(t)}) not in KNOWN_CYCLES:
                 bad.append((module, t))
     assert not bad, f"imports that go up or sideways: {bad}"
+
+
+# Who samples through the rollout engines besides `experience/` (the trainers' sampler) and
+# `eval/` (held-out evaluation), each for a reason: the engine table's names (the config's
+# Literal and the CLI's --engine choices derive from it), the episode runner (one `generate` per
+# turn), reward-model data (`rollout.scored`), and the tools that load a model to measure it
+# outside any training run (doctor's engine row, the pipeline's comparison, two replications'
+# evaluations).
+ENGINE_IMPORTERS = {
+    "rlhflab.config.policy_gradient": "ENGINE_NAMES: rollout.engine's Literal",
+    "rlhflab.cli": "ENGINE_NAMES: the --engine choices",
+    "rlhflab.envs.episodes": "SamplingParams of one turn",
+    "rlhflab.rollout.scored": "sample_and_score (reward-model data, best-of-n)",
+    "rlhflab.doctor": "the engine row measures the hf engine",
+    "rlhflab.pipeline": "the comparison loads each final model and samples it",
+    "rlhflab.replications.r1_zero": "samples a saved model",
+    "rlhflab.replications.dpo_overopt": "samples a saved checkpoint",
+}
+
+
+def test_trainers_sample_through_the_experience_layer():
+    """Issue #40's rules: no trainers/ module imports the rollout engines or the environments
+    (they draw through `rlhflab.experience`); besides experience/ and eval/, only the modules of
+    ENGINE_IMPORTERS import rollout.engines (and rollout/ itself)."""
+
+    def hits(prefix):
+        return {m for m, ts in GRAPH.items() if any(t == prefix or t.startswith(prefix + ".")
+                                                   for t in ts)}  # fmt: skip
+
+    engines, envs = hits("rlhflab.rollout.engines"), hits("rlhflab.envs")
+    trainers = sorted(m for m in engines | envs if m.startswith("rlhflab.trainers"))
+    assert not trainers, f"trainers importing rollout.engines or envs: {trainers}"
+    allowed = ("rlhflab.experience", "rlhflab.eval", "rlhflab.rollout")
+    others = sorted(m for m in engines if not m.startswith(allowed) and m not in ENGINE_IMPORTERS)
+    assert not others, f"modules sampling through rollout.engines outside experience/eval: {others}"
+    stale = sorted(set(ENGINE_IMPORTERS) - engines)
+    assert not stale, f"ENGINE_IMPORTERS entries that no longer import rollout.engines: {stale}"
+
+
+def test_sampling_trainers_have_no_mode_specific_code():
+    """Sync, dynamic, async and episodes live in `rlhflab.experience.Sampler`: the trainers that
+    sample through it name none of the modes' machinery."""
+    words = ("AsyncRollouts", "dynamic_sample", "run_episodes", "rlhflab.envs", "load_env",
+             "rollout.mode", "dynamic_sampling", "async_rollouts", "engine.generate")  # fmt: skip
+    for name in ("policy_gradient", "distill"):
+        text = MODULES[f"rlhflab.trainers.{name}"][0].read_text()
+        found = [w for w in words if w in text]
+        assert not found, f"trainers/{name}.py names {found}"
 
 
 def _defines_train(module: str) -> bool:

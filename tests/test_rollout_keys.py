@@ -47,7 +47,9 @@ def test_the_table_covers_every_key_a_family_leaves_out():
         assert fields >= cls.ROLLOUT_KEYS, trainer  # declared names are real keys
         left_out = fields - cls.ROLLOUT_KEYS
         assert left_out <= {k.split(".")[0] for k in NOT_DEFAULT}, (trainer, left_out)
-    assert {"mode", "dynamic_sampling"} <= fields - CONFIG_CLASSES["distill"].ROLLOUT_KEYS
+    distill = CONFIG_CLASSES["distill"].ROLLOUT_KEYS  # every sampling mode (issue #40) ...
+    assert {"mode", "max_staleness", "dynamic_sampling"} <= distill
+    assert {"behav_correction", "behav_cap"} <= fields - distill  # ... no PG loss reweighting
 
 
 @pytest.mark.parametrize("trainer, key", list(_unimplemented()))
@@ -63,12 +65,20 @@ def test_a_key_the_family_does_not_implement_is_refused_at_load(trainer, key):
     )
 
 
-def test_distill_async_and_dynamic_sampling_as_in_the_issue():
-    for over, key in (("rollout.mode=async", "mode: async"),
-                      ("rollout.dynamic_sampling.enabled=true", "dynamic_sampling.enabled: true")):  # fmt: skip
-        with pytest.raises(ConfigError, match=rf"rollout\.{key} is not implemented for trainer "
-                           r"distill \(policy_gradient only\)$"):  # fmt: skip
+def test_distill_samples_in_every_mode_but_sdpo_draws_its_own_batches():
+    # Distillation draws through the experience layer's sampler (issue #40): async and dynamic
+    # sampling load for a teacher model; SDPO, which refills its batch itself, refuses them in
+    # one line naming the key.
+    on_policy = ROOT / "configs/distill/on_policy.yaml"
+    assert load_config(on_policy, ["rollout.mode=async"]).rollout.mode == "async"
+    cfg = load_config(on_policy, ["rollout.dynamic_sampling.enabled=true", "rollout.group_size=2"])
+    assert cfg.rollout.dynamic_sampling.enabled
+    for over, key in (("rollout.mode=async", "rollout.mode 'async'"),
+                      ("rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling")):  # fmt: skip
+        with pytest.raises(ConfigError) as exc:
             load_config(PRESET["distill"], [over])
+        assert "\n" not in str(exc.value)
+        assert f"{key}: teacher.source 'self' (SDPO) draws its own batches" in str(exc.value)
 
 
 @pytest.mark.parametrize("trainer", list(PRESET))
@@ -144,11 +154,11 @@ def test_a_saved_config_with_every_default_written_loads_again(trainer):
 
 def test_cli_prints_the_refusal_in_one_line_and_exits_2(tmp_path, capsys):
     root = tmp_path / "runs"
-    code = main(["train", str(PRESET["distill"]), "rollout.mode=async", f"run.root={root}"])
+    code = main(["train", str(PRESET["distill"]), "rollout.behav_cap=3", f"run.root={root}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err == [
-        f"error: {PRESET['distill']}: rollout.mode: async is not implemented for trainer "
+        f"error: {PRESET['distill']}: rollout.behav_cap: 3.0 is not implemented for trainer "
         "distill (policy_gradient only)"
     ]
     assert not root.exists() or not any(root.iterdir())

@@ -227,7 +227,7 @@ def compare_models(models: dict[str, str], rm_path: str, heldout: list, pc: Pipe
     from rlhflab.data.prompts import render_row
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.reward_model import RewardModelScorer
-    from rlhflab.rollout.engines import SamplingParams, make_engine
+    from rlhflab.rollout.engines import SamplingParams, make_engine, sample_chunks
     from rlhflab.rollout.sampler import completion_logps
 
     if pc.threads:
@@ -243,17 +243,15 @@ def compare_models(models: dict[str, str], rm_path: str, heldout: list, pc: Pipe
         engine = make_engine(None, model, tokenizer)  # the hf engine, as the trainers sample
         gen = torch.Generator().manual_seed(pc.seed)
         scores, lengths, kls = [], [], []
+        greedy = SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True)
+        sampled = SamplingParams(max_new_tokens=e.max_new_tokens)  # the generator's draws only
         with torch.no_grad():
-            for s in range(0, len(prompts), e.batch_size):
-                chunk = prompts[s : s + e.batch_size]
-                greedy = engine.generate(
-                    chunk, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True)
-                )
-                scores += scorer.score_rollout(greedy).tolist()
-                lengths += greedy.lengths.float().tolist()
-                ro = engine.generate(
-                    chunk, SamplingParams(max_new_tokens=e.max_new_tokens), generator=gen
-                )
+            for _, ro, _ in sample_chunks(model, engine, tokenizer, prompts, greedy,
+                                          chunk=e.batch_size):  # fmt: skip
+                scores += scorer.score_rollout(ro).tolist()
+                lengths += ro.lengths.float().tolist()
+            for _, ro, _ in sample_chunks(model, engine, tokenizer, prompts, sampled,
+                                          chunk=e.batch_size, generator=gen):  # fmt: skip
                 logp, _ = completion_logps(model, ro)
                 logp_ref, _ = completion_logps(ref, ro)
                 kls += ((logp - logp_ref) * ro.mask).sum(1).tolist()

@@ -153,6 +153,75 @@ def test_lora_student(tmp_path, models):
     assert res["health"]["ok"] or "params_frozen" not in res["health"]["failed"]
 
 
+# Every sampling mode of the experience layer (rlhflab.experience.Sampler), with no code of its
+# own in trainers/distill.py: async (a behaviour copy samples ahead), dynamic sampling (groups
+# whose verifier scores vary), and episodes with an environment (the teacher scores the model's
+# tokens of the trajectory; observations attended, never trained on).
+MODES = {
+    "async": ({"mode": "async", "max_staleness": 1}, {}, "rollout/staleness"),
+    # partial credit (reasoning_gym's score): the weak models' groups vary often enough
+    "dynamic": (
+        {"dynamic_sampling": {"enabled": True, "max_rounds": 16}},
+        {"task": tiny_task(reward="partial")},
+        "rollout/rounds",
+    ),
+    "env": (
+        {},
+        {"env": {"class": "fixtures_envs:ScriptEnv", "max_turns": 3}},
+        "rollout/turns_mean",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_sampling_mode_runs(mode, tmp_path, models):
+    rollout, sections, key = MODES[mode]
+    raw = preset("on_policy", tmp_path, models, **sections)
+    raw["model"] = {"name_or_path": models["teacher"] + "/model"}  # solves some sums: groups vary
+    raw["teacher"] = {"source": "model", "name_or_path": models["student"]}
+    raw["rollout"].update(group_size=4, prompts_per_step=2, **rollout)
+    res = run_config(config_from_dict(raw))
+    assert res["status"] == "complete" and res["steps"] == 4
+    rows = [r for r in _metrics(res["run_dir"]) if "distill/kl" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["train/loss"]) and r["optim/grad_norm"] > 0 for r in rows)
+    assert all(key in r for r in rows), rows[0].keys()
+    if mode == "async":  # step 1 from the initial weights, then one update behind
+        assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    if mode == "dynamic":  # every kept group's verifier scores vary
+        assert all(r["rollout/rounds"] >= 1 for r in rows)
+    if mode == "env":  # ScriptEnv: up to three model turns (limits may cut one), tool calls
+        assert all(1 < r["rollout/turns_mean"] <= 3 and r["rollout/tool_calls_mean"] > 0
+                   for r in rows)  # fmt: skip
+        assert all(0 <= r["rollout/reward_mean"] <= 1 for r in rows)
+        assert "rollout/accuracy" not in rows[0]
+    assert res["heldout_n"] == 4
+
+
+@pytest.mark.slow
+def test_async_killed_mid_run_resumes_exactly(tmp_path, models):
+    # rollout.mode async: the queued batch (sampled ahead by the behaviour copy) is part of the
+    # checkpoint; SIGKILL in step 3, resume, and the run equals an uninterrupted one bit for bit.
+    sections = {
+        "checkpoint": {"every": 2, "keep_last": 2},
+        "precision": {"threads": 1},
+        "train": {"steps": 4, "micro_batch_size": 4},
+        "eval": {"n": 2, "max_new_tokens": 4},
+    }
+    runs = {}
+    for name in ("ref", "killed"):
+        raw = preset("on_policy", tmp_path / name, models, **sections)
+        raw["rollout"].update(mode="async", max_staleness=1)
+        raw["run"]["name"] = name
+        runs[name] = raw
+    run_config(config_from_dict(runs["ref"]))
+    killed = runs["killed"]
+    assert run_cli(tmp_path, killed, fault="step_mid@3=sigkill", check=False).returncode == -9
+    run_cli(tmp_path, killed, "--resume")
+    assert_same_run(run_dir_of(tmp_path / "ref", "ref"), run_dir_of(tmp_path / "killed", "killed"))
+
+
 def test_teacher_with_another_tokenizer_is_refused(tmp_path, models):
     raw = preset("on_policy", tmp_path, models)
     raw["teacher"]["name_or_path"] = models["other"]["run_dir"]
@@ -248,6 +317,30 @@ def test_sdpo_with_no_correct_sibling_stops_with_a_clear_error(tmp_path, models)
         ({"loss": {"divergence": "topk_kl", "divergence_args": {"k": 3}}}, "divergence_args"),
         ({"loss": {"divergence": "reverse_kll"}}, "reverse_kl"),
         ({"teacher": {"source": "self"}, "rollout": {"group_size": 1}}, "group_size must be >= 2"),
+        # the sampling modes a distillation family cannot use (one line naming the key)
+        (
+            {"teacher": {"source": "self"}, "rollout": {"group_size": 4, "mode": "async"}},
+            "rollout.mode 'async': teacher.source 'self'",
+        ),
+        (
+            {
+                "loss": {"divergence": "generalized_jsd", "lmbda": 0.5},
+                "env": {"class": "fixtures_envs:ScriptEnv"},
+            },
+            "env: loss.lmbda < 1",
+        ),
+        (
+            {
+                "data": {"source": "dataset", "path": "x.jsonl"},
+                "rollout": {"group_size": 2, "dynamic_sampling": {"enabled": True}},
+            },
+            "rollout.dynamic_sampling: distillation keeps",
+        ),
+        ({"rollout": {"group_size": 2, "behav_cap": 3.0, "mode": "async"}}, "behav_cap"),
+        (
+            {"rollout": {"group_size": 2, "mode": "async", "engine": "vllm"}},
+            "needs rollout.engine 'hf'",
+        ),
     ],
 )
 def test_config_errors_are_one_line(tmp_path, models, change, match):

@@ -384,10 +384,10 @@ def test_pair_sampling_names_the_mean_label_for_what_it_is(
     from types import SimpleNamespace
 
     from rlhflab.data.tasks import make_splits
-    from rlhflab.trainers import da_data
+    from rlhflab.experience import pairs
 
     monkeypatch.setattr(
-        da_data,
+        pairs,
         "score_components",
         lambda comps, supplied, **kw: (torch.full((len(supplied["texts"]),), 0.25), {}),
     )
@@ -398,7 +398,7 @@ def test_pair_sampling_names_the_mean_label_for_what_it_is(
         samples_per_prompt=4, max_new_tokens=3, temperature=1.0, chosen="sampled",
         reward=[object()] if components else None,
     )  # fmt: skip
-    _, counts = da_data.verifiable_pairs(
+    _, counts = pairs.verifiable_pairs(
         tiny_model, tiny_tokenizer, problems, _FakeVerifier(reward), vcfg,
         SimpleNamespace(answer_format="plain"), generator=torch.Generator().manual_seed(0),
         rng=random.Random(0), chunk=8, autocast_dtype=None,

@@ -8,7 +8,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from rlhflab.config.base import Strict, _check_kwargs, _check_name
-from rlhflab.config.policy_gradient import PGTrainConfig, RolloutConfig
+from rlhflab.config.policy_gradient import (
+    EnvConfig,
+    PGTrainConfig,
+    RolloutConfig,
+    check_sampling_modes,
+)
 from rlhflab.config.sections import EvalConfig, OptimConfig, PromptDataConfig, TrainerConfig
 
 
@@ -93,13 +98,14 @@ class SDPOConfig(Strict):
 class DistillConfig(TrainerConfig):
     """Config of `trainer: distill` (see trainers/distill.py)."""
 
-    #: the `rollout` keys the distillation trainer reads: synchronous sampling through either
-    #: engine; not rollout.mode async (nor max_staleness, behav_correction, behav_cap) nor
-    #: rollout.dynamic_sampling (SDPO refills its batch with `sdpo.max_rounds` instead)
+    #: the `rollout` keys the distillation trainer reads: every sampling mode of
+    #: `rlhflab.experience.Sampler` (sync, async with max_staleness, dynamic sampling) through
+    #: either engine; not behav_correction / behav_cap (they reweight a policy-gradient loss by
+    #: π_prox/π_behav; the divergence reads no sampler log-probs)
     ROLLOUT_KEYS: ClassVar[frozenset[str]] = frozenset({
         "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
         "min_p", "stop_token_ids", "engine", "vllm", "decode", "sync_every", "cuda_graph",
-        "half_weights",
+        "half_weights", "mode", "max_staleness", "dynamic_sampling",
     })  # fmt: skip
 
     trainer: Literal["distill"] = "distill"
@@ -111,9 +117,34 @@ class DistillConfig(TrainerConfig):
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    # multi-turn episodes (docs/multiturn.md): the student plays them, the teacher scores every
+    # model token of the trajectory in its context (observations attended, never trained on)
+    env: EnvConfig | None = None
 
     @model_validator(mode="after")
     def _consistency(self) -> DistillConfig:
+        check_sampling_modes(self.rollout, self.env)
+        modes = [
+            (self.rollout.mode == "async", "rollout.mode 'async'"),
+            (self.rollout.dynamic_sampling.enabled, "rollout.dynamic_sampling"),
+            (self.env is not None, "env"),
+        ]
+        if self.rollout.dynamic_sampling.enabled and self.data.source != "task":
+            raise ValueError(
+                "rollout.dynamic_sampling: distillation keeps the groups whose verifier scores "
+                "vary, and data.source 'dataset' has no verifier (every score is 0)"
+            )
+        for used, key in modes:
+            if used and self.teacher.source == "self":
+                raise ValueError(
+                    f"{key}: teacher.source 'self' (SDPO) draws its own batches (sdpo.max_rounds) "
+                    "from synchronous single-turn samples"
+                )
+            if used and self.loss.lmbda < 1 and key != "rollout.dynamic_sampling":
+                raise ValueError(
+                    f"{key}: loss.lmbda < 1 (GKD) samples the off-policy batches from the teacher "
+                    "synchronously and single-turn; use loss.lmbda 1"
+                )
         if self.teacher.source == "self":
             if self.rollout.group_size < 2:
                 raise ValueError(

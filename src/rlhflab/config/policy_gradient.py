@@ -332,6 +332,31 @@ class EnvConfig(Strict):
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
 
+def check_sampling_modes(rollout: RolloutConfig, env: EnvConfig | None) -> None:
+    """The one check of the sampling modes, for every trainer family that samples through
+    `rlhflab.experience.Sampler` (policy gradient, distillation): which of sync / async /
+    dynamic sampling / episodes (`env`) combine, as the sampler implements them. A family
+    refuses further combinations its loss cannot use in its own validator.
+
+    Raises:
+        ValueError: one line naming the keys that do not combine.
+    """
+    if rollout.dynamic_sampling.enabled and rollout.group_size < 2:
+        raise ValueError(
+            "rollout.group_size must be >= 2 for rollout.dynamic_sampling "
+            f"(got {rollout.group_size})"
+        )
+    if env is not None and rollout.dynamic_sampling.enabled:
+        raise ValueError("env: rollout.dynamic_sampling is not supported with an environment")
+    if rollout.mode == "async":  # what the background generation supports (docs/async.md)
+        if rollout.engine != "hf":
+            raise ValueError("rollout.mode 'async' needs rollout.engine 'hf' (vllm: not yet)")
+        if rollout.dynamic_sampling.enabled:
+            raise ValueError("rollout.mode 'async' does not support rollout.dynamic_sampling yet")
+        if env is not None:
+            raise ValueError("rollout.mode 'async' does not support env (multi-turn) yet")
+
+
 class PGTrainConfig(TrainBase):
     """Policy-gradient budget: rollout steps, micro-batch size, update epochs × minibatches."""
 
@@ -411,11 +436,6 @@ class PGConfig(TrainerConfig):
                 f"rollout.group_size must be >= 2 for the group advantage "
                 f"'{self.loss.advantage}' (got {self.rollout.group_size})"
             )
-        if self.rollout.dynamic_sampling.enabled and self.rollout.group_size < 2:
-            raise ValueError(
-                "rollout.group_size must be >= 2 for rollout.dynamic_sampling "
-                f"(got {self.rollout.group_size})"
-            )
         if advantage.needs_values and self.value is None:
             raise ValueError(
                 f"value: loss.advantage '{self.loss.advantage}' needs a value model; "
@@ -460,15 +480,8 @@ class PGConfig(TrainerConfig):
                 f"train.minibatches ({self.train.minibatches}) must divide the rollout batch "
                 f"(rollout.prompts_per_step × rollout.group_size = {batch})"
             )
+        check_sampling_modes(self.rollout, self.env)
         if self.rollout.mode == "async":  # what the background generation supports (docs/async.md)
-            if self.rollout.engine != "hf":
-                raise ValueError("rollout.mode 'async' needs rollout.engine 'hf' (vllm: not yet)")
-            if self.rollout.dynamic_sampling.enabled:
-                raise ValueError(
-                    "rollout.mode 'async' does not support rollout.dynamic_sampling yet"
-                )
-            if self.env is not None:
-                raise ValueError("rollout.mode 'async' does not support env (multi-turn) yet")
             if advantage.needs_greedy:
                 raise ValueError(
                     f"loss.advantage: {self.loss.advantage!r} (a greedy-rollout baseline) is not "
@@ -482,9 +495,7 @@ class PGConfig(TrainerConfig):
         return self
 
     def _check_env(self) -> None:
-        """What multi-turn episodes do not combine with (yet)."""
-        if self.rollout.dynamic_sampling.enabled:
-            raise ValueError("env: rollout.dynamic_sampling is not supported with an environment")
+        """What multi-turn episodes do not combine with (yet), beyond `check_sampling_modes`."""
         from rlhflab.losses.advantages import ADVANTAGES
 
         if ADVANTAGES[self.loss.advantage].needs_greedy:

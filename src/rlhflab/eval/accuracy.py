@@ -21,9 +21,7 @@ import torch
 from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.prompts import render_row
 from rlhflab.eval.passk import maj_at_k, pass_at_k
-from rlhflab.rollout.engines import SamplingParams, make_engine
-from rlhflab.rollout.sampler import decode_completions
-from rlhflab.tracking import progress
+from rlhflab.rollout.engines import SamplingParams, make_engine, sample_chunks
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
@@ -125,11 +123,8 @@ def evaluate(
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     per: dict[str, list[float]] = {}
     texts: list[str] = []
-    batches = range(0, len(prompts), batch_size)
-    for start in progress(batches, f"eval ({len(prompts)} problems)"):
-        chunk = prompts[start : start + batch_size]
-        ro = engine.generate(chunk, greedy)
-        decoded = decode_completions(tokenizer, ro, engine.stop_token_ids)
+    for start, _, decoded in sample_chunks(model, engine, tokenizer, prompts, greedy,
+                                           chunk=batch_size, desc=f"eval ({len(prompts)} problems)"):  # fmt: skip
         texts.extend(decoded)
         for key, vals in _score(verifier, decoded, problems[start : start + batch_size]).items():
             per.setdefault(key, []).extend(vals)
@@ -143,15 +138,11 @@ def evaluate(
                 per[f"pass@{kk}"] = []
             if extract is not None:
                 per[f"maj@{kk}"] = []
-        batches = range(0, len(prompts), per_prompt)
-        for start in progress(batches, f"pass@k ({len(prompts)} problems x {n_samples})"):
+        params = SamplingParams(n=n_samples, max_new_tokens=max_new_tokens, temperature=temperature)
+        desc = f"pass@k ({len(prompts)} problems x {n_samples})"
+        for start, _, decoded in sample_chunks(model, engine, tokenizer, prompts, params,
+                                               chunk=per_prompt, generator=gen, desc=desc):  # fmt: skip
             chunk_problems = problems[start : start + per_prompt]
-            chunk = prompts[start : start + per_prompt]
-            params = SamplingParams(
-                n=n_samples, max_new_tokens=max_new_tokens, temperature=temperature
-            )
-            ro = engine.generate(chunk, params, generator=gen)
-            decoded = decode_completions(tokenizer, ro, engine.stop_token_ids)
             rows = [p for p in chunk_problems for _ in range(n_samples)]
             sampled = _score(verifier, decoded, rows)
             sampled = sampled.get("accuracy", sampled.get("reward"))

@@ -166,12 +166,12 @@ def prepare(spec: dict, out: Path, source: str) -> None:
 
     from rlhflab.data.formatting import task_instruction
     from rlhflab.data.tasks import make_splits
+    from rlhflab.experience.pairs import verifiable_pairs
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.verifier import Verifier
     from rlhflab.serialize import write_json_atomic
     from rlhflab.trainers import run_config
     from rlhflab.trainers.common import default_device
-    from rlhflab.trainers.da_data import verifiable_pairs
 
     exp, _, runs = begin(Spec, spec, out, source)
     stage(spec, "dpo", source, model={"name_or_path": "<policy>"})  # validate before training
@@ -242,8 +242,8 @@ def measure(policy, reference, tokenizer, problems, verifier, *, instruction: st
     from rlhflab.data.prompts import render_row
     from rlhflab.eval.accuracy import mean_and_stderr
     from rlhflab.losses.kl import k1
-    from rlhflab.rollout.engines import SamplingParams, make_engine
-    from rlhflab.rollout.sampler import completion_logps, decode_completions
+    from rlhflab.rollout.engines import SamplingParams, make_engine, sample_chunks
+    from rlhflab.rollout.sampler import completion_logps
 
     was_training = policy.training
     policy.eval()
@@ -257,17 +257,17 @@ def measure(policy, reference, tokenizer, problems, verifier, *, instruction: st
             chunk = problems[s : s + batch]
             ids = [encode_prompt(tokenizer, render_row(tokenizer, p, instruction=instruction))
                    for p in chunk]  # fmt: skip
-            ro = engine.generate(ids, greedy_params)
-            greedy += binary(verifier.score_batch(
-                decode_completions(tokenizer, ro, engine.stop_token_ids), chunk))  # fmt: skip
+            [(_, ro, texts)] = sample_chunks(policy, engine, tokenizer, ids, greedy_params)
+            greedy += binary(verifier.score_batch(texts, chunk))
             flat = [i for i in ids for _ in range(samples)]
             rows = [p for p in chunk for _ in range(samples)]
-            ro = engine.generate(flat, sampled, generator=gen)
+            [(_, ro, texts)] = sample_chunks(
+                policy, engine, tokenizer, flat, sampled, generator=gen
+            )
             lp, _ = completion_logps(policy, ro)
             lr, _ = completion_logps(reference, ro)
             kls += (k1(lp, lr) * ro.mask).sum(dim=1).tolist()
-            scores = binary(verifier.score_batch(
-                decode_completions(tokenizer, ro, engine.stop_token_ids), rows))  # fmt: skip
+            scores = binary(verifier.score_batch(texts, rows))
             gold += [sum(scores[i * samples : (i + 1) * samples]) / samples
                      for i in range(len(chunk))]  # fmt: skip
     policy.train(was_training)

@@ -268,8 +268,7 @@ def evaluate_policy(model_dir: str, problems: list[dict], template: str, *, k: i
     from rlhflab.data.formatting import encode_prompt
     from rlhflab.models.loading import load_model, load_tokenizer
     from rlhflab.rewards.functions import exact_match, think_format
-    from rlhflab.rollout.engines import SamplingParams, make_engine
-    from rlhflab.rollout.sampler import decode_completions
+    from rlhflab.rollout.engines import SamplingParams, make_engine, sample_chunks
 
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
     model.eval()
@@ -278,8 +277,7 @@ def evaluate_policy(model_dir: str, problems: list[dict], template: str, *, k: i
     engine = make_engine(None, model, tok)
 
     def run(params, golds_rep, generator=None):
-        ro = engine.generate(prompts, params, generator=generator)
-        texts = decode_completions(tok, ro, engine.stop_token_ids)
+        [(_, ro, texts)] = sample_chunks(model, engine, tok, prompts, params, generator=generator)
         right = exact_match(None, texts, answer=golds_rep)
         return texts, [float(r) for r in right], [int(n) for n in ro.lengths.tolist()]
 

@@ -10,8 +10,7 @@ import torch
 from rlhflab.data.formatting import encode_prompt
 from rlhflab.data.prompts import render_row
 from rlhflab.data.reward_data import ScoredSamples
-from rlhflab.rollout.engines import SamplingParams, make_engine
-from rlhflab.rollout.sampler import decode_completions
+from rlhflab.rollout.engines import SamplingParams, make_engine, sample_chunks
 
 
 @torch.no_grad()
@@ -33,8 +32,6 @@ def sample_and_score(
     """Sample `k` completions for each problem (task Problem or prompt row) and score them with
     `verifier` (anything with `score_batch(texts, rows)`); prompts carry `system` and the
     answer-format `instruction` (`render_row`)."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     prompts = [
@@ -47,11 +44,9 @@ def sample_and_score(
     comp_ids: list[list[list[int]]] = []
     texts: list[list[str]] = []
     scores: list[list[float]] = []
-    for start in range(0, len(problems), per_chunk):
+    for start, ro, decoded in sample_chunks(model, engine, tokenizer, prompts, params,
+                                            chunk=per_chunk, generator=gen):  # fmt: skip
         chunk_p = problems[start : start + per_chunk]
-        chunk = prompts[start : start + per_chunk]
-        ro = engine.generate(chunk, params, generator=gen)
-        decoded = decode_completions(tokenizer, ro, engine.stop_token_ids)
         sc = verifier.score_batch(decoded, [p for p in chunk_p for _ in range(k)])
         ids = [
             [t for t, m in zip(row, mrow, strict=True) if m]
@@ -61,5 +56,4 @@ def sample_and_score(
             comp_ids.append(ids[i * k : (i + 1) * k])
             texts.append(decoded[i * k : (i + 1) * k])
             scores.append(sc[i * k : (i + 1) * k])
-    model.train(was_training)
     return ScoredSamples(list(problems), prompts, comp_ids, texts, scores)

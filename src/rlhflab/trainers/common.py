@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from rlhflab import distributed, faults
-from rlhflab.checkpoint import python_rng_state, set_python_rng_state
 from rlhflab.config import ModelConfig, OptimConfig, PrecisionConfig
-from rlhflab.errors import ConfigError, DataError, ModelError, NonFiniteError
+from rlhflab.errors import DataError, ModelError, NonFiniteError
+from rlhflab.experience.prompts import check_generation_budget, check_lengths  # noqa: F401
+from rlhflab.experience.stream import ShuffledStream  # noqa: F401  (the trainers' data position)
 from rlhflab.throughput import STAGES
 
 
@@ -165,23 +166,6 @@ def _load_pretrained(
     except ModelError as exc:
         raise ModelError(f"model.name_or_path: {exc}") from None
     return tokenizer, model
-
-
-def check_lengths(lengths: list[int], limit: int, *, what: str, field: str) -> None:
-    """Raise DataError naming the first row whose length exceeds `limit`."""
-    for i, n in enumerate(lengths):
-        if n > limit:
-            raise DataError(f"{field}: {what} of row {i} has {n} tokens > limit {limit}")
-
-
-def check_generation_budget(context: int, max_new_tokens: int, *, field: str) -> None:
-    """Raise ConfigError when `max_new_tokens` leaves no room for a prompt in the model's
-    context (names the field and both numbers)."""
-    if max_new_tokens >= context:
-        raise ConfigError(
-            f"{field} ({max_new_tokens}) must be smaller than the model's context length "
-            f"({context}): no room is left for the prompt"
-        )
 
 
 def check_context_fit(rows: list[dict], context: int, *, what: str) -> None:
@@ -420,81 +404,6 @@ class Reference:
         module = self.copy if self.copy is not None else self.policy
         with distributed.gathered(module), adapters_disabled(module):
             yield module
-
-
-class ShuffledStream:
-    """Row indices forever, each pass over `n` rows in a fresh order drawn from `rng`: the data
-    position of every trainer (SFT and RM examples, preference rows, policy-gradient prompts).
-
-    `take(k)` returns the next k indices (a pass may end inside a batch; the next pass continues
-    it). The position is `order` (indices left in this pass, popped from the end) plus the state
-    of `rng`; `state()` / `load()` carry both through checkpoints. `rng` may be shared with other
-    draws of the trainer (direct alignment samples its rounds' prompts from it too).
-    """
-
-    def __init__(
-        self,
-        n: int,
-        rng: random.Random,
-        *,
-        fingerprint: dict | None = None,
-        allow_change: bool = False,
-    ) -> None:
-        self.n, self.rng, self.order = n, rng, []
-        # `rlhflab.fingerprint.data_fingerprint` of the rows: checked by `load` (data changed
-        # since the checkpoint: an error, or with `allow_change` a new pass over the new rows).
-        self.fingerprint, self.allow_change = fingerprint, allow_change
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        if not self.order:
-            self.order = list(range(self.n))
-            self.rng.shuffle(self.order)
-        return self.order.pop()
-
-    def take(self, k: int) -> list[int]:
-        """The next k row indices."""
-        return [next(self) for _ in range(k)]
-
-    def restart(self, n: int, fingerprint: dict | None = None) -> None:
-        """Start a new pass over `n` rows at the next draw (new data, e.g. a DPO round)."""
-        self.n, self.order, self.fingerprint = n, [], fingerprint
-
-    def state(self) -> dict:
-        """The position as JSON: rows, indices left in this pass, rng state, data fingerprint."""
-        return {
-            "n": self.n,
-            "order": self.order,
-            "rng": python_rng_state(self.rng),
-            "fingerprint": self.fingerprint,
-        }
-
-    def load(self, state: dict) -> None:
-        """Continue from a `state()`.
-
-        Raises:
-            DataError: the rows differ from the checkpoint's (count or content) and
-                `allow_change` is off. With it, the stream starts a new pass over the new rows.
-        """
-        saved = state.get("fingerprint")
-        set_python_rng_state(state["rng"], self.rng)
-        if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
-            change = (
-                f"training data changed since the checkpoint: {saved['rows']} rows "
-                f"(sha256 {saved['sha256'][:12]}) then, {self.fingerprint['rows']} rows "
-                f"(sha256 {self.fingerprint['sha256'][:12]}) now"
-            )
-            if not self.allow_change:
-                raise DataError(
-                    f"{change}; restore the data or pass --allow-config-change to continue on "
-                    "the new data"
-                )
-            warnings.warn(f"{change}; continuing with a new pass over the new data", stacklevel=2)
-            self.order = []  # a new pass over the new rows
-            return
-        self.n, self.order = state["n"], state["order"]
 
 
 def heldout_eval(

@@ -1,7 +1,7 @@
 """Direct alignment's data side (rlhflab.trainers.direct_alignment): training rows from
 tokenized pairs (paired, or KTO's unpaired rows with their mismatched completions), the cached
-reference pass, pairs sampled from the policy and labelled (verifiable / online DPO), the held-out
-margins and the in-loop samples.
+reference pass and the held-out margins. Pairs sampled from the policy (verifiable / online
+DPO) and the in-loop samples are drawn in `rlhflab.experience.pairs`.
 
 Rows are dicts of token-id lists: paired {prompt, chosen, rejected} (+ `ref_chosen`,
 `ref_rejected` once the reference pass ran), unpaired {prompt, completion, label, kl_completion}
@@ -15,20 +15,14 @@ import random
 import torch
 
 from rlhflab import distributed
-from rlhflab.data.formatting import encode_prompt, format_completion
 from rlhflab.data.preference import (
     PreferencePair,
     TokenizedPair,
-    pairs_from_scored_samples,
     tokenize_pairs,
 )
-from rlhflab.data.prompts import render_row
 from rlhflab.errors import DataError
 from rlhflab.ops import upcast
-from rlhflab.rewards.shaping import score_components
-from rlhflab.rollout.engines import SamplingParams, make_engine
-from rlhflab.rollout.sampler import completion_logps, decode_completions, pack
-from rlhflab.tracking import progress
+from rlhflab.rollout.sampler import completion_logps, pack
 
 
 def sequence_logps(model, prompts, completions, pad_id, *, autocast_dtype=None):
@@ -126,81 +120,6 @@ def cache_reference(model, rows, pad_id, *, unpaired, chunk, autocast_dtype) -> 
             r[dst] = v
 
 
-def verifiable_pairs(
-    model, tokenizer, problems, verifier, vcfg, task, *, generator, rng, chunk, autocast_dtype,
-    system=None, instruction=None,
-):  # fmt: skip
-    """Sample K completions per prompt row from `model`, score them (the task's verifier, or
-    `vcfg.reward` components: reward functions, a reward model), pair best with worst. Prompts
-    carry `system` and the answer-format `instruction` (`render_row`).
-
-    Returns (pairs, counts): `pairs_from_scored_samples`' counts plus the mean label of the
-    sampled completions under one of three names: `sample_accuracy` (binary verifier: the
-    fraction correct), `sample_verifier_score_mean` (partial-credit verifier) or
-    `sample_reward_mean` (the weighted sum of the `verifiable.reward` components, e.g. a reward
-    model's score: never an accuracy)."""
-    prompts = [render_row(tokenizer, p, system=system, instruction=instruction) for p in problems]
-    ids = [encode_prompt(tokenizer, p) for p in prompts]
-    K = vcfg.samples_per_prompt
-    texts: list[str] = []
-    scores: list[float] = []
-    flat = [p for p in ids for _ in range(K)]
-    rows = [p for p in problems for _ in range(K)]
-    was_training = model.training
-    model.eval()
-    # Every data-parallel rank samples every prompt with the same draws (the generators are in
-    # step), so all ranks build the same pairs; under FSDP2 the parameters are gathered once.
-    # Through the hf rollout engine; a group's repeated prompt is prefilled once (prefix sharing).
-    engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
-    params = SamplingParams(max_new_tokens=vcfg.max_new_tokens, temperature=vcfg.temperature)
-    with distributed.gathered(model):
-        pieces = range(0, len(flat), chunk)
-        for s in progress(pieces, f"sampling pairs ({len(problems)} prompts x {K})"):
-            ro = engine.generate(flat[s : s + chunk], params, generator=generator)
-            chunk_texts = decode_completions(tokenizer, ro, engine.stop_token_ids)
-            texts.extend(chunk_texts)
-            if vcfg.reward is not None:  # labelled by reward components, as in policy gradients
-                total, _ = score_components(
-                    vcfg.reward,
-                    {
-                        "texts": chunk_texts,
-                        "problems": rows[s : s + chunk],
-                        "verifier": verifier,
-                        "lengths": ro.lengths.cpu(),
-                        "truncated": ro.truncated.cpu(),
-                        "max_new_tokens": vcfg.max_new_tokens,
-                        "rollout": ro,
-                    },
-                    where="pair sampling",
-                )
-                scores.extend(total.tolist())
-    model.train(was_training)
-    if vcfg.reward is None:
-        scores = verifier.score_batch(texts, rows)
-    samples = [texts[i * K : (i + 1) * K] for i in range(len(problems))]
-    score_rows = [scores[i * K : (i + 1) * K] for i in range(len(problems))]
-    gold = [
-        None
-        if p.answer is None or getattr(p, "problem", True) is None  # dataset rows: no gold
-        else format_completion(p.answer, answer_format=task.answer_format)
-        for p in problems
-    ]
-    pairs, counts = pairs_from_scored_samples(
-        prompts, samples, score_rows, gold=gold, chosen_source=vcfg.chosen, rng=rng
-    )
-    # The mean label of the sampled completions, named for what it is: an accuracy only when it
-    # is the fraction a binary verifier marks correct; a partial-credit verifier gives a mean
-    # score, reward components (functions, a reward model) a mean weighted-sum reward.
-    mean = sum(scores) / max(1, len(scores))
-    if vcfg.reward is not None:
-        counts["sample_reward_mean"] = mean
-    elif getattr(verifier, "reward", "binary") == "binary":
-        counts["sample_accuracy"] = mean
-    else:
-        counts["sample_verifier_score_mean"] = mean
-    return pairs, counts
-
-
 @torch.no_grad()
 def heldout_margins(model, held_rows, cfg, pad, use_ref, autocast_dtype) -> list[torch.Tensor]:
     """Implicit-reward margins of the held-out pairs: (log π − log π_ref)(y_w) − (same)(y_l), or
@@ -235,35 +154,3 @@ def tokenize_unpaired(tokenizer, examples, tok_kw) -> tuple[list[dict], dict]:
         for tp, e in zip(tokenized, examples, strict=True)
     ]
     return rows, counts
-
-
-@torch.no_grad()
-def write_greedy_samples(
-    writer, step, model, tokenizer, problems, scorer, cfg, autocast_dtype, system=None,
-    instruction=None,
-) -> None:  # fmt: skip
-    """Greedy completions of the first held-out prompts (in-loop samples), with their scores."""
-    problems = problems[: cfg.tracking.samples_per_step]
-    if not problems:
-        return
-    was_training = model.training
-    model.eval()
-    prompts = [
-        encode_prompt(tokenizer, render_row(tokenizer, p, system=system, instruction=instruction))
-        for p in problems
-    ]
-    engine = make_engine(None, model, tokenizer, autocast_dtype=autocast_dtype)
-    with distributed.gathered(model):
-        ro = engine.generate(
-            prompts, SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, greedy=True)
-        )
-    model.train(was_training)
-    texts = decode_completions(tokenizer, ro, engine.stop_token_ids)
-    scores = scorer.score_batch(texts, problems)
-    writer.write(
-        step,
-        [
-            {"prompt": p.question, "completion": c, "reward": r, "answer": p.answer}
-            for p, c, r in zip(problems, texts, scores, strict=True)
-        ],
-    )

@@ -59,6 +59,7 @@ from rlhflab.data.prompts import load_prompt_source
 from rlhflab.data.tasks import task_texts
 from rlhflab.errors import DataError
 from rlhflab.eval.accuracy import heldout_results, majority_baseline, majority_results
+from rlhflab.experience.pairs import verifiable_pairs, write_greedy_samples
 from rlhflab.fingerprint import data_fingerprint
 from rlhflab.losses.preference import PREFERENCE_LOSSES, unpaired_loss_names
 from rlhflab.models.loading import context_length
@@ -82,9 +83,7 @@ from rlhflab.trainers.da_data import (
     sequence_logps,
     tokenize_unpaired,
     unpaired_rows,
-    verifiable_pairs,
     with_mismatched,
-    write_greedy_samples,
 )
 from rlhflab.trainers.loop import Checkpointed, Env, Trainer, run
 

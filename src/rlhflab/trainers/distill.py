@@ -2,7 +2,9 @@
 
 Each step reads top to bottom (`Distill.step`):
     1. batch      prompts_per_step prompts × group_size completions, sampled from the student
-                  (on-policy), or, with probability 1 − loss.lmbda (GKD's λ), from the teacher
+                  (on-policy) through the experience layer's `Sampler` in the configured mode
+                  (sync, async, dynamic sampling, episodes with an `env`; rlhflab.experience),
+                  or, with probability 1 − loss.lmbda (GKD's λ), from the teacher
                   (sequence-level KD on teacher outputs). With teacher.source "self" (SDPO),
                   prompts whose group has no correct completion are skipped and further prompts
                   drawn until the batch is full (at most sdpo.max_rounds draws, then a DataError)
@@ -36,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import random
 import warnings
 from pathlib import Path
 
@@ -44,30 +45,17 @@ import torch
 
 from rlhflab import distributed, faults
 from rlhflab.config.distill import DistillConfig
-from rlhflab.data.formatting import encode_prompt, task_instruction
-from rlhflab.data.prompts import load_prompt_source, render_row
-from rlhflab.data.tasks import task_texts
+from rlhflab.data.formatting import encode_prompt
 from rlhflab.errors import ConfigError, DataError
 from rlhflab.eval.accuracy import majority_baseline, majority_results
-from rlhflab.fingerprint import data_fingerprint
+from rlhflab.experience import PromptSet, Sampler, VerifierOnly
 from rlhflab.losses.distill import DIVERGENCES, chunked_divergence
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import apply_lora
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch
-from rlhflab.rollout.engines import SamplingParams, awake, generating, make_engine
-from rlhflab.rollout.sampler import (
-    Rollout,
-    completion_logps,
-    decode_completions,
-    draw_seed,
-    forward_through_head,
-    left_pad,
-)
+from rlhflab.rollout.sampler import Rollout, completion_logps, forward_through_head, left_pad
 from rlhflab.trainers.common import (
-    ShuffledStream,
-    check_generation_budget,
-    check_lengths,
     grad_norm_and_clip,
     heldout_eval,
     make_optimizer,
@@ -188,26 +176,22 @@ class Distill(Trainer):
 
     # -- Set-up (validation only, nothing written) ---------------------------------------------
     def __init__(self, cfg: DistillConfig, env: Env) -> None:
-        """Prompts, student, teacher (tokenizer checked), engines, optimizer, RNGs."""
+        """Prompts, student, teacher (tokenizer checked), sampler, optimizer, RNGs."""
         super().__init__(cfg, env)
         device, t = env.device, cfg.task
-        splits = load_prompt_source(cfg.data, t, seed=cfg.seed)
-        self.splits = splits
-        self.is_task = cfg.data.source == "task"
-        self.system = t.system if self.is_task else cfg.data.system
-        self.instruction = task_instruction(t) if self.is_task else None
+        self.prompts = prompts = PromptSet(cfg, seed=cfg.seed)
+        splits = self.splits = prompts.splits
+        self.is_task = prompts.is_task
         tokenizer, model = prepare_model(
             cfg.model, device=device, seed=cfg.seed,
-            tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+            tokenizer_texts=lambda: prompts.tokenizer_texts(cfg.model.build.tokenizer_texts),
             sharded_later=True,
         )  # fmt: skip
         self.tokenizer = tokenizer
-        self.prompts = [encode_prompt(tokenizer, self.render(p)) for p in splits.train]
-        check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
-                                field="rollout.max_new_tokens")  # fmt: skip
         self.context = context_length(model)
-        check_lengths([len(p) for p in self.prompts], self.context - cfg.rollout.max_new_tokens,
-                      what="prompt", field=f"{splits.source} train")  # fmt: skip
+        prompts.encode(tokenizer, context=self.context, seed=cfg.seed,
+                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       allow_change=cfg.run.allow_config_change)  # fmt: skip
         self.verifier = Verifier(
             answer_format=t.answer_format, reward=t.reward, extractor=t.extractor
         )
@@ -221,38 +205,26 @@ class Distill(Trainer):
         )  # fmt: skip
         model = apply_lora(model, cfg.model.lora)
         self.divergence = DIVERGENCES[cfg.loss.divergence]
-        self.teacher = self.teacher_engine = None
+        self.teacher = None
         if cfg.teacher.source == "model":
             self.teacher = self.load_teacher(tokenizer, model, device)
         model = distributed.wrap(model, cfg.parallel)
         self.model, self.tokenizer = model, tokenizer
-        self.engine = make_engine(cfg.rollout, model, tokenizer, autocast_dtype=env.autocast_dtype)
-        if cfg.loss.lmbda < 1:  # GKD's off-policy batches: the teacher samples (hf engine)
-            self.teacher_engine = make_engine(
-                None, self.teacher, tokenizer, autocast_dtype=env.autocast_dtype
-            )
         r = cfg.rollout
-        self.sampling = SamplingParams(
-            n=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-        )  # fmt: skip
         self.group_size = r.group_size
         self.batch_size = r.prompts_per_step * r.group_size
         self.optimizer = make_optimizer(model, cfg.optim)
         self.scheduler = make_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
         self.mix_rng = torch.Generator().manual_seed(cfg.seed + 2)  # GKD: student or teacher
-        self.prompt_stream = ShuffledStream(
-            len(self.prompts), random.Random(cfg.seed), fingerprint=data_fingerprint(self.prompts),
-            allow_change=cfg.run.allow_config_change,
+        # Batches (rlhflab.experience): sampled by the student in the configured mode (sync,
+        # dynamic sampling, async; episodes with an `env`), scored by the verifier only; GKD's
+        # off-policy batches sampled by the teacher (`Sampler.draw_from`).
+        self.sampler = Sampler(
+            cfg, prompts, model, tokenizer, VerifierOnly(self.verifier, is_task=self.is_task),
+            device=device, autocast_dtype=env.autocast_dtype, context=self.context,
         )  # fmt: skip
         self.initial_eval: dict = {}
         self.final_eval: dict = {}
-
-    def render(self, problem) -> str:
-        """The chat-formatted prompt text of a problem (`data.prompts.render_row`)."""
-        return render_row(self.tokenizer, problem, system=self.system,
-                          instruction=self.instruction)  # fmt: skip
 
     def load_teacher(self, tokenizer, student, device) -> torch.nn.Module:
         """The frozen teacher on `device`, in the student's compute dtype (module doc)."""
@@ -316,13 +288,13 @@ class Distill(Trainer):
         teacher = self.cfg.teacher.name_or_path or "self (correct sibling as demonstration)"
         return (
             f"teacher {teacher}, divergence {self.cfg.loss.divergence}, train prompts "
-            f"{len(self.prompts)}, held-out {len(self.heldout)}"
+            f"{len(self.prompts.ids)}, held-out {len(self.heldout)}"
         )
 
     def checkpointed(self) -> Checkpointed:
         return Checkpointed.one_model(
-            self.model, self.optimizer, self.scheduler, self.prompt_stream,
-            generators={"sampler": self.sampler_rng, "mix": self.mix_rng},
+            self.model, self.optimizer, self.scheduler, self.prompts.stream,
+            generators={**self.sampler.generators(), "mix": self.mix_rng},
         )  # fmt: skip
 
     # -- Evaluations, state ----------------------------------------------------------------------
@@ -330,12 +302,16 @@ class Distill(Trainer):
         return bool(self.heldout)
 
     def evaluate(self, step: int) -> dict:
-        with awake(self.engine):
-            res = heldout_eval(
-                self.cfg, self.model, self.tokenizer, self.heldout, self.verifier, self.tracker,
-                step, self.autocast_dtype, system=self.system, instruction=self.instruction,
-                baseline=self.baseline, engine=self.engine,
-            )  # fmt: skip
+        if self.sampler.env is not None:  # episodes (greedy): success, turns, tool calls
+            res = self.sampler.evaluate_episodes(self.heldout, batch_size=self.cfg.eval.batch_size)
+            self.tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
+        else:
+            with self.sampler.evaluating() as engine:
+                res = heldout_eval(
+                    self.cfg, self.model, self.tokenizer, self.heldout, self.verifier,
+                    self.tracker, step, self.autocast_dtype, system=self.prompts.system,
+                    instruction=self.prompts.instruction, baseline=self.baseline, engine=engine,
+                )  # fmt: skip
         self.health.observe_eval(step, res)
         return res
 
@@ -343,11 +319,14 @@ class Distill(Trainer):
         self.initial_eval = self.evaluate(0) if self.heldout else {}
 
     def state(self) -> dict:
-        return {"initial_eval": self.initial_eval, "verifier_errors": self.verifier.n_errors}
+        # first: waits for the queued rollouts (async), which move the RNG, stream and counters
+        return {**self.sampler.state(), "initial_eval": self.initial_eval,
+                "verifier_errors": self.verifier.n_errors}  # fmt: skip
 
     def load_state(self, state: dict) -> None:
         self.initial_eval = state["initial_eval"]
         self.verifier.n_errors = state["verifier_errors"]
+        self.sampler.load(state)
 
     def write_samples(self, step: int) -> None:
         cfg = self.cfg
@@ -368,13 +347,19 @@ class Distill(Trainer):
             on_policy = bool(torch.rand((), generator=self.mix_rng).item() < cfg.loss.lmbda)
         info: dict = {}
         timer = self.timer
+        verifier_errors = None  # sampled ahead (async): the count as of the batch
         with timer.stage("rollout"):
             if cfg.teacher.source == "self":
                 batch, info = self.sdpo_batch(step)
                 t_rollout, keep = self.sibling_rollout(batch)
-            else:
-                chosen = self.prompt_stream.take(cfg.rollout.prompts_per_step)
-                batch = self.draw(chosen, step, teacher=not on_policy)
+            elif on_policy:  # the student samples, in the configured mode (rlhflab.experience)
+                batch, info = self.sampler.next_batch(step, self.model)
+                verifier_errors = info.pop("verifier_errors")  # as of that batch (async)
+                info = {f"rollout/{k}": v for k, v in info.items()}
+                t_rollout, keep = batch.rollout, torch.ones_like(batch.rewards)
+            else:  # GKD's off-policy batch: the teacher samples
+                chosen = self.prompts.stream.take(cfg.rollout.prompts_per_step)
+                batch = self.sampler.draw_from(self.teacher, chosen, step)
                 t_rollout, keep = batch.rollout, torch.ones_like(batch.rewards)
         local = batch.rollout.attention_mask  # the global batch; this rank trains 1/world of it
         tokens = float(local.sum()) / distributed.world_size()
@@ -386,51 +371,32 @@ class Distill(Trainer):
         with timer.stage("update"):  # the teacher's forward passes run inside the update
             stats = self.update(batch.rollout, t_rollout, keep, step)
         with timer.stage("weight_sync"):
-            self.engine.update_weights(self.model.named_parameters())
+            self.sampler.sync_weights(self.model)
         self.last_batch = batch
         mask = batch.rollout.mask
+        if verifier_errors is None:
+            verifier_errors = self.verifier.n_errors
+        # the verifier's score; with an `env`, the environment's reward (its success rate is
+        # rollout/success)
+        episodes = self.sampler.env is not None
         metrics = {
             **stats,
             "distill/on_policy": float(on_policy),
-            "rollout/accuracy": batch.rewards.mean().item(),
+            "rollout/reward_mean" if episodes else "rollout/accuracy": batch.rewards.mean().item(),
             "rollout/response_length": mask.sum(1).mean().item(),
             "rollout/truncated_frac": batch.rollout.truncated.float().mean().item(),
             "optim/lr": self.scheduler.get_last_lr()[0],
-            "verifier/errors": self.verifier.n_errors,
+            "verifier/errors": verifier_errors,
             **info,
+            **batch.info,  # episodes: rollout/success, rollout/turns_mean, ...
         }
         health_inputs = {
             "rollout": batch.rollout,
             "texts": batch.texts,
             "group_size": self.group_size,
-            "correct": batch.rewards if self.is_task else None,
+            "correct": batch.rewards if self.is_task and not episodes else None,
         }
         return metrics, health_inputs
-
-    def draw(self, chosen: list[int], step: int, *, teacher: bool = False) -> ScoredBatch:
-        """group_size completions of each prompt in `chosen` (the global list), sampled by the
-        student (or the teacher) and scored by the task's verifier (zeros for prompt datasets).
-        Each rank samples a contiguous share of the prompts; every rank returns the global batch."""
-        model = self.teacher if teacher else self.model
-        engine = self.teacher_engine if teacher else self.engine
-        device, g = self.device, self.group_size
-        g0, g1 = distributed.shard_bounds(len(chosen), even=False)
-        mine = chosen[g0:g1]
-        if not mine:
-            draw_seed(self.sampler_rng, device)  # the draw `sample` would take: stay in step
-            return ScoredBatch.gather(None, self.tokenizer.pad_token_id, device)
-        problems = [self.splits.train[i] for i in mine for _ in range(g)]
-        with generating(model, engine, train_after=not teacher):  # the teacher stays in eval
-            rollout = engine.generate(
-                [self.prompts[i] for i in mine], self.sampling, generator=self.sampler_rng,
-                rows=list(range(g0 * g, g1 * g)), n_rows=len(chosen) * g,
-                width=max(len(self.prompts[i]) for i in chosen),
-            )  # fmt: skip
-        texts = decode_completions(self.tokenizer, rollout, engine.stop_token_ids)
-        scores = self.verifier.score_batch(texts, problems) if self.is_task else [0.0] * len(texts)
-        rewards = torch.tensor(scores, dtype=torch.float32, device=device)
-        local = ScoredBatch(rollout, rewards, {"correctness": rewards}, texts, problems)
-        return ScoredBatch.gather(local, self.tokenizer.pad_token_id, device)
 
     def sdpo_batch(self, step: int) -> tuple[ScoredBatch, dict]:
         """The book's SDPO batch: draws of prompts_per_step prompts until prompts_per_step groups
@@ -449,7 +415,7 @@ class Distill(Trainer):
                     "prompts (sdpo.max_rounds); raise sdpo.max_rounds or rollout.group_size, or "
                     "start from a stronger student"
                 )
-            b = self.draw(self.prompt_stream.take(need), step)
+            b = self.sampler.draw(self.prompts.stream.take(need), step)
             drawn += need
             solved = (b.rewards.view(-1, g) >= 1.0).any(1).nonzero().flatten().cpu()
             take = solved[: need - n_kept]
@@ -473,15 +439,14 @@ class Distill(Trainer):
             demo = next((j for j in range(base, base + g) if j != i and correct[j]), None)
             keep.append(float(demo is not None))
             if demo is None:
-                rows.append(self.prompts[0][:1])  # not scored (keep 0): any short prompt
+                rows.append(self.prompts.ids[0][:1])  # not scored (keep 0): any short prompt
                 continue
             question = (
                 f"{problem.question}\nCorrect solution:\n\n{batch.texts[demo]}\n"
                 "\nCorrectly solve the original question.\n"
             )
-            ids = encode_prompt(
-                self.tokenizer, self.render(dataclasses.replace(problem, prompt=question))
-            )
+            row = dataclasses.replace(problem, prompt=question)
+            ids = encode_prompt(self.tokenizer, self.prompts.render(self.tokenizer, row))
             if len(ids) + self.cfg.rollout.max_new_tokens > self.context:
                 raise DataError(
                     f"SDPO teacher prompt of {len(ids)} tokens (question + demonstration) and "
@@ -593,6 +558,7 @@ class Distill(Trainer):
 
     # -- The end -------------------------------------------------------------------------------
     def finish(self, step: int) -> None:
+        self.sampler.close()
         self.final_eval = self.evaluate(step) if self.heldout else {}
 
     def results(self) -> dict:

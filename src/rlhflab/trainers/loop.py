@@ -87,14 +87,10 @@ def check_launch(cfg) -> None:
             `rollout.prompts_per_step`).
     """
     rollout = getattr(cfg, "rollout", None)
-    if rollout is not None and rollout.engine == "vllm":  # a TP group is a group of ranks
-        from rlhflab.rollout.engines.vllm import check_parallel
+    if rollout is not None:  # a vLLM tensor-parallel group is a group of ranks
+        from rlhflab.experience import check_engine_layout
 
-        check_parallel(
-            rollout.vllm.tensor_parallel_size,
-            distributed.world_size(),
-            dynamic=rollout.dynamic_sampling.enabled,
-        )
+        check_engine_layout(rollout, distributed.world_size())
     if cfg.trainer == "distill":  # completions are split over the ranks
         distributed.check_split(
             cfg.rollout.prompts_per_step * cfg.rollout.group_size, "rollout.prompts_per_step",

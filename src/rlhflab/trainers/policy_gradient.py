@@ -1,9 +1,11 @@
 """Policy-gradient RL with verifier rewards: the REINFORCE / RLOO / PPO / GRPO family, composed from
 named parts.
 
-Each step reads top to bottom (`PolicyGradient.step`; phases 3-6 in rlhflab.trainers.pg_phases):
+Each step reads top to bottom (`PolicyGradient.step`; phases 1-2 drawn through the experience
+layer's `Sampler`, rlhflab.experience; phases 3-6 in rlhflab.trainers.pg_phases):
     1. rollout     sample `group_size` completions for each of `prompts_per_step` prompts; with
-                   dynamic sampling, keep drawing prompts until every group's rewards vary
+                   dynamic sampling, keep drawing prompts until every group's rewards vary;
+                   async, the batch a behaviour copy sampled ahead; with an env, episodes
     2. rewards     score every completion: Σ weight·component (verifier correctness, format, length,
                    overlong, ...), each component logged on its own
     3. old / ref   log-probs of the pre-update policy (when more than one optimizer step uses the
@@ -29,9 +31,6 @@ so the ratio is exactly 1 there.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import random
 import time
 from functools import partial
 from pathlib import Path
@@ -40,19 +39,8 @@ import torch
 
 from rlhflab import distributed
 from rlhflab.config import PGConfig
-from rlhflab.data.formatting import encode_prompt, task_instruction
-from rlhflab.data.prompts import load_prompt_source, render_row
-from rlhflab.data.tasks import task_texts
-from rlhflab.envs import load_env
-from rlhflab.envs.episodes import EpisodeLimits, evaluate_episodes, run_episodes
-from rlhflab.errors import ConfigError
-from rlhflab.eval.accuracy import (
-    heldout_results,
-    majority_baseline,
-    majority_results,
-    mean_and_stderr,
-)
-from rlhflab.fingerprint import data_fingerprint
+from rlhflab.eval.accuracy import heldout_results, majority_baseline, majority_results
+from rlhflab.experience import PromptSet, RewardComponents, Sampler, eval_sets
 from rlhflab.losses.advantages import ADVANTAGES
 from rlhflab.losses.kl import KLController, kl_penalty
 from rlhflab.losses.policy import POLICY_LOSSES
@@ -63,20 +51,12 @@ from rlhflab.rewards.reward_model import (
     check_reward_model_paths,
     load_running_norm_state,
     running_norm_state,
-    take_part_without_rows,
 )
-from rlhflab.rewards.shaping import TextRewardScorer, score_components
+from rlhflab.rewards.shaping import TextRewardScorer
 from rlhflab.rewards.verifier import Verifier
-from rlhflab.rollout.async_rollouts import AsyncRollouts
-from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
-from rlhflab.rollout.engines import SamplingParams, awake, generating, make_engine
-from rlhflab.rollout.sampler import decode_completions, draw_seed
 from rlhflab.trainers import pg_phases
 from rlhflab.trainers.common import (
     Reference,
-    ShuffledStream,
-    check_generation_budget,
-    check_lengths,
     heldout_eval,
     make_optimizer,
     make_scheduler,
@@ -100,35 +80,23 @@ class PolicyGradient(Trainer):
 
     # -- Set-up (validation only, nothing written) ---------------------------------------------
     def __init__(self, cfg: PGConfig, env: Env) -> None:
-        """Prompts, model, reward scorers, reference, critic, rollout engine, optimizers, RNGs."""
+        """Prompts, model, reward scorers, reference, critic, sampler, optimizers, RNGs."""
         super().__init__(cfg, env)
         device, t = env.device, cfg.task
-        # Prompt rows (task problems or a dataset's rows) with a deduplicated held-out split.
-        splits = load_prompt_source(cfg.data, t, seed=cfg.seed)
-        self.splits = splits
-        self.system = t.system if cfg.data.source == "task" else cfg.data.system
-        # The answer-format instruction after each task question (task.instruction); none for
-        # datasets.
-        self.instruction = task_instruction(t) if cfg.data.source == "task" else None
+        # Prompt rows (task problems or a dataset's rows) with a deduplicated held-out split,
+        # the system turn and (tasks) the answer-format instruction (task.instruction).
+        self.prompts = prompts = PromptSet(cfg, seed=cfg.seed)
+        splits = self.splits = prompts.splits
         tokenizer, model = prepare_model(
             cfg.model,
             device=device,
             seed=cfg.seed,
-            tokenizer_texts=lambda: task_texts(splits, cfg.model.build.tokenizer_texts),
+            tokenizer_texts=lambda: prompts.tokenizer_texts(cfg.model.build.tokenizer_texts),
             sharded_later=True,  # weights used after wrap only
         )
-        self.prompts = prompts = [
-            encode_prompt(
-                tokenizer,
-                render_row(tokenizer, p, system=self.system, instruction=self.instruction),
-            )
-            for p in splits.train
-        ]
-        check_generation_budget(context_length(model), cfg.rollout.max_new_tokens,
-                                field="rollout.max_new_tokens")  # fmt: skip
-        limit = context_length(model) - cfg.rollout.max_new_tokens
-        check_lengths([len(p) for p in prompts], limit, what="prompt",
-                      field=f"{splits.source} train")  # fmt: skip
+        prompts.encode(tokenizer, context=context_length(model), seed=cfg.seed,
+                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       allow_change=cfg.run.allow_config_change)  # fmt: skip
         verifier = Verifier(answer_format=t.answer_format, reward=t.reward, extractor=t.extractor)
         self.verifier = verifier
         check_reward_model_paths(cfg.reward.components)
@@ -175,18 +143,6 @@ class PolicyGradient(Trainer):
         model = distributed.wrap(model, cfg.parallel)
         value_model = distributed.wrap(value_model, cfg.parallel) if value_model else None
         self.model, self.tokenizer = model, tokenizer
-        # The rollout engine (rollout.engine): "hf" samples with `model` itself; "vllm" holds its
-        # own copy of the weights, pushed after every update.
-        self.engine = make_engine(cfg.rollout, model, tokenizer, autocast_dtype=env.autocast_dtype)
-        self.sampling = SamplingParams(
-            n=cfg.rollout.group_size,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            min_p=cfg.rollout.min_p,
-        )
-        self.sampling_one = dataclasses.replace(self.sampling, n=1)  # episodes: one row each
         self.advantage_kwargs = dict(cfg.loss.advantage_args)
         if ADVANTAGES[cfg.loss.advantage].needs_groups:  # as the registry entry declares
             self.advantage_kwargs["group_size"] = cfg.rollout.group_size
@@ -212,36 +168,20 @@ class PolicyGradient(Trainer):
             or self.surrogate_fn.select is not None  # Clip-Cov / KL-Cov choose tokens by π_old
             or cfg.loss.rollout_correction.enabled  # weights from π_old / π_sampler
         )
-        self.sampler_rng = torch.Generator(device=device).manual_seed(cfg.seed)
         self.shuffle_rng = torch.Generator().manual_seed(cfg.seed + 1)
-        self.prompt_stream = ShuffledStream(
-            len(prompts), random.Random(cfg.seed), fingerprint=data_fingerprint(prompts),
-            allow_change=cfg.run.allow_config_change,
-        )  # fmt: skip
         self.initial_eval: dict = {}
         self.final_eval: dict = {}
         self.initial_set_evals: dict[str, dict] = {}
-        self.episode_env = self._multi_turn_env(cfg, context_length(model)) if cfg.env else None
-        # rollout.mode "async": a background thread generates the next batches with a behaviour
-        # copy of the policy while this one updates (rlhflab.rollout.async_rollouts).
-        self.async_rollouts = None
-        if cfg.rollout.mode == "async":
-            if distributed.world_size() > 1:
-                from rlhflab.errors import ConfigError
-
-                raise ConfigError("rollout.mode 'async' runs in one process for now (not torchrun)")
-            self.async_rollouts = AsyncRollouts(
-                model,
-                lambda m: make_engine(cfg.rollout, m, tokenizer, autocast_dtype=env.autocast_dtype),
-                self._generate_behind,
-                max_staleness=cfg.rollout.max_staleness,
-                total_steps=cfg.train.steps,
-                threads=cfg.precision.threads,
-            )
+        # Phases 1-2 (rlhflab.experience): prompts → scored, gathered batches in the configured
+        # mode (sync, dynamic sampling, async; episodes with an `env`) through the rollout engine.
+        scoring = RewardComponents(cfg.reward.components, verifier,
+                                   max_new_tokens=cfg.rollout.max_new_tokens, parallel=cfg.parallel)  # fmt: skip
+        self.sampler = Sampler(cfg, prompts, model, tokenizer, scoring, device=device,
+                               autocast_dtype=env.autocast_dtype, context=context_length(model))  # fmt: skip
 
     def describe(self) -> str:
         return (
-            f"train prompts {len(self.prompts)}, held-out {len(self.heldout)}, held-out dropped "
+            f"train prompts {len(self.prompts.ids)}, held-out {len(self.heldout)}, held-out dropped "
             f"as seen in training: {self.splits.n_heldout_overlap_dropped}"
         )
 
@@ -253,8 +193,8 @@ class PolicyGradient(Trainer):
             modules={"model": parts.model, "value_model": parts.value_model},
             optimizers={"optimizer": parts.optimizer, "value_optimizer": parts.value_optimizer},
             schedulers={"scheduler": parts.scheduler, "value_scheduler": parts.value_scheduler},
-            generators={"sampler": self.sampler_rng, "shuffle": self.shuffle_rng},
-            stateful={"prompts": self.prompt_stream},
+            generators={**self.sampler.generators(), "shuffle": self.shuffle_rng},
+            stateful={"prompts": self.prompts.stream},
         )
 
     # -- Evaluations, state ----------------------------------------------------------------------
@@ -264,21 +204,24 @@ class PolicyGradient(Trainer):
     def evaluate(self, step: int) -> dict:
         """The run's held-out evaluation (returned; fed to the health checks), then each set of
         `eval.sets` (logged as eval/<name>/..., kept in `set_evals`)."""
-        if self.episode_env is not None:  # episodes: success, turns, tool calls
-            return self._evaluate_episodes(step)
-        res = {}
-        with awake(self.engine):
+        if self.sampler.env is not None:  # episodes (greedy): success, turns, tool calls
+            res = self.sampler.evaluate_episodes(self.heldout, batch_size=self.cfg.eval.batch_size)
+            self.tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
+            self.health.observe_eval(step, res)
+            return res
+        res, prompts = {}, self.prompts
+        with self.sampler.evaluating() as engine:
             if self.heldout:
                 res = heldout_eval(
                     self.cfg, self.model, self.tokenizer, self.heldout, self.scorer,
-                    self.tracker, step, self.autocast_dtype, system=self.system,
-                    instruction=self.instruction, baseline=self.baseline, engine=self.engine,
+                    self.tracker, step, self.autocast_dtype, system=prompts.system,
+                    instruction=prompts.instruction, baseline=self.baseline, engine=engine,
                 )  # fmt: skip
             for s in self.eval_sets:
                 self.set_evals[s["name"]] = heldout_eval(
                     self.cfg, self.model, self.tokenizer, s["rows"], s["verifier"], self.tracker,
                     step, self.autocast_dtype, system=s["system"], instruction=s["instruction"],
-                    engine=self.engine, prefix=f"eval/{s['name']}",
+                    engine=engine, prefix=f"eval/{s['name']}",
                 )  # fmt: skip
         if res:
             self.health.observe_eval(step, res)
@@ -291,9 +234,8 @@ class PolicyGradient(Trainer):
 
     def state(self) -> dict:
         # first: waits for the queued rollouts, which move the RNG, prompt stream and counters
-        queued = {"async_rollouts": self.async_rollouts.state()} if self.async_rollouts else {}
         return {
-            **queued,
+            **self.sampler.state(),
             **self.kl.state(),  # "kl_coef"
             "initial_eval": self.initial_eval,
             "initial_set_evals": self.initial_set_evals,
@@ -307,8 +249,7 @@ class PolicyGradient(Trainer):
         self.initial_set_evals = state.get("initial_set_evals", {})  # (before eval.sets: none)
         self.verifier.n_errors = state["verifier_errors"]
         load_running_norm_state(state.get("reward_norm", {}))
-        if self.async_rollouts is not None and "async_rollouts" in state:
-            self.async_rollouts.load(state["async_rollouts"], self._problems_of, self.device)
+        self.sampler.load(state)
 
     def write_samples(self, step: int) -> None:
         """Rollout samples of step 1 and every `tracking.samples_every` steps (the last included)."""
@@ -333,17 +274,14 @@ class PolicyGradient(Trainer):
         cfg, learners, timer = self.cfg, self.learners, self.timer
         t0 = time.perf_counter()
         with timer.stage("rollout"):
-            if self.async_rollouts is not None:  # 1-2 ran behind: wait for this step's batch
-                batch, sampling_stats, _ = self.async_rollouts.next(step, self.model)
-                verifier_errors = sampling_stats.pop("verifier_errors")  # as of that batch
-            else:
-                batch, sampling_stats = self.rollout_and_score(step)  # 1-2: the global batch
-                verifier_errors = self.verifier.n_errors
+            # 1-2: the global batch (async: sampled behind, waited for here)
+            batch, sampling_stats = self.sampler.next_batch(step, self.model)
+            verifier_errors = sampling_stats.pop("verifier_errors")  # as of that batch
             data = pg_phases.local_share(batch, self.batch_size, self.group_size)  # this rank's
             greedy_stats = {}
             if ADVANTAGES[cfg.loss.advantage].needs_greedy:  # ReMax: the greedy baseline
                 greedy_stats = pg_phases.greedy_baseline(
-                    data, partial(self.greedy_rewards, step=step), self.group_size
+                    data, partial(self.sampler.greedy, step=step), self.group_size
                 )
         pg_phases.count_work(timer, data, batch, cfg)
         pg_phases.no_grad_passes(data, learners, self.reference, cfg, self.autocast_dtype,
@@ -360,7 +298,7 @@ class PolicyGradient(Trainer):
                 autocast_dtype=self.autocast_dtype,
             )  # fmt: skip
         with timer.stage("weight_sync"):
-            self.engine.update_weights(self.model.named_parameters())  # "hf": nothing to do
+            self.sampler.sync_weights(self.model)  # "hf": nothing to do
         metrics, kl_seq = pg_phases.step_metrics(
             data, stats, cfg, sampling_stats=sampling_stats, kl_coef=self.kl.coef,
             lr=learners.scheduler.get_last_lr()[0], dt=time.perf_counter() - t0,
@@ -400,164 +338,9 @@ class PolicyGradient(Trainer):
         sums = distributed.sum_dict({"kl": float(k3.sum()), "tokens": float(rollout.mask.sum())})
         return sums["kl"] / sums["tokens"] if sums["tokens"] else 0.0
 
-    def rollout_and_score(self, step: int) -> tuple[ScoredBatch, dict]:
-        """Phases 1-2: prompts_per_step prompts, each repeated group_size times (group-contiguous),
-        scored by the reward components; returns the global batch and the sampling statistics.
-        Dynamic sampling draws further rounds and keeps only groups whose rewards are not all
-        equal."""
-        cfg, stream = self.cfg, self.prompt_stream
-        if not cfg.rollout.dynamic_sampling.enabled:
-            return self.draw(list(itertools.islice(stream, cfg.rollout.prompts_per_step)), step), {}
-        ds = cfg.rollout.dynamic_sampling
-        return dynamic_sample(
-            itertools.islice(stream, ds.max_rounds * cfg.rollout.prompts_per_step),
-            partial(self.draw, step=step),
-            n_groups=cfg.rollout.prompts_per_step,
-            group_size=self.group_size,
-            pad_token_id=self.tokenizer.pad_token_id,
-        )
-
-    def greedy_rewards(self, prompts: list[list[int]], problems: list, step: int
-                       ) -> tuple[torch.Tensor, int]:  # fmt: skip
-        """ReMax's baseline: one greedy completion of each of this rank's prompts (token lists;
-        `problems` their task problems), through the rollout engine with the rollout's budget,
-        scored by the reward components. Returns (rewards (n,), completion tokens generated)."""
-        cfg, model, engine = self.cfg, self.model, self.engine
-        n = len(prompts)
-        g0 = distributed.shard_bounds(cfg.rollout.prompts_per_step)[0]
-        greedy = SamplingParams(n=1, max_new_tokens=cfg.rollout.max_new_tokens, greedy=True)
-        with generating(model, engine):
-            rollout = engine.generate(
-                prompts, greedy, generator=torch.Generator(device=self.device).manual_seed(0),
-                rows=list(range(g0, g0 + n)), n_rows=cfg.rollout.prompts_per_step,
-                width=max(len(p) for p in prompts),
-            )  # fmt: skip
-        _, rewards, _ = self.score(
-            rollout, problems, engine, where=f"step {step} (greedy baseline)"
-        )
-        return rewards, int(rollout.mask.sum().item())
-
-    def score(self, rollout, problems: list, engine, *, where: str):
-        """Decode `rollout` (stopping at `engine`'s stop ids) and score it by the reward
-        components. Returns (texts, rewards (B,), {component: (B,)})."""
-        cfg = self.cfg
-        texts = decode_completions(self.tokenizer, rollout, engine.stop_token_ids)
-        rewards, components = score_components(
-            cfg.reward.components,
-            {
-                "texts": texts,
-                "problems": problems,
-                "verifier": self.verifier,
-                "lengths": rollout.lengths.cpu(),
-                "truncated": rollout.truncated.cpu(),
-                "max_new_tokens": cfg.rollout.max_new_tokens,
-                "rollout": rollout,
-                "parallel": cfg.parallel,
-            },
-            where=where,
-        )
-        return texts, rewards, components
-
-    def _generate_behind(self, step: int, model, engine) -> tuple[ScoredBatch, dict, list[int]]:
-        """Phases 1-2 of `step` in the background thread (rollout.mode "async"), with the
-        behaviour copy `model` and its `engine`; returns (batch, stats, prompt indices)."""
-        chosen = list(itertools.islice(self.prompt_stream, self.cfg.rollout.prompts_per_step))
-        batch = self.draw(chosen, step, model=model, engine=engine)
-        return batch, {"verifier_errors": self.verifier.n_errors}, chosen
-
-    def _problems_of(self, chosen: list[int]) -> list:
-        """The row-aligned problems of the prompt indices `chosen` (group-contiguous)."""
-        return [self.splits.train[i] for i in chosen for _ in range(self.group_size)]
-
-    def draw(self, chosen: list[int], step: int, model=None, engine=None) -> ScoredBatch:
-        """Phases 1-2 for the given prompts (the global list): sample group_size completions each,
-        then score. Each data-parallel rank samples and scores a contiguous share of the groups
-        (global rows `rows`: the draws do not depend on the split); the scored shares are then
-        gathered, so every rank returns the same global batch."""
-        if self.episode_env is not None:
-            return self._draw_episodes(chosen, step)
-        cfg, tokenizer = self.cfg, self.tokenizer
-        model = self.model if model is None else model  # async: the behaviour copy
-        engine = self.engine if engine is None else engine
-        device, group_size, prompts = self.device, self.group_size, self.prompts
-        g0, g1 = distributed.shard_bounds(len(chosen), even=False)
-        mine = chosen[g0:g1]
-        if not mine:  # more ranks than prompts in a dynamic-sampling round's remainder
-            draw_seed(self.sampler_rng, device)  # the draw `sample` would take: stay in step
-            take_part_without_rows(cfg.reward.components, cfg.parallel, device)
-            return ScoredBatch.gather(None, tokenizer.pad_token_id, device)
-        problems = [self.splits.train[i] for i in mine for _ in range(group_size)]
-        with generating(model, engine):
-            rollout = engine.generate(
-                [prompts[i] for i in mine],
-                self.sampling,
-                generator=self.sampler_rng,
-                rows=list(range(g0 * group_size, g1 * group_size)),  # global rows: noise
-                n_rows=len(chosen) * group_size,
-                width=max(len(prompts[i]) for i in chosen),  # the global batch's prompt width
-            )
-        texts, rewards, components = self.score(rollout, problems, engine, where=f"step {step}")
-        components = {k: v.to(device) for k, v in components.items()}
-        local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
-        return ScoredBatch.gather(local, tokenizer.pad_token_id, device)
-
-    # -- Multi-turn episodes (cfg.env; rlhflab.envs, docs/multiturn.md) ---------------------------
-    def _multi_turn_env(self, cfg: PGConfig, context: int):
-        """The configured environment and the episode limits (`self.limits`)."""
-        if distributed.world_size() > 1:
-            raise ConfigError("env: multi-turn episodes run in one process for now (no torchrun)")
-        e = cfg.env
-        self.limits = EpisodeLimits(
-            max_turns=e.max_turns,
-            max_turn_tokens=e.max_turn_tokens or cfg.rollout.max_new_tokens,
-            max_episode_tokens=e.max_episode_tokens or context,
-            context_length=context,
-        )
-        return load_env(
-            e.class_, e.args, tool_timeout_s=e.tool_timeout_s, unsafe_local=e.tools.unsafe_local
-        )
-
-    def _draw_episodes(self, chosen: list[int], step: int) -> ScoredBatch:
-        """Phases 1-2 with an environment: group_size episodes per chosen problem (rows
-        group-contiguous), the reward the environment's summed step rewards; one trajectory per
-        episode, its loss mask 1 on the model's tokens only (rlhflab.rollout.trajectory)."""
-        problems = [self.splits.train[i] for i in chosen for _ in range(self.group_size)]
-        with generating(self.model, self.engine):
-            out = run_episodes(self.engine, self.tokenizer, self.episode_env, problems,
-                               self.sampling_one, self.limits, generator=self.sampler_rng)  # fmt: skip
-        device = self.device
-        stats = out.stats()
-        return ScoredBatch(
-            out.trajectory.to(device),
-            out.rewards.to(device),
-            {"success": torch.tensor(out.success, device=device)},
-            out.texts,
-            problems,
-            info={
-                "rollout/success": stats["success"],
-                "rollout/turns_mean": stats["turns"],
-                "rollout/tool_calls_mean": stats["tool_calls"],
-                "rollout/episode_truncated_frac": stats["truncated"],
-            },
-        )
-
-    def _evaluate_episodes(self, step: int) -> dict:
-        """Held-out episodes (greedy): eval/accuracy (= success), turns, tool_calls, truncated."""
-        with generating(self.model, self.engine):
-            per = evaluate_episodes(self.engine, self.tokenizer, self.episode_env, self.heldout,
-                                    self.limits, batch_size=self.cfg.eval.batch_size)  # fmt: skip
-        accuracy, stderr = mean_and_stderr(per["success"])
-        n = max(1, len(per["success"]))
-        res = {"accuracy": accuracy, "accuracy_stderr": stderr, "n": len(per["success"]),
-               **{k: sum(per[k]) / n for k in ("turns", "tool_calls", "truncated")}}  # fmt: skip
-        self.tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
-        self.health.observe_eval(step, res)
-        return res
-
     # -- The end -------------------------------------------------------------------------------
     def finish(self, step: int) -> None:
-        if self.async_rollouts is not None:
-            self.async_rollouts.close()
+        self.sampler.close()
         self.final_eval = self.evaluate(step) if self.has_heldout() else {}
 
     def save(self, model_dir: Path) -> None:
@@ -592,40 +375,3 @@ class PolicyGradient(Trainer):
             "prompt_source": self.splits.source,
             "verifier_errors": self.verifier.n_errors,
         }
-
-
-def eval_sets(cfg: PGConfig, splits) -> list[dict]:
-    """The further held-out sets of `eval.sets`: for each, {"name", "task" (its task name),
-    "rows" (its first n held-out problems whose questions are not among the run's training
-    prompts), "verifier", "system", "instruction"}.
-
-    Raises:
-        ConfigError / DataError: the set's task cannot be built (unknown task or config), as
-            `make_splits` says, prefixed by the set's name.
-    """
-    from rlhflab.data.prompts import task_prompt_splits
-    from rlhflab.data.tasks import dedup_key
-    from rlhflab.errors import ConfigError, DataError
-
-    seen = {dedup_key(str(r.question)) for r in splits.train}
-    out = []
-    for i, s in enumerate(cfg.eval.sets):
-        task = cfg.eval_set_task(i)
-        try:
-            held = task_prompt_splits(task).heldout
-        except (ConfigError, DataError) as exc:
-            raise type(exc)(f"eval.sets[{i}] ({s.name}): {exc}") from None
-        rows = [r for r in held if dedup_key(str(r.question)) not in seen][: s.n or cfg.eval.n]
-        out.append(
-            {
-                "name": s.name,
-                "task": task.name,
-                "rows": rows,
-                "verifier": Verifier(
-                    answer_format=task.answer_format, reward=task.reward, extractor=task.extractor
-                ),
-                "system": task.system,
-                "instruction": task_instruction(task),
-            }
-        )
-    return out

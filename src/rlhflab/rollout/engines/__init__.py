@@ -21,7 +21,7 @@ from rlhflab.rollout.engines.base import (  # noqa: F401
     stop_ids_for,
     unwrapped,
 )
-from rlhflab.rollout.engines.lifecycle import awake, generating  # noqa: F401
+from rlhflab.rollout.engines.lifecycle import awake, generating, sample_chunks  # noqa: F401
 from rlhflab.rollout.engines.registry import (  # noqa: F401
     ENGINE_NAMES,
     ENGINES,

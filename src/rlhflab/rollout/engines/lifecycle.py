@@ -1,6 +1,8 @@
 """An engine's life cycle around a generation, written once: the policy in eval mode, the engine
 awake (a colocated vLLM's weights and KV cache back on the GPU), a sharded policy gathered; then
-the engine asleep (its memory freed for the update) and the policy back in train mode. Part of
+the engine asleep (its memory freed for the update) and the policy back in train mode; and
+`sample_chunks`, generation in chunks with the texts decoded, for code that samples outside a
+training loop (evaluation, data for reward models and DPO, the replications). Part of
 `rlhflab.rollout.engines` (re-exported there)."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlhflab.rollout.engines.base import RolloutEngine
+    from rlhflab.rollout.sampler import Rollout
 
 
 @contextlib.contextmanager
@@ -42,3 +45,34 @@ def generating(model: torch.nn.Module, engine: RolloutEngine, *,
         yield engine
     if train_after:
         model.train()
+
+
+def sample_chunks(model: torch.nn.Module, engine: RolloutEngine, tokenizer, prompts: list[list[int]],
+                  params, *, chunk: int | None = None, generator: torch.Generator | None = None,
+                  desc: str | None = None) -> list[tuple[int, Rollout, list[str]]]:  # fmt: skip
+    """`params.n` completions of every prompt (token-id lists) through `engine`, `chunk` prompts
+    per `generate` call (None: all at once), decoded (stopping at the engine's stop ids), with
+    `model` in eval mode and its mode restored afterwards; `desc` shows a progress bar.
+
+    The engine's life cycle (`awake`) and gathering a sharded model stay the caller's: this
+    runs inside them. The random stream `generator` is consumed chunk after chunk, as one loop of
+    `generate` calls would.
+
+    Returns:
+        [(index of the chunk's first prompt, its `Rollout` (rows group-contiguous), its texts)].
+    """
+    from rlhflab.rollout.sampler import decode_completions
+    from rlhflab.tracking import progress
+
+    step = chunk or max(1, len(prompts))
+    starts = range(0, len(prompts), step)
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for s in progress(starts, desc) if desc else starts:
+            ro = engine.generate(prompts[s : s + step], params, generator=generator)
+            out.append((s, ro, decode_completions(tokenizer, ro, engine.stop_token_ids)))
+    finally:
+        model.train(was_training)
+    return out
