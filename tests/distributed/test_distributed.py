@@ -327,6 +327,46 @@ def test_two_ranks_equal_one_process(family, strategy, base_model, pairs_file, t
     assert json.loads((two / "final_results.json").read_text())["world_size"] == 2
 
 
+# A scripted tool environment (docs/multiturn.md) whose episodes need 1 to 3 model turns
+# depending on what the model writes, so one rank's episodes end in other rounds than the other's.
+TOOL_ENV = """
+class ToolEnv:
+    def reset(self, problem):
+        self.n = 0
+        return [{"role": "user", "content": problem.question}]
+
+    def step(self, messages, turn):
+        self.n += 1
+        if self.n < 3 and len(turn) % 3 != 0:
+            return f"tool: {len(turn)}", 0.0, False, {"tool_call": 1}
+        return None, float(len(turn) % 2), True, {}
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_multi_turn_two_ranks_equal_one_process(strategy, base_model, tmp_path):
+    """GRPO with an environment (multi-turn episodes) under torchrun: each rank runs its share of
+    the episodes with the noise of their global rows, takes part in every turn round, and the
+    run equals one process's: the trajectories (samples.jsonl), the per-step metrics (turns and
+    tool calls included), every optimizer step's gradients and the weights (float64); the
+    held-out evaluation by episodes is shared out over the ranks and equal too."""
+    env_file = tmp_path / "tool_env.py"
+    env_file.write_text(TOOL_ENV)
+    raw = _grpo(
+        base_model,
+        env={"class": f"{env_file}:ToolEnv", "max_turns": 3},
+        reward={"components": [{"name": "correctness", "weight": 1.0}]},
+    )
+    one = _train(tmp_path, "multiturn", raw, 1, "none")
+    two = _train(tmp_path, "multiturn", raw, 2, strategy)
+    _assert_same_run(one, two)
+    turns = [r["rollout/turns_mean"] for r in _metrics(one) if "rollout/turns_mean" in r]
+    assert turns and all(1 < t < 3 for t in turns), turns  # episodes end in different rounds
+    assert (one / "samples.jsonl").read_text() == (two / "samples.jsonl").read_text()
+    evals = [r for r in _metrics(two) if "eval/turns" in r]
+    assert evals and all(r["eval/n"] == raw["eval"]["n"] for r in evals)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("family", ["dpo", "grpo"])
 def test_lora_two_ranks_equal_one_process(family, strategy, base_model, tmp_path):

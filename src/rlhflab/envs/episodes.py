@@ -2,6 +2,15 @@
 
 All active episodes of a batch generate their next turn together through the rollout engine
 (`engine.generate`, one completion per episode, its prompt the episode's whole token history).
+
+Under torchrun each data-parallel rank runs its share of the episodes, and a run equals one
+process's (`run_episodes`' `row0` / `n_rows`): every episode samples with the noise of its global
+row (the counter-based noise of `rlhflab.rollout.noise`), every rank takes part in every turn
+round until the episodes of all ranks are done (a rank with none left takes the round's seed
+from the generator without sampling, so the generators stay in step), and each round's prompt
+width and token budget are the maxima over ranks. A turn's tokens therefore depend on the
+episode's own history, its global row and the round's seed only, never on how many turns
+another rank's episodes need.
 A model turn is kept exactly as sampled (ids and sampler log-probs, stop token included); an
 observation is encoded once, as the chat-template delta that follows an assistant turn
 (`observation_ids`), and appended as ids. Earlier turns are never re-tokenised, so the
@@ -20,10 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhflab import distributed
 from rlhflab.data.formatting import encode_prompt, render_messages
 from rlhflab.envs.base import as_step_result
 from rlhflab.errors import ConfigError
 from rlhflab.rollout.engines import SamplingParams
+from rlhflab.rollout.sampler import draw_seed
 from rlhflab.rollout.trajectory import Trajectory, pack_trajectories
 
 __all__ = ["EpisodeBatch", "EpisodeLimits", "observation_ids", "run_episodes"]
@@ -93,14 +104,18 @@ def run_episodes(
     limits: EpisodeLimits,
     *,
     generator: torch.Generator | None = None,
-) -> EpisodeBatch:
-    """Run one episode per problem (the batch's rows, in order) and return them.
+    row0: int = 0,
+    n_rows: int | None = None,
+) -> EpisodeBatch | None:
+    """Run one episode per problem (the batch's rows, in order) and return them (None for a rank
+    with no problems, which still takes part in every round; see the module docstring).
 
     `env` is the configured instance; each episode works on a shallow copy of it
     (`copy.copy`), so `reset` may keep per-episode state on `self`. `sampling` gives the
     sampling distribution (its `n` must be 1 and its `max_new_tokens` is replaced by the
     episode's remaining budget). One `engine.generate` call per turn round, with all active
-    episodes.
+    episodes. `row0`: the global row of this rank's first episode; `n_rows`: the episodes of
+    all ranks (default: this rank's, one process). Every rank must call it (collectives).
 
     Raises:
         ConfigError: an opening prompt that leaves no room to generate, or an environment that
@@ -132,14 +147,30 @@ def run_episodes(
     truncated = [False] * n
     texts: list[list[str]] = [[] for _ in range(n)]
     active = list(range(n))
-    while active:
+    device = engine_device(engine)
+    while True:
         budgets = [_budget(prompts[i], tokens[i], limits) for i in active]
+        # this round over all ranks: episodes still running, the widest history, the budget
+        local = [len(active), max((len(prompts[i]) + len(tokens[i]) for i in active), default=0),
+                 max(budgets, default=0)]  # fmt: skip
+        n_active, width, budget = distributed.all_reduce_max(
+            torch.tensor(local, dtype=torch.long, device=distributed.device())
+        ).tolist()
+        if n_active == 0:
+            break
+        if not active:  # the draw `generate` would take: stay in step with the other ranks
+            if not sampling.greedy:
+                draw_seed(generator, device)
+            continue
         params = SamplingParams(
-            n=1, max_new_tokens=max(budgets), temperature=sampling.temperature,
+            n=1, max_new_tokens=budget, temperature=sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
             greedy=sampling.greedy, stop_token_ids=sampling.stop_token_ids,
         )  # fmt: skip
-        out = engine.generate([prompts[i] + tokens[i] for i in active], params, generator=generator)
+        out = engine.generate(
+            [prompts[i] + tokens[i] for i in active], params, generator=generator,
+            rows=[row0 + i for i in active], n_rows=n_rows or n, width=width,
+        )  # fmt: skip
         ids_all, mask_all, lp_all = (
             out.completion_ids.tolist(),
             out.mask.tolist(),
@@ -175,6 +206,8 @@ def run_episodes(
             messages[i].append(res.observation)
             still.append(i)
         active = still
+    if n == 0:
+        return None
     trajectory = pack_trajectories(
         prompts, tokens, is_model, logps, truncated, tokenizer.pad_token_id
     ).to(engine_device(engine))

@@ -61,7 +61,7 @@ class Sampler:
         context: the model's context length (episode limits).
 
     Raises:
-        ConfigError: `env` or rollout.mode "async" under torchrun (one process only for now).
+        ConfigError: rollout.mode "async" under torchrun (one process only for now).
     """
 
     def __init__(self, cfg, prompts: PromptSet, model, tokenizer, scorer: Scorer, *, device,
@@ -233,9 +233,8 @@ class Sampler:
 
     # -- Multi-turn episodes (cfg.env; rlhflab.envs, docs/multiturn.md) ---------------------------
     def _load_env(self, env, max_new_tokens: int, context: int):
-        """The configured environment; sets the episode limits (`self.limits`)."""
-        if distributed.world_size() > 1:
-            raise ConfigError("env: multi-turn episodes run in one process for now (no torchrun)")
+        """The configured environment (one instance per rank); sets the episode limits
+        (`self.limits`)."""
         from rlhflab.envs import load_env
         from rlhflab.eval.episodes import episode_limits
 
@@ -250,39 +249,67 @@ class Sampler:
     def _draw_episodes(self, chosen: list[int]) -> ScoredBatch:
         """`group_size` episodes per chosen problem (rows group-contiguous), the reward the
         environment's summed step rewards; one trajectory per episode, its loss mask 1 on the
-        model's tokens only (rlhflab.rollout.trajectory)."""
+        model's tokens only (rlhflab.rollout.trajectory). Each rank runs a contiguous share of
+        the groups with the noise of their global rows (`run_episodes`); the shares are gathered,
+        and the episode statistics are over all of them."""
         from rlhflab.envs.episodes import run_episodes
 
-        problems = self.prompts.problems_of(chosen, self.group_size)
+        device, g = self.device, self.group_size
+        g0, g1 = distributed.shard_bounds(len(chosen), even=False)
+        problems = self.prompts.problems_of(chosen[g0:g1], g)
         one = dataclasses.replace(self.sampling, n=1)  # one row per episode
         with generating(self.model, self.engine) as engine:
             out = run_episodes(engine, self.tokenizer, self.env, problems, one, self.limits,
-                               generator=self.rng)  # fmt: skip
-        device = self.device
-        stats = out.stats()
-        return ScoredBatch(
-            out.trajectory.to(device),
-            out.rewards.to(device),
-            {"success": torch.tensor(out.success, device=device)},
-            out.texts,
-            problems,
-            info={
-                "rollout/success": stats["success"],
-                "rollout/turns_mean": stats["turns"],
-                "rollout/tool_calls_mean": stats["tool_calls"],
-                "rollout/episode_truncated_frac": stats["truncated"],
-            },
-        )
+                               generator=self.rng, row0=g0 * g, n_rows=len(chosen) * g)  # fmt: skip
+        local = None
+        sums = {"episodes": 0.0, "success": 0.0, "turns": 0.0, "tool_calls": 0.0, "truncated": 0.0}
+        if out is not None:
+            local = ScoredBatch(out.trajectory.to(device), out.rewards.to(device),
+                                {"success": torch.tensor(out.success, device=device)},
+                                out.texts, problems)  # fmt: skip
+            sums = {"episodes": float(len(out.turns)), "success": sum(out.success),
+                    "turns": float(sum(out.turns)), "tool_calls": float(sum(out.tool_calls)),
+                    "truncated": float(out.trajectory.truncated.sum())}  # fmt: skip
+        batch = ScoredBatch.gather(local, self.tokenizer.pad_token_id, device)
+        sums = distributed.sum_dict(sums)
+        n = max(1.0, sums["episodes"])
+        batch.info = {
+            "rollout/success": sums["success"] / n,
+            "rollout/turns_mean": sums["turns"] / n,
+            "rollout/tool_calls_mean": sums["tool_calls"] / n,
+            "rollout/episode_truncated_frac": sums["truncated"] / n,
+        }
+        return batch
 
     def evaluate_episodes(self, rows: list, *, batch_size: int) -> dict:
         """One greedy episode per held-out row: {"accuracy" (= success rate),
-        "accuracy_stderr", "n", and the means of "turns", "tool_calls", "truncated"}."""
-        from rlhflab.envs.episodes import evaluate_episodes
+        "accuracy_stderr", "n", and the means of "turns", "tool_calls", "truncated"}. Each
+        batch of `batch_size` rows is shared out over the ranks and the per-episode results
+        gathered in row order, so every rank returns the numbers of one process."""
+        from rlhflab.envs.episodes import run_episodes
         from rlhflab.eval.accuracy import mean_and_stderr
 
+        greedy = SamplingParams(n=1, max_new_tokens=self.limits.max_turn_tokens, greedy=True)
+        per: dict[str, list[float]] = {
+            "success": [],
+            "turns": [],
+            "tool_calls": [],
+            "truncated": [],
+        }
         with generating(self.model, self.engine) as engine:
-            per = evaluate_episodes(engine, self.tokenizer, self.env, rows, self.limits,
-                                    batch_size=batch_size)  # fmt: skip
+            for s in range(0, len(rows), batch_size):
+                chunk = rows[s : s + batch_size]
+                r0, r1 = distributed.shard_bounds(len(chunk), even=False)
+                out = run_episodes(engine, self.tokenizer, self.env, chunk[r0:r1], greedy,
+                                   self.limits, row0=r0, n_rows=len(chunk))  # fmt: skip
+                mine = {"success": [], "turns": [], "tool_calls": [], "truncated": []}
+                if out is not None:
+                    mine = {"success": list(out.success), "turns": [float(t) for t in out.turns],
+                            "tool_calls": [float(c) for c in out.tool_calls],
+                            "truncated": [float(t) for t in out.trajectory.truncated.tolist()]}  # fmt: skip
+                for part in distributed.all_gather_object(mine):  # in rank order: row order
+                    for k in per:
+                        per[k] += part[k]
         accuracy, stderr = mean_and_stderr(per["success"])
         n = max(1, len(per["success"]))
         return {"accuracy": accuracy, "accuracy_stderr": stderr, "n": len(per["success"]),

@@ -14,13 +14,15 @@ from torch import Tensor
 
 from rlhflab.errors import DataError
 from rlhflab.rollout.sampler import Rollout
+from rlhflab.rollout.trajectory import Trajectory
 
 __all__ = ["ScoredBatch", "concat_rollouts", "dynamic_sample", "varied_groups"]
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     """Stack rollouts row-wise: prompts re-left-padded and completions re-right-padded to the
-    widest. Padding positions are masked, so log-probs of real tokens do not change."""
+    widest. Padding positions are masked, so log-probs of real tokens do not change. Multi-turn
+    `Trajectory` rollouts stay trajectories (their `attend` mask padded with 0)."""
     p = max(r.prompt_ids.size(1) for r in rollouts)
     t = max(r.completion_ids.size(1) for r in rollouts)
 
@@ -30,7 +32,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     def right(x: Tensor, width: int, value) -> Tensor:
         return torch.nn.functional.pad(x, (0, width - x.size(1)), value=value)
 
-    return Rollout(
+    fields = dict(
         prompt_ids=torch.cat([left(r.prompt_ids, p, pad_token_id) for r in rollouts]),
         prompt_mask=torch.cat([left(r.prompt_mask, p, 0) for r in rollouts]),
         completion_ids=torch.cat([right(r.completion_ids, t, pad_token_id) for r in rollouts]),
@@ -38,6 +40,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         logp=torch.cat([right(r.logp, t, 0.0) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
     )
+    if all(isinstance(r, Trajectory) for r in rollouts):  # multi-turn: the attended tokens too
+        return Trajectory(**fields, attend=torch.cat([right(r.attend, t, 0) for r in rollouts]))
+    return Rollout(**fields)
 
 
 @dataclass
