@@ -16,7 +16,7 @@ What the trainers call (nothing else in the package touches torch.distributed):
     all_reduce_sum / _max / _min(t)    in place on a tensor, returned
     gather_cat(t)                      every rank's rows, concatenated in rank order
     all_gather_tensor(t)               every rank's same-shape tensor, stacked (device backend)
-    all_gather_object / broadcast_object
+    all_gather_object / broadcast_object, side_group (a second group for a background thread)
     any_rank(flag)                     True when any rank says True (stop signals, errors)
     main_then_share(fn)                rank 0 runs fn; its result, or its refusal, on every rank
   in models.py (re-exported here):
@@ -91,6 +91,7 @@ from rlhflab.distributed.group import (  # noqa: F401
     setup,
     shard,
     shard_bounds,
+    side_group,
     sum_dict,
     teardown,
     world_size,

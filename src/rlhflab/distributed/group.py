@@ -347,13 +347,24 @@ def all_gather_tensor(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def all_gather_object(obj: Any) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable Python objects)."""
+def all_gather_object(obj: Any, group: Any = None) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable Python objects); `group`: a
+    group of `side_group()` (default: the run's group)."""
     if not _talk():
         return [obj]
     out: list = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def side_group() -> Any:
+    """A second group of all ranks on gloo (host memory), for collectives a background thread
+    runs while the main thread runs its own (the async rollouts' gather): the ranks order the
+    collectives of one group alike, and two threads on one group would not. Every rank must call
+    it at the same point; None with one process."""
+    if not _talk():
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def broadcast_object(obj: Any) -> Any:

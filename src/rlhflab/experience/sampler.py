@@ -61,7 +61,7 @@ class Sampler:
         context: the model's context length (episode limits).
 
     Raises:
-        ConfigError: rollout.mode "async" under torchrun (one process only for now).
+        ConfigError: the environment of `env` cannot be built (`rlhflab.envs.load_env`).
     """
 
     def __init__(self, cfg, prompts: PromptSet, model, tokenizer, scorer: Scorer, *, device,
@@ -86,11 +86,13 @@ class Sampler:
             self.env = self._load_env(env, r.max_new_tokens, context)
         # rollout.mode "async": a background thread generates the next batches with a behaviour
         # copy of the policy while the trainer updates (rlhflab.rollout.async_rollouts).
-        self.async_rollouts = None
-        if r.mode == "async":
-            if distributed.world_size() > 1:
-                raise ConfigError("rollout.mode 'async' runs in one process for now (not torchrun)")
+        self.async_rollouts = self.group = None
+        if r.mode == "async":  # (not with FSDP2: `check_engine_layout`)
             from rlhflab.rollout.async_rollouts import AsyncRollouts
+
+            # the background thread gathers its batches on a group of its own (the main thread's
+            # collectives run meanwhile on the run's group)
+            self.group = distributed.side_group()
 
             self.async_rollouts = AsyncRollouts(
                 model,
@@ -156,14 +158,15 @@ class Sampler:
         """The batch of `step` in the background thread (rollout.mode "async"), with the
         behaviour copy `model` and its `engine`; returns (batch, stats, prompt indices)."""
         chosen = list(itertools.islice(self.prompts.stream, self.prompts_per_step))
-        batch = self.draw(chosen, step, model=model, engine=engine)
+        batch = self.draw(chosen, step, model=model, engine=engine, group=self.group)
         return batch, {"verifier_errors": self.scorer.verifier.n_errors}, chosen
 
     def draw(self, chosen: list[int], step: int, *, model=None, engine=None,
-             train_after: bool = True) -> ScoredBatch:  # fmt: skip
+             train_after: bool = True, group=None) -> ScoredBatch:  # fmt: skip
         """`group_size` completions of each prompt index in `chosen` (the global list), scored;
         the global batch on every rank. `model` / `engine` replace the policy and its engine (the
-        async behaviour copy, a GKD teacher with `train_after` False: it stays in eval mode)."""
+        async behaviour copy, a GKD teacher with `train_after` False: it stays in eval mode);
+        `group`: the process group of the gather (the async thread's own)."""
         if self.env is not None:
             return self._draw_episodes(chosen)
         model = self.model if model is None else model
@@ -174,7 +177,7 @@ class Sampler:
         if not mine:  # more ranks than prompts in a dynamic-sampling round's remainder
             draw_seed(self.rng, device)  # the draw `generate` would take: stay in step
             self.scorer.idle(device)
-            return ScoredBatch.gather(None, self.tokenizer.pad_token_id, device)
+            return ScoredBatch.gather(None, self.tokenizer.pad_token_id, device, group)
         problems = self.prompts.problems_of(mine, g)
         with generating(model, engine, train_after=train_after):
             rollout = engine.generate(
@@ -189,7 +192,7 @@ class Sampler:
         rewards, components = self.scorer.score(texts, rollout, problems, where=f"step {step}")
         components = {k: v.to(device) for k, v in components.items()}
         local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
-        return ScoredBatch.gather(local, self.tokenizer.pad_token_id, device)
+        return ScoredBatch.gather(local, self.tokenizer.pad_token_id, device, group)
 
     def draw_from(self, model, chosen: list[int], step: int) -> ScoredBatch:
         """`draw` with another, frozen model sampling (a GKD teacher), through an `hf` engine of
@@ -317,13 +320,20 @@ class Sampler:
 
 
 def check_engine_layout(rollout, world_size: int) -> None:
-    """Refuse, before any collective, a rollout engine layout that does not fit the ranks: a
-    vLLM tensor-parallel size that does not divide `world_size` (or combines with what it
-    cannot). Nothing to check for the `hf` engine.
+    """Refuse, before any collective, a sampling layout that does not fit the ranks: a vLLM
+    tensor-parallel size that does not divide `world_size` (or combines with what it cannot);
+    rollout.mode "async" with FSDP2 over several processes (the behaviour copy is a whole
+    replica of the policy: DDP only, for now).
 
     Raises:
-        ConfigError: naming `rollout.vllm.tensor_parallel_size` (`rlhflab.rollout.engines.vllm`).
+        ConfigError: naming `rollout.vllm.tensor_parallel_size` (`rlhflab.rollout.engines.vllm`)
+            or `rollout.mode`.
     """
+    if rollout.mode == "async" and distributed.loads_from_rank0():
+        raise ConfigError(
+            "rollout.mode 'async' under torchrun needs parallel.strategy 'ddp' (the behaviour "
+            "copy is a whole replica of the policy; fsdp2: not yet)"
+        )
     if rollout.engine == "vllm":  # a TP group is a group of ranks
         from rlhflab.rollout.engines.vllm import check_parallel
 

@@ -19,8 +19,10 @@ what the checkpointer saves next) and returns the finished batches as JSON (toke
 log-probs, masks, rewards, texts, prompt indices); `load` puts them back in the queue, so the
 resumed run trains on the very same batches and continues the schedule.
 
-Only the trainer's process, one data-parallel process, the `hf` engine (config validation says
-so otherwise).
+The `hf` engine only (config validation says so otherwise). Under torchrun (DDP) every rank runs
+its own thread on its own replica; the generate function gathers the ranks' shares on a process
+group of its own (`rlhflab.experience.Sampler`), so the thread's collectives never interleave
+with the trainer's.
 """
 
 from __future__ import annotations

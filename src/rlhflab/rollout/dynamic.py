@@ -71,15 +71,18 @@ class ScoredBatch:
         )
 
     @staticmethod
-    def gather(local: ScoredBatch | None, pad_token_id: int, device) -> ScoredBatch:
+    def gather(local: ScoredBatch | None, pad_token_id: int, device, group=None) -> ScoredBatch:
         """The global batch from every data-parallel rank's scored share (None: a rank with no
         rows), concatenated in rank order with `concat`'s padding; `local` itself with one
-        process. Every rank must call it."""
+        process. Every rank must call it; `group` is the collective's group (a background
+        thread's `distributed.side_group()`; default the run's)."""
         from rlhflab import distributed
 
         if distributed.world_size() == 1:
             return local
-        parts = distributed.all_gather_object(local.to("cpu") if local is not None else None)
+        parts = distributed.all_gather_object(
+            local.to("cpu") if local is not None else None, group=group
+        )
         batch = ScoredBatch.concat([b for b in parts if b is not None], pad_token_id)
         return batch.to(device)
 
