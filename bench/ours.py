@@ -187,7 +187,7 @@ class OursRun:
         self.trainer = self.session.trainer
         self.model, self.tokenizer = self.trainer.model, self.trainer.tokenizer
         if fixed_length:
-            self.trainer.engine.stop_token_ids = (-1,)  # never matches: no early stop
+            self.trainer.sampler.engine.stop_token_ids = (-1,)  # never matches: no early stop
         self.step_s: list[float] = []
         self.perf: list[dict[str, float]] = []
         self.response_len: list[float] = []  # policy gradient: mean completion tokens per step

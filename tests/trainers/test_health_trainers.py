@@ -168,7 +168,7 @@ def test_sampler_logps_that_disagree_flagged(tmp_path, sft_model_dir, monkeypatc
 def test_all_equal_rewards_flagged(tmp_path, sft_model_dir, monkeypatch):
     """Every completion gets reward 1: every group has zero variance, every advantage is 0 and
     (no KL) no gradient flows."""
-    import rlhflab.trainers.policy_gradient as pg
+    import rlhflab.experience.scoring as pg  # the policy gradient's scorer
 
     real = pg.score_components
 

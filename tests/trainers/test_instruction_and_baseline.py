@@ -37,10 +37,10 @@ def _spy(monkeypatch, module, seen):
 
 def test_policy_gradient_instruction_and_baseline(tmp_path, monkeypatch):
     import rlhflab.eval.accuracy as accuracy
-    import rlhflab.trainers.policy_gradient as pg
+    import rlhflab.experience.prompts as prompts  # the policy gradient's prompt set
 
     train_seen, eval_seen = [], []
-    _spy(monkeypatch, pg, train_seen)
+    _spy(monkeypatch, prompts, train_seen)
     _spy(monkeypatch, accuracy, eval_seen)
     cfg = config_from_dict(
         {

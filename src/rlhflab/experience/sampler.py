@@ -93,7 +93,6 @@ class Sampler:
             # the background thread gathers its batches on a group of its own (the main thread's
             # collectives run meanwhile on the run's group)
             self.group = distributed.side_group()
-
             self.async_rollouts = AsyncRollouts(
                 model,
                 lambda m: make_engine(r, m, tokenizer, autocast_dtype=autocast_dtype),

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from rlhflab.rewards.shaping import score_components
+
 __all__ = ["RewardComponents", "Scorer", "VerifierOnly"]
 
 
@@ -52,8 +54,6 @@ class RewardComponents:
         self.max_new_tokens, self.parallel = max_new_tokens, parallel
 
     def score(self, texts, rollout, problems, *, where):
-        from rlhflab.rewards.shaping import score_components
-
         return score_components(
             self.components,
             {
