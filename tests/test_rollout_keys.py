@@ -162,3 +162,28 @@ def test_cli_prints_the_refusal_in_one_line_and_exits_2(tmp_path, capsys):
         "distill (policy_gradient only)"
     ]
     assert not root.exists() or not any(root.iterdir())
+
+
+@pytest.mark.parametrize(
+    "trainer, overrides, message",
+    [
+        ("policy_gradient", ["rollout.mode=async", "rollout.dynamic_sampling.enabled=true"],
+         "rollout.mode 'async' does not support rollout.dynamic_sampling yet"),
+        ("distill", ["rollout.mode=async", "rollout.dynamic_sampling.enabled=true"],
+         "rollout.mode 'async' does not support rollout.dynamic_sampling yet"),
+        ("policy_gradient", ["rollout.mode=async", "rollout.engine=vllm"],
+         "rollout.mode 'async' needs rollout.engine 'hf' (vllm: not yet)"),
+        ("distill", ["rollout.mode=async", "rollout.engine=vllm"],
+         "rollout.mode 'async' needs rollout.engine 'hf' (vllm: not yet)"),
+    ],
+)  # fmt: skip
+def test_one_mode_check_for_every_family_that_samples(trainer, overrides, message):
+    # `check_sampling_modes`: the combinations of sync / async / dynamic / episodes the sampler
+    # does not implement are refused alike in both families (distillation from its on-policy
+    # preset, a teacher model: SDPO refuses the modes itself).
+    path = (
+        PRESET[trainer] if trainer == "policy_gradient" else ROOT / "configs/distill/on_policy.yaml"
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, [*overrides, "rollout.group_size=2"])
+    assert "\n" not in str(exc.value) and message in str(exc.value)

@@ -58,3 +58,28 @@ def test_a_generation_that_raises_still_puts_the_engine_to_sleep():
     with pytest.raises(KeyError), awake(engine):
         raise KeyError("x")
     assert log == ["wake", "sleep"]
+
+
+def test_sample_chunks_equals_one_loop_of_generate_calls_and_restores_the_mode(
+    tiny_model64, tiny_tokenizer
+):
+    # `sample_chunks` is the loop it replaced: chunk after chunk through `generate` with one
+    # generator, decoded with the engine's stop ids; the model's mode is back as it was.
+    from rlhflab.rollout.engines import SamplingParams, make_engine, sample_chunks
+    from rlhflab.rollout.sampler import decode_completions
+
+    prompts = [tiny_tokenizer(f"{i} + {i % 3} =")["input_ids"] for i in range(5)]
+    engine = make_engine(None, tiny_model64, tiny_tokenizer)
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
+    tiny_model64.train()
+    got = sample_chunks(tiny_model64, engine, tiny_tokenizer, prompts, params, chunk=2,
+                        generator=torch.Generator().manual_seed(7))  # fmt: skip
+    assert tiny_model64.training  # restored
+    gen = torch.Generator().manual_seed(7)
+    tiny_model64.eval()
+    for (start, ro, texts), s in zip(got, range(0, 5, 2), strict=True):
+        ref = engine.generate(prompts[s : s + 2], params, generator=gen)
+        assert start == s and torch.equal(ro.completion_ids, ref.completion_ids)
+        assert torch.equal(ro.logp, ref.logp)
+        assert texts == decode_completions(tiny_tokenizer, ref, engine.stop_token_ids)
+    assert [len(t) for _, _, t in got] == [4, 4, 2]  # n = 2 completions per prompt
