@@ -66,14 +66,25 @@ class EpisodeBatch:
     texts: list[str]
     messages: list[list[dict]] = field(default_factory=list)
 
-    def stats(self) -> dict[str, float]:
-        """Means over the batch: success, turns, tool_calls, truncated."""
-        n = max(1, len(self.turns))
+    def totals(self) -> dict[str, float]:
+        """Sums over the batch's episodes: "episodes" (their number), "success", "turns",
+        "tool_calls", "truncated" (episodes a limit ended), as Python floats: summed over ranks
+        (`distributed.sum_dict`), then divided by the episodes, they are the batch's means."""
         return {
-            "success": sum(self.success) / n,
-            "turns": sum(self.turns) / n,
-            "tool_calls": sum(self.tool_calls) / n,
-            "truncated": float(self.trajectory.truncated.float().mean()),
+            "episodes": float(len(self.turns)),
+            "success": float(sum(self.success)),
+            "turns": float(sum(self.turns)),
+            "tool_calls": float(sum(self.tool_calls)),
+            "truncated": float(self.trajectory.truncated.sum()),
+        }
+
+    def per_episode(self) -> dict[str, list[float]]:
+        """Per-episode lists, in row order: success (0/1), turns, tool_calls, truncated (0/1)."""
+        return {
+            "success": list(self.success),
+            "turns": [float(t) for t in self.turns],
+            "tool_calls": [float(c) for c in self.tool_calls],
+            "truncated": [float(t) for t in self.trajectory.truncated.tolist()],
         }
 
 
@@ -246,13 +257,18 @@ def evaluate_episodes(
     engine, tokenizer, env, problems: list, limits: EpisodeLimits, *, batch_size: int
 ) -> dict[str, list[float]]:
     """Held-out episodes: greedy turns on every problem, in batches of `batch_size`. Returns
-    per-episode lists, in problem order: success (0/1), turns, tool_calls, truncated (0/1)."""
+    per-episode lists, in problem order: success (0/1), turns, tool_calls, truncated (0/1).
+    Under torchrun each batch is shared out over the ranks (contiguous shares) and the lists
+    gathered in rank order, so every rank returns one process's lists; every rank must call it."""
     out: dict[str, list[float]] = {"success": [], "turns": [], "tool_calls": [], "truncated": []}
     greedy = SamplingParams(n=1, max_new_tokens=limits.max_turn_tokens, greedy=True)
     for s in range(0, len(problems), batch_size):
-        batch = run_episodes(engine, tokenizer, env, problems[s : s + batch_size], greedy, limits)
-        out["success"] += batch.success
-        out["turns"] += [float(t) for t in batch.turns]
-        out["tool_calls"] += [float(c) for c in batch.tool_calls]
-        out["truncated"] += [float(t) for t in batch.trajectory.truncated.tolist()]
+        chunk = problems[s : s + batch_size]
+        r0, r1 = distributed.shard_bounds(len(chunk), even=False)
+        batch = run_episodes(engine, tokenizer, env, chunk[r0:r1], greedy, limits, row0=r0,
+                             n_rows=len(chunk))  # fmt: skip
+        mine = batch.per_episode() if batch is not None else {k: [] for k in out}
+        for part in distributed.all_gather_object(mine):  # rank order: problem order
+            for k in out:
+                out[k] += part[k]
     return out

@@ -1,5 +1,5 @@
 """Held-out evaluation of a multi-turn run's model by episodes with the run's environment, as the
-policy-gradient trainer evaluates it (`PolicyGradient._evaluate_episodes`): one greedy episode
+trainers evaluate it (`rlhflab.experience.Sampler.evaluate_episodes`): one greedy episode
 per held-out problem (`rlhflab.envs.episodes.evaluate_episodes`), the model and the environment
 taking turns within the run's `env` limits; success is the environment's `info["success"]`."""
 

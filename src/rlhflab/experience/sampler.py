@@ -263,15 +263,15 @@ class Sampler:
         with generating(self.model, self.engine) as engine:
             out = run_episodes(engine, self.tokenizer, self.env, problems, one, self.limits,
                                generator=self.rng, row0=g0 * g, n_rows=len(chosen) * g)  # fmt: skip
-        local = None
-        sums = {"episodes": 0.0, "success": 0.0, "turns": 0.0, "tool_calls": 0.0, "truncated": 0.0}
+        local, sums = (
+            None,
+            dict.fromkeys(("episodes", "success", "turns", "tool_calls", "truncated"), 0.0),
+        )
         if out is not None:
             local = ScoredBatch(out.trajectory.to(device), out.rewards.to(device),
                                 {"success": torch.tensor(out.success, device=device)},
                                 out.texts, problems)  # fmt: skip
-            sums = {"episodes": float(len(out.turns)), "success": sum(out.success),
-                    "turns": float(sum(out.turns)), "tool_calls": float(sum(out.tool_calls)),
-                    "truncated": float(out.trajectory.truncated.sum())}  # fmt: skip
+            sums = out.totals()
         batch = ScoredBatch.gather(local, self.tokenizer.pad_token_id, device)
         sums = distributed.sum_dict(sums)
         n = max(1.0, sums["episodes"])
@@ -284,38 +284,18 @@ class Sampler:
         return batch
 
     def evaluate_episodes(self, rows: list, *, batch_size: int) -> dict:
-        """One greedy episode per held-out row: {"accuracy" (= success rate),
-        "accuracy_stderr", "n", and the means of "turns", "tool_calls", "truncated"}. Each
-        batch of `batch_size` rows is shared out over the ranks and the per-episode results
-        gathered in row order, so every rank returns the numbers of one process."""
-        from rlhflab.envs.episodes import run_episodes
-        from rlhflab.eval.accuracy import mean_and_stderr
+        """One greedy episode per held-out row (shared out over the ranks,
+        `envs.episodes.evaluate_episodes`): {"accuracy" (= success rate), "accuracy_stderr",
+        "n", and the means of "turns", "tool_calls", "truncated"} (`eval.episodes`'s summary)."""
+        from rlhflab.envs.episodes import evaluate_episodes
+        from rlhflab.eval.episodes import summarize_episodes
 
-        greedy = SamplingParams(n=1, max_new_tokens=self.limits.max_turn_tokens, greedy=True)
-        per: dict[str, list[float]] = {
-            "success": [],
-            "turns": [],
-            "tool_calls": [],
-            "truncated": [],
-        }
         with generating(self.model, self.engine) as engine:
-            for s in range(0, len(rows), batch_size):
-                chunk = rows[s : s + batch_size]
-                r0, r1 = distributed.shard_bounds(len(chunk), even=False)
-                out = run_episodes(engine, self.tokenizer, self.env, chunk[r0:r1], greedy,
-                                   self.limits, row0=r0, n_rows=len(chunk))  # fmt: skip
-                mine = {"success": [], "turns": [], "tool_calls": [], "truncated": []}
-                if out is not None:
-                    mine = {"success": list(out.success), "turns": [float(t) for t in out.turns],
-                            "tool_calls": [float(c) for c in out.tool_calls],
-                            "truncated": [float(t) for t in out.trajectory.truncated.tolist()]}  # fmt: skip
-                for part in distributed.all_gather_object(mine):  # in rank order: row order
-                    for k in per:
-                        per[k] += part[k]
-        accuracy, stderr = mean_and_stderr(per["success"])
-        n = max(1, len(per["success"]))
-        return {"accuracy": accuracy, "accuracy_stderr": stderr, "n": len(per["success"]),
-                **{k: sum(per[k]) / n for k in ("turns", "tool_calls", "truncated")}}  # fmt: skip
+            per = evaluate_episodes(engine, self.tokenizer, self.env, rows, self.limits,
+                                    batch_size=batch_size)  # fmt: skip
+        summary = summarize_episodes(per, env_class="")
+        keys = ("accuracy", "accuracy_stderr", "n", "turns", "tool_calls", "truncated")
+        return {k: summary[k] for k in keys}
 
 
 def check_engine_layout(rollout, world_size: int) -> None:
