@@ -452,7 +452,8 @@ def grpo_eos(*, warmup: int, reps: int) -> Pair:
         tr = ours.trainer
         problems = tr.splits.train[:2000]
         prompts = [
-            render_row(tok, p, system=tr.system, instruction=tr.instruction) for p in problems
+            render_row(tok, p, system=tr.prompts.system, instruction=tr.prompts.instruction)
+            for p in problems
         ]
 
         def trl_reward(completions, idx, **kwargs):
