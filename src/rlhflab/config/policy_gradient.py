@@ -330,6 +330,10 @@ class EnvConfig(Strict):
     max_episode_tokens: int | None = Field(None, ge=1)
     tool_timeout_s: float = Field(5.0, gt=0)  # wall-clock limit of one python tool call
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    # KV reuse across turns: a turn continues from the episode's KV cache instead of prefilling
+    # its whole history again (hf engine with rollout.decode eager; the vllm engine through its
+    # prefix cache). Same tokens and log-probs up to float rounding. false: re-prefill each turn.
+    kv_reuse: bool = True
 
 
 def check_sampling_modes(rollout: RolloutConfig, env: EnvConfig | None) -> None:
@@ -346,6 +350,17 @@ def check_sampling_modes(rollout: RolloutConfig, env: EnvConfig | None) -> None:
             "rollout.group_size must be >= 2 for rollout.dynamic_sampling "
             f"(got {rollout.group_size})"
         )
+    if env is not None and env.kv_reuse:
+        if rollout.engine == "hf" and rollout.decode == "static":
+            raise ValueError(
+                "env.kv_reuse: the hf engine's static decode cannot start from a kept KV cache; "
+                "use rollout.decode 'eager' or env.kv_reuse false"
+            )
+        if rollout.engine == "vllm" and not rollout.vllm.enable_prefix_caching:
+            raise ValueError(
+                "env.kv_reuse: the vllm engine reuses a turn's history through its prefix cache; "
+                "set rollout.vllm.enable_prefix_caching true or env.kv_reuse false"
+            )
     if env is not None and rollout.dynamic_sampling.enabled:
         raise ValueError("env: rollout.dynamic_sampling is not supported with an environment")
     if rollout.mode == "async":  # what the background generation supports (docs/async.md)

@@ -2,6 +2,11 @@
 
 All active episodes of a batch generate their next turn together through the rollout engine
 (`engine.generate`, one completion per episode, its prompt the episode's whole token history).
+With `EpisodeLimits.kv_reuse` (config `env.kv_reuse`, on by default) a turn does not prefill that
+history again: the `hf` engine keeps each episode's KV cache from the end of its last turn and
+forwards only the stop token and the observation (`rollout.engines.reusing_prefixes`); vLLM's
+prefix cache does the same by itself. The tokens and log-probs are those of prefilling the
+whole history, up to float rounding.
 
 Under torchrun each data-parallel rank runs its share of the episodes, and a run equals one
 process's (`run_episodes`' `row0` / `n_rows`): every episode samples with the noise of its global
@@ -33,7 +38,7 @@ from rlhflab import distributed
 from rlhflab.data.formatting import encode_prompt, render_messages
 from rlhflab.envs.base import as_step_result
 from rlhflab.errors import ConfigError
-from rlhflab.rollout.engines import SamplingParams
+from rlhflab.rollout.engines import SamplingParams, reusing_prefixes
 from rlhflab.rollout.sampler import draw_seed
 from rlhflab.rollout.trajectory import Trajectory, pack_trajectories
 
@@ -43,12 +48,14 @@ __all__ = ["EpisodeBatch", "EpisodeLimits", "observation_ids", "run_episodes"]
 @dataclass(frozen=True)
 class EpisodeLimits:
     """Per-episode budgets: model turns, tokens per model turn, tokens after the opening prompt
-    (model + observations), and the model's context length (prompt included)."""
+    (model + observations), and the model's context length (prompt included); and whether a
+    turn continues from the episode's KV cache (`kv_reuse`, see the module docstring)."""
 
     max_turns: int
     max_turn_tokens: int
     max_episode_tokens: int
     context_length: int
+    kv_reuse: bool = True
 
 
 @dataclass
@@ -159,64 +166,65 @@ def run_episodes(
     texts: list[list[str]] = [[] for _ in range(n)]
     active = list(range(n))
     device = engine_device(engine)
-    while True:
-        budgets = [_budget(prompts[i], tokens[i], limits) for i in active]
-        # this round over all ranks: episodes still running, the widest history, the budget
-        local = [len(active), max((len(prompts[i]) + len(tokens[i]) for i in active), default=0),
-                 max(budgets, default=0)]  # fmt: skip
-        n_active, width, budget = distributed.all_reduce_max(
-            torch.tensor(local, dtype=torch.long, device=distributed.device())
-        ).tolist()
-        if n_active == 0:
-            break
-        if not active:  # the draw `generate` would take: stay in step with the other ranks
-            if not sampling.greedy:
-                draw_seed(generator, device)
-            continue
-        params = SamplingParams(
-            n=1, max_new_tokens=budget, temperature=sampling.temperature,
-            top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
-            greedy=sampling.greedy, stop_token_ids=sampling.stop_token_ids,
-        )  # fmt: skip
-        out = engine.generate(
-            [prompts[i] + tokens[i] for i in active], params, generator=generator,
-            rows=[row0 + i for i in active], n_rows=n_rows or n, width=width,
-        )  # fmt: skip
-        ids_all, mask_all, lp_all = (
-            out.completion_ids.tolist(),
-            out.mask.tolist(),
-            out.logp.tolist(),
-        )
-        still = []
-        for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
-            turn = [t for t, m in zip(ids_all[row], mask_all[row], strict=True) if m][:budget]
-            lp = lp_all[row][: len(turn)]
-            stopped = bool(turn) and turn[-1] in stops
-            tokens[i] += turn
-            is_model[i] += [1] * len(turn)
-            logps[i] += lp
-            turns[i] += 1
-            text = tokenizer.decode(turn[:-1] if stopped else turn, skip_special_tokens=False)
-            texts[i].append(text)
-            res = as_step_result(envs[i].step(messages[i], text), f"env: episode {i}")
-            messages[i].append({"role": "assistant", "content": text})
-            rewards[i] += res.reward
-            calls[i] += 1 if res.info.get("tool_call") else 0
-            if "success" in res.info:
-                success[i] = float(res.info["success"])
-            if res.done:
+    with reusing_prefixes(engine, limits.kv_reuse):  # the caches live for this batch
+        while True:
+            budgets = [_budget(prompts[i], tokens[i], limits) for i in active]
+            # this round over all ranks: episodes still running, the widest history, the budget
+            local = [len(active), max((len(prompts[i]) + len(tokens[i]) for i in active), default=0),
+                     max(budgets, default=0)]  # fmt: skip
+            n_active, width, budget = distributed.all_reduce_max(
+                torch.tensor(local, dtype=torch.long, device=distributed.device())
+            ).tolist()
+            if n_active == 0:
+                break
+            if not active:  # the draw `generate` would take: stay in step with the other ranks
+                if not sampling.greedy:
+                    draw_seed(generator, device)
                 continue
-            obs = observation_ids(tokenizer, res.observation) if res.observation else []
-            room = _budget(prompts[i], tokens[i] + obs, limits)
-            if not stopped or turns[i] >= limits.max_turns or room < 1:
-                truncated[i] = True  # a limit ended it before the environment did
-                continue
-            tokens[i] += obs
-            is_model[i] += [0] * len(obs)
-            logps[i] += [0.0] * len(obs)
-            messages[i].append(res.observation)
-            still.append(i)
-        active = still
+            params = SamplingParams(
+                n=1, max_new_tokens=budget, temperature=sampling.temperature,
+                top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
+                greedy=sampling.greedy, stop_token_ids=sampling.stop_token_ids,
+            )  # fmt: skip
+            out = engine.generate(
+                [prompts[i] + tokens[i] for i in active], params, generator=generator,
+                rows=[row0 + i for i in active], n_rows=n_rows or n, width=width,
+            )  # fmt: skip
+            ids_all, mask_all, lp_all = (
+                out.completion_ids.tolist(),
+                out.mask.tolist(),
+                out.logp.tolist(),
+            )
+            still = []
+            for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
+                turn = [t for t, m in zip(ids_all[row], mask_all[row], strict=True) if m][:budget]
+                lp = lp_all[row][: len(turn)]
+                stopped = bool(turn) and turn[-1] in stops
+                tokens[i] += turn
+                is_model[i] += [1] * len(turn)
+                logps[i] += lp
+                turns[i] += 1
+                text = tokenizer.decode(turn[:-1] if stopped else turn, skip_special_tokens=False)
+                texts[i].append(text)
+                res = as_step_result(envs[i].step(messages[i], text), f"env: episode {i}")
+                messages[i].append({"role": "assistant", "content": text})
+                rewards[i] += res.reward
+                calls[i] += 1 if res.info.get("tool_call") else 0
+                if "success" in res.info:
+                    success[i] = float(res.info["success"])
+                if res.done:
+                    continue
+                obs = observation_ids(tokenizer, res.observation) if res.observation else []
+                room = _budget(prompts[i], tokens[i] + obs, limits)
+                if not stopped or turns[i] >= limits.max_turns or room < 1:
+                    truncated[i] = True  # a limit ended it before the environment did
+                    continue
+                tokens[i] += obs
+                is_model[i] += [0] * len(obs)
+                logps[i] += [0.0] * len(obs)
+                messages[i].append(res.observation)
+                still.append(i)
+            active = still
     if n == 0:
         return None
     trajectory = pack_trajectories(

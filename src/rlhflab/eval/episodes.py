@@ -12,7 +12,7 @@ EPISODE_HEADLINE = "episode success (greedy, the run's environment)"
 
 def episode_limits(env, *, rollout_max_new_tokens: int, context: int):
     """The trainer's `EpisodeLimits` for an `env` section (`EnvConfig`): a turn's budget
-    defaults to `rollout.max_new_tokens`, an episode's to the model's context."""
+    defaults to `rollout.max_new_tokens`, an episode's to the model's context; `env.kv_reuse`."""
     from rlhflab.envs.episodes import EpisodeLimits
 
     return EpisodeLimits(
@@ -20,6 +20,7 @@ def episode_limits(env, *, rollout_max_new_tokens: int, context: int):
         max_turn_tokens=env.max_turn_tokens or rollout_max_new_tokens,
         max_episode_tokens=env.max_episode_tokens or context,
         context_length=context,
+        kv_reuse=getattr(env, "kv_reuse", True),
     )
 
 

@@ -102,3 +102,47 @@ def select_static_rows(cache, index: torch.Tensor) -> None:
             layer.values = layer.values.index_select(0, index)
             if hasattr(layer, "batch_size"):
                 layer.batch_size = index.numel()
+
+
+class PrefixStore:
+    """The KV caches of finished sequences, kept so that a later prompt which extends one of
+    them starts from its cache instead of being prefilled again (KV reuse across the turns of
+    a multi-turn episode: the next turn's prompt is the history, the last model turn and the
+    observation).
+
+    An entry is one sequence's real tokens (no padding) and, per cache layer, its keys and
+    values of shape (H, L, D) for those L tokens, in the cache's dtype. Keys and values depend
+    on a token's position id and on the tokens before it only, never on where it sat in a padded
+    batch, so an entry can be placed at any column of a later batch (`rlhflab.rollout.sampler`).
+
+    `take` hands an entry out once (the episode continues from it and a new entry is stored at
+    the end of its next turn); entries nobody takes are freed with the store.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._lengths: set[int] = set()
+
+    def put(self, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep `layers` ((keys, values) of shape (H, len(tokens), D) per cache layer) as the
+        cache of `tokens`. Raises ValueError when their length is not len(tokens)."""
+        if any(k.shape[-2] != len(tokens) or v.shape[-2] != len(tokens) for k, v in layers):
+            raise ValueError("PrefixStore.put: keys/values must cover exactly the tokens given")
+        self._entries.setdefault(tuple(tokens), []).append(layers)
+        self._lengths.add(len(tokens))
+
+    def take(self, prompt: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """The longest stored entry that is a proper prefix of `prompt` (at least one token of
+        the prompt is left to forward, for the next token's logits), removed from the store:
+        (its length, its layers), or (0, None) when no entry is."""
+        for n in sorted((n for n in self._lengths if n < len(prompt)), reverse=True):
+            found = self._entries.get(tuple(prompt[:n]))
+            if found:
+                layers = found.pop()
+                if not found:
+                    del self._entries[tuple(prompt[:n])]
+                return n, layers
+        return 0, None
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._entries.values())

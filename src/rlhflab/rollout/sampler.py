@@ -49,7 +49,13 @@ from rlhflab.ops import (
     selective_log_softmax,
     upcast,
 )
-from rlhflab.rollout.kv_cache import preallocated_cache, select_static_rows, static_cache
+from rlhflab.rollout.kv_cache import (
+    PreallocatedLayer,
+    PrefixStore,
+    preallocated_cache,
+    select_static_rows,
+    static_cache,
+)
 from rlhflab.rollout.noise import CounterNoise, counter_uniform  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -204,6 +210,8 @@ def sample(
     decode: str = "eager",
     sync_every: int = 8,
     cuda_graph: bool = True,
+    prefix_store: PrefixStore | None = None,
+    stats: dict[str, int] | None = None,
 ) -> Rollout:
     """Sample one completion per prompt, all prompts in one batch.
 
@@ -237,13 +245,25 @@ def sample(
             to float rounding of the attention sums) and log-probs.
         sync_every: "static" only: tokens between the host's checks for finished rows (>= 1).
         cuda_graph: "static" only: capture the decode step as a CUDA graph on CUDA devices.
+        prefix_store: KV reuse (`rlhflab.rollout.kv_cache.PrefixStore`, "eager" decode only):
+            a prompt that extends a stored sequence starts from that sequence's keys and values
+            and only the rest of it is forwarded; a row that stops is stored (its prompt and
+            completion up to, not including, the stop token, whose key is not computed yet).
+            In the batch the rows keep the columns of the plain path (left-padded to `width`),
+            and the prefill forwards the last U columns, U the most tokens any row has beyond
+            its stored prefix; columns before are the stored keys. The sampled tokens and
+            log-probs are those of prefilling everything, up to float rounding of the split
+            forward. Prefix sharing is off in a batch where any row reuses a stored prefix.
+        stats: counters to add to: "prefilled" (prompt tokens forwarded, padding not counted)
+            and "reused" (prompt tokens taken from `prefix_store`).
 
     Returns:
         Rollout with completion tensors of width T' <= max_new_tokens (the longest completion).
 
     Raises:
         ValueError: an empty prompt, `rows` that do not give each prompt a row < n_rows, an
-            unknown `decode` or `sync_every` < 1.
+            unknown `decode` or `sync_every` < 1, a `prefix_store` with "static" decode or with
+            a model whose cache has layers that are not full attention.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("sample: every prompt needs at least one token")
@@ -251,6 +271,8 @@ def sample(
         raise ValueError(f"sample: decode must be one of {list(DECODE_PATHS)}, got {decode!r}")
     if sync_every < 1:
         raise ValueError(f"sample: sync_every must be >= 1, got {sync_every}")
+    if prefix_store is not None and decode != "eager":
+        raise ValueError("sample: prefix_store (KV reuse) needs decode='eager'")
     if decode == "static" and not supports_static_decode(model):
         raise ValueError(
             f"sample: decode='static' needs a model that takes transformers' StaticCache; "
@@ -270,12 +292,15 @@ def sample(
     batch = prompt_ids.size(0)
     temp = 1.0 if greedy else temperature
     stops = torch.tensor(sorted({eos_token_id, *stop_token_ids}), device=device)
+    # KV reuse: each row's stored prefix (its length, its keys/values per layer), if any.
+    stored = [prefix_store.take(p) for p in prompts] if prefix_store is not None else []
+    reuse = any(layers is not None for _, layers in stored)
     # Prefix sharing: `first` holds one row per distinct prompt; `expand` maps every row to it.
     first: dict[tuple[int, ...], int] = {}
     owner = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
     distinct = sorted(set(owner))
     expand = None
-    if share_prefix and len(distinct) < batch:
+    if share_prefix and len(distinct) < batch and not reuse:
         slot = {row: j for j, row in enumerate(distinct)}
         expand = torch.tensor([slot[o] for o in owner], device=device)  # (B,) into distinct
         distinct_t = torch.tensor(distinct, device=device)
@@ -300,6 +325,8 @@ def sample(
         cache_enabled=False if decode == "static" else None,
     )  # fmt: skip
     if decode == "static":
+        if stats is not None:
+            stats["prefilled"] = stats.get("prefilled", 0) + int(step_attn.sum())
         return _decode_static(
             model, prompt_ids, prompt_mask, positions, expand, distinct if expand is not None
             else None, rows_t, n_rows, seed, max_new_tokens, temp, (top_k, top_p, min_p), stops,
@@ -309,6 +336,20 @@ def sample(
     capacity = prompt_ids.size(1) + max_new_tokens
     cache = preallocated_cache(model.config, capacity)  # filled in place by every forward
     kw = cache_kwarg(model)
+    if prefix_store is not None:
+        if not all(isinstance(layer, PreallocatedLayer) for layer in cache.layers):
+            raise ValueError(
+                "sample: prefix_store (KV reuse) needs a model whose cache layers are all full "
+                f"attention; {type(getattr(model, 'module', model)).__name__} has others"
+            )
+        if reuse:
+            fresh = _fill_stored_prefixes(cache, prompts, stored, prompt_ids.size(1))
+            step_input, step_positions = prompt_ids[:, -fresh:], positions[:, -fresh:]
+    if stats is not None:
+        stats["prefilled"] = stats.get("prefilled", 0) + int(
+            step_attn[:, -step_input.size(1) :].sum()
+        )
+        stats["reused"] = stats.get("reused", 0) + sum(n for n, _ in stored)
     for t in range(max_new_tokens):
         with autocast:
             out = model(
@@ -335,6 +376,9 @@ def sample(
         out_mask[active, t] = 1.0
         done = torch.isin(token, stops)
         finished[active[done]] = True
+        if prefix_store is not None and bool(done.any()):
+            _store_stopped(prefix_store, cache, prompts, out_ids, active, done, t,
+                           prompt_ids.size(1))  # fmt: skip
         if bool(done.all()):
             break
         if bool(done.any()):  # drop stopped rows from the cache and every per-row tensor
@@ -356,6 +400,41 @@ def sample(
         logp=out_logp[:, :width].contiguous(),
         truncated=~finished,
     )
+
+
+def _fill_stored_prefixes(cache, prompts, stored, width: int) -> int:
+    """Write the stored keys/values of each row into the first columns of `cache` (a fresh
+    `preallocated_cache`), in the left-padded layout of `width` columns (row i's prompt in its
+    last len(prompt) columns): every column before the last U is either padding (zeros, masked)
+    or a stored key. Returns U, the columns left to forward: the most tokens any row has beyond
+    its stored prefix (a row with no stored prefix counts its whole prompt)."""
+    fresh = max(len(p) - n for p, (n, _) in zip(prompts, stored, strict=True))
+    cached = width - fresh
+    layers = next(layers for _, layers in stored if layers is not None)
+    for li, layer in enumerate(cache.layers):
+        k0, v0 = layers[li]
+        keys = k0.new_zeros((len(prompts), k0.shape[0], cached, k0.shape[-1]))
+        values = v0.new_zeros((len(prompts), v0.shape[0], cached, v0.shape[-1]))
+        for i, (p, (_, row)) in enumerate(zip(prompts, stored, strict=True)):
+            start = width - len(p)  # the row's first real column
+            if row is not None and start < cached:
+                keys[i, :, start:cached] = row[li][0][:, : cached - start]
+                values[i, :, start:cached] = row[li][1][:, : cached - start]
+        layer.update(keys, values)
+    return fresh
+
+
+def _store_stopped(store, cache, prompts, out_ids, active, done, t: int, width: int) -> None:
+    """Keep in `store` the cache of every row that stopped at decoding step `t`: its prompt and
+    its first t completion tokens (the stop token's key is not computed), the cache's columns
+    from the row's first real one up to width + t."""
+    for d in done.nonzero().squeeze(-1).tolist():
+        r = int(active[d])
+        start = width - len(prompts[r])
+        tokens = list(prompts[r]) + out_ids[r, :t].tolist()
+        store.put(tokens, [(layer.keys[d, :, start : width + t].clone(),
+                            layer.values[d, :, start : width + t].clone())
+                           for layer in cache.layers])  # fmt: skip
 
 
 def supports_static_decode(model: torch.nn.Module) -> bool:

@@ -21,7 +21,12 @@ from rlhflab.rollout.engines.base import (  # noqa: F401
     stop_ids_for,
     unwrapped,
 )
-from rlhflab.rollout.engines.lifecycle import awake, generating, sample_chunks  # noqa: F401
+from rlhflab.rollout.engines.lifecycle import (  # noqa: F401
+    awake,
+    generating,
+    reusing_prefixes,
+    sample_chunks,
+)
 from rlhflab.rollout.engines.registry import (  # noqa: F401
     ENGINE_NAMES,
     ENGINES,

@@ -3,17 +3,21 @@
 It samples with the very module the trainer updates, so `update_weights` has nothing to load and
 `sleep` / `wake` nothing to free, and the sampler log-probs are the trainer's (mismatch 0 up to
 float rounding). A group's prompt is prefilled once and its KV cache shared by the group's
-samples (`rlhflab.rollout.sampler.sample`, prefix sharing).
+samples (`rlhflab.rollout.sampler.sample`, prefix sharing). Inside `reuse_prefixes()` (a
+multi-turn episode batch) a sequence that stops keeps its KV cache and a later prompt that extends
+it (the next turn) forwards only its new tokens (`rlhflab.rollout.kv_cache.PrefixStore`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from rlhflab.rollout.engines.base import SamplingParams, unwrapped
+from rlhflab.rollout.kv_cache import PrefixStore
 from rlhflab.rollout.sampler import DECODE_PATHS, Rollout, sample
 
 
@@ -71,6 +75,22 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = tuple(stop_token_ids)
         self.autocast_dtype = autocast_dtype
+        self.prefix_store: PrefixStore | None = None
+        # prompt tokens forwarded by prefills ("prefilled") and taken from kept caches ("reused")
+        self.stats: dict[str, int] = {"prefilled": 0, "reused": 0}
+
+    @contextmanager
+    def reuse_prefixes(self) -> Iterator[None]:
+        """KV reuse for the `generate` calls inside: each stopped sequence's cache is kept and a
+        prompt extending it starts from it (`sample`'s `prefix_store`); the caches are freed on
+        exit. Raises ValueError with decode "static", whose cache cannot start from a prefix."""
+        if self.decode != "eager":
+            raise ValueError("HFEngine.reuse_prefixes: KV reuse needs decode 'eager'")
+        self.prefix_store = PrefixStore()
+        try:
+            yield
+        finally:
+            self.prefix_store = None
 
     @classmethod
     def from_config(cls, rollout_cfg, model: torch.nn.Module, tokenizer, *,
@@ -145,6 +165,8 @@ class HFEngine:
             decode=self.decode,
             sync_every=self.sync_every,
             cuda_graph=self.cuda_graph,
+            prefix_store=self.prefix_store,
+            stats=self.stats,
         )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:

@@ -2,7 +2,8 @@
 awake (a colocated vLLM's weights and KV cache back on the GPU), a sharded policy gathered; then
 the engine asleep (its memory freed for the update) and the policy back in train mode; and
 `sample_chunks`, generation in chunks with the texts decoded, for code that samples outside a
-training loop (evaluation, data for reward models and DPO, the replications). Part of
+training loop (evaluation, data for reward models and DPO, the replications); and
+`reusing_prefixes`, KV reuse across the turns of multi-turn episodes. Part of
 `rlhflab.rollout.engines` (re-exported there)."""
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ def generating(model: torch.nn.Module, engine: RolloutEngine, *,
         yield engine
     if train_after:
         model.train()
+
+
+@contextlib.contextmanager
+def reusing_prefixes(engine: RolloutEngine, enabled: bool = True) -> Iterator[RolloutEngine]:
+    """KV reuse for the `generate` calls of the body (one batch of multi-turn episodes): a turn
+    whose prompt extends a finished sequence starts from that sequence's KV cache. The `hf`
+    engine keeps the caches itself (`HFEngine.reuse_prefixes`, freed on exit); an engine without
+    `reuse_prefixes` (vLLM, whose own prefix cache finds the shared prefix) is used as it is.
+    `enabled` False: every turn prefills its whole prompt."""
+    start = getattr(engine, "reuse_prefixes", None)
+    if not enabled or start is None:
+        yield engine
+        return
+    with start():
+        yield engine
 
 
 def sample_chunks(model: torch.nn.Module, engine: RolloutEngine, tokenizer, prompts: list[list[int]],
