@@ -13,6 +13,14 @@ sync, ...), so a change in the machine's load hits both alike; every run is its 
     python -m bench.async_rollouts --seeds 0 1 2 3 4 --steps 600 --async-steps 700 \
         --eval-every 100 --plot docs/async_heldout_vs_wallclock.png
 
+`--modes sync async process` adds the async run with its generation in a process of its own
+(`rollout.async_worker: process`, rlhflab.rollout.async_process) beside the thread's; the modes
+rotate run by run (seed i starts at mode i mod 3), and `paired()` prints every pair's
+wall-clock and accuracy differences, paired by seed, with 95% t intervals:
+
+    python -m bench.async_rollouts --seeds 0 1 2 --steps 600 --modes sync async process \
+        --out bench/async_results_process.json
+
 `--async-steps` lets the async runs spend the wall-clock they save on more steps (the constant LR
 after warm-up makes their first `--steps` steps the same run); `--eval-every` records the held-out
 curve with the run's clock, `--plot` draws it. Writes bench/async_results.json (or --out) and
@@ -69,7 +77,8 @@ def run_grpo(
             f"grpo.seed={seed}",
             f"grpo.train.steps={steps}",
             f"grpo.eval.every={eval_every or steps}",
-            f"grpo.rollout.mode={mode}",
+            f"grpo.rollout.mode={'sync' if mode == 'sync' else 'async'}",
+            *(["grpo.rollout.async_worker=process"] if mode == "process" else []),
             "grpo.tracking.console=false",
             f"grpo.run.name=async_{mode}_s{seed}",
             "grpo.run.save_model=false",
@@ -100,7 +109,7 @@ def run_grpo(
             if "eval/accuracy" in r
         ],
     }
-    if mode == "async":
+    if mode != "sync":
         out["staleness_mean"] = statistics.fmean(r["rollout/staleness"] for r in steps_rows)
         out["behav_ratio_mean"] = statistics.fmean(
             r["rollout/behav_ratio_mean"] for r in steps_rows
@@ -121,7 +130,7 @@ def table(results: list[dict]) -> str:
         "wall-clock s (mean ± s.e.) | s/step | behaviour ratio mean / max |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "process"):
         rs = [r for r in results if r["mode"] == mode]
         if not rs:
             continue
@@ -132,7 +141,7 @@ def table(results: list[dict]) -> str:
         ratio = (
             f"{statistics.fmean(r['behav_ratio_mean'] for r in rs):.4f} / "
             f"{max(r['behav_ratio_max'] for r in rs):.3f}"
-            if mode == "async"
+            if mode != "sync"
             else "—"
         )
         lines.append(
@@ -173,6 +182,28 @@ def comparison(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def paired(results: list[dict]) -> dict:
+    """Every pair of modes, paired by seed: the mean per-seed difference (a − b) of the GRPO run's
+    wall-clock (s), its mean step time (s) and its final held-out accuracy, with 95% Student t
+    intervals over the seeds both modes ran."""
+    from rlhflab.replications.verdict import t_interval
+
+    by = {(r["mode"], r["seed"]): r for r in results}
+    modes = list(dict.fromkeys(r["mode"] for r in results))
+    out = {}
+    for i, a in enumerate(modes):
+        for b in modes[i + 1 :]:
+            seeds = sorted(s for m, s in by if m == a and (b, s) in by)
+            if len(seeds) < 2:
+                continue
+            row = {"seeds": seeds}
+            for key in ("wall_s", "step_s_mean", "heldout_accuracy"):
+                m, lo, hi = t_interval([by[a, s][key] - by[b, s][key] for s in seeds])
+                row[key] = {"mean": m, "ci95": [lo, hi]}
+            out[f"{a} - {b}"] = row
+    return out
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Held-out accuracy against the run's wall-clock (metrics time_s), every run."""
     import matplotlib
@@ -186,7 +217,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.plot(
             [p["time_s"] for p in c],
             [p["accuracy"] for p in c],
-            color="tab:blue" if r["mode"] == "sync" else "tab:orange",
+            color={"sync": "tab:blue", "async": "tab:orange"}.get(r["mode"], "tab:green"),
             marker="o",
             ms=3,
             alpha=0.8,
@@ -217,20 +248,24 @@ def main() -> None:
         "rollout.behav_correction=none)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=OUT, help="results JSON (default %(default)s)")
+    ap.add_argument(
+        "--modes", nargs="+", default=["sync", "async"], choices=["sync", "async", "process"],
+        help="sync; async (generation in a thread); process (async, generation in a process)",
+    )  # fmt: skip
     ap.add_argument("--one", nargs=3, metavar=("SFT", "MODE", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # a single run, in this subprocess
         sft, mode, seed = args.one
-        extra = args.async_set if mode == "async" else []
+        extra = args.async_set if mode != "sync" else []
         print(json.dumps(run_grpo(sft, mode, int(seed), args.steps, args.eval_every, extra)))
         return
     common.setup()
     sft = str(sft_model())
     results = []
     for i, seed in enumerate(args.seeds):
-        order = ("sync", "async") if i % 2 == 0 else ("async", "sync")
+        order = args.modes[i % len(args.modes) :] + args.modes[: i % len(args.modes)]
         for mode in order:
-            steps = args.async_steps if mode == "async" and args.async_steps else args.steps
+            steps = args.async_steps if mode != "sync" and args.async_steps else args.steps
             cmd = [sys.executable, "-m", "bench.async_rollouts", "--steps", str(steps),
                    "--one", sft, mode, str(seed)]  # fmt: skip
             if args.eval_every:
@@ -250,13 +285,16 @@ def main() -> None:
                         "steps": args.steps,
                         "async_steps": args.async_steps,
                         "async_set": args.async_set,
+                        "modes": args.modes,
                         "runs": results,
+                        "paired": paired(results),
                     },
                     indent=1,
                 )
                 + "\n"
             )
     print(table(results))
+    print(json.dumps(paired(results), indent=1))
     if args.plot:
         plot(results, args.plot)
 

@@ -392,6 +392,22 @@ def test_async_two_ranks_equal_one_process(base_model, tmp_path):
     ], res.stderr[-2000:]
 
 
+def test_async_process_two_ranks_equal_one_process(base_model, tmp_path):
+    """rollout.async_worker "process" under torchrun (DDP): every rank's generation process
+    samples the rank's share; scoring and the gather run in the trainer on the run's group. The
+    run equals one process's (float64: metrics, staleness, gradients, weights, samples)."""
+    raw = _grpo(base_model, train={"steps": 3, "micro_batch_size": 3, "update_epochs": 1,
+                                   "minibatches": 2})  # fmt: skip
+    raw["rollout"] = {**raw["rollout"], "mode": "async", "max_staleness": 1,
+                      "async_worker": "process"}  # fmt: skip
+    one = _train(tmp_path, "async-proc", raw, 1, "none")
+    two = _train(tmp_path, "async-proc", raw, 2, "ddp")
+    _assert_same_run(one, two)
+    stale = [r["rollout/staleness"] for r in _metrics(two) if "rollout/staleness" in r]
+    assert stale == [0.0, 1.0, 1.0]
+    assert (one / "samples.jsonl").read_text() == (two / "samples.jsonl").read_text()
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("family", ["dpo", "grpo"])
 def test_lora_two_ranks_equal_one_process(family, strategy, base_model, tmp_path):

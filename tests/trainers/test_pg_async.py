@@ -85,3 +85,59 @@ def test_async_config_errors(tmp_path):
     raw["loss"] = {"tis": {"enabled": True}}
     with pytest.raises(Exception, match=r"disable loss\.tis"):
         config_from_dict(raw)
+
+
+@pytest.mark.slow
+def test_a_generation_process_draws_what_the_thread_draws(tmp_path):
+    """rollout.async_worker "process" (rlhflab.rollout.async_process): the same prompts, seeds,
+    tokens, losses and staleness schedule as the thread, step by step (2 steps stale)."""
+    thread, s_thread = _metrics(tmp_path, "thread", mode="async", max_staleness=2)
+    proc, s_proc = _metrics(tmp_path, "proc", mode="async", max_staleness=2, async_worker="process")
+    assert len(thread) == len(proc) == 4
+    assert [r["rollout/staleness"] for r in proc] == [0.0, 1.0, 2.0, 2.0]
+    assert s_thread == s_proc  # every sampled completion, step by step
+    for a, b in zip(thread, proc, strict=True):
+        for k, v in a.items():
+            if k.startswith(("rollout/", "policy/", "train/")) and isinstance(v, float):
+                assert b[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+
+
+def _broken_engine(model):
+    raise ValueError("no engine here")
+
+
+def _request(step):
+    return [0], {"step": step}
+
+
+def _never(*args):
+    raise AssertionError("no batch can be finished")
+
+
+def test_a_failed_or_dead_generation_process_stops_the_run_with_one_line(tiny_model):
+    """The worker's exception comes back as one line; a worker that dies (SIGKILL) is noticed
+    while the trainer waits, instead of a hang."""
+    import os
+    import signal
+    from functools import partial
+
+    from rlhflab.rollout.async_process import ProcessRollouts
+
+    kw = dict(max_staleness=1, total_steps=3, threads=1)
+    failed = ProcessRollouts(tiny_model, _broken_engine, None, _request, _never, **kw)
+    try:
+        with pytest.raises(RuntimeError, match="failed to start: ValueError: no engine here"):
+            failed.next(1, tiny_model)
+    finally:
+        failed.close()
+    from rlhflab.rollout.engines import make_engine
+
+    dead = ProcessRollouts(tiny_model, partial(make_engine, None, tokenizer=None), None,
+                           _request, _never, **kw)  # fmt: skip
+    try:
+        os.kill(dead.proc.pid, signal.SIGKILL)
+        dead.proc.join()
+        with pytest.raises(RuntimeError, match=r"process died \(exit code -9\)"):
+            dead.next(1, tiny_model)
+    finally:
+        dead.close()

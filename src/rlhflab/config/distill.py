@@ -105,7 +105,7 @@ class DistillConfig(TrainerConfig):
     ROLLOUT_KEYS: ClassVar[frozenset[str]] = frozenset({
         "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
         "min_p", "stop_token_ids", "engine", "vllm", "decode", "sync_every", "cuda_graph",
-        "half_weights", "mode", "max_staleness", "dynamic_sampling",
+        "half_weights", "mode", "max_staleness", "async_worker", "dynamic_sampling",
     })  # fmt: skip
 
     trainer: Literal["distill"] = "distill"

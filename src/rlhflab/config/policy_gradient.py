@@ -80,6 +80,7 @@ class RolloutConfig(Strict):
     #: (key or section, (the key it depends on, the value under which it is read))
     ONLY_WITH: ClassVar[tuple[tuple[str, tuple[str, Any]], ...]] = (
         ("max_staleness", ("mode", "async")),
+        ("async_worker", ("mode", "async")),
         ("behav_correction", ("mode", "async")),
         ("behav_cap", ("mode", "async")),
         ("dynamic_sampling.max_rounds", ("dynamic_sampling.enabled", True)),
@@ -117,6 +118,9 @@ class RolloutConfig(Strict):
     # from the policy of max_staleness updates earlier (fewer in the first steps).
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=1)
+    # Where async generation runs: "thread" (in the trainer's process; the GIL is shared) or
+    # "process" (a spawned process, CPU only: rlhflab.rollout.async_process). Same batches.
+    async_worker: Literal["thread", "process"] = "thread"
     # The lag correction (rlhflab.losses.correction.decoupled): "decoupled" weights the
     # surrogate (clipped against the trainer's π_prox) by min(π_prox / π_behav, behav_cap);
     # "none" ignores the lag (ablation).

@@ -8,8 +8,9 @@ the `group_size` completions of a prompt are adjacent rows) and the sampling sta
 - `dynamic` (rollout.dynamic_sampling.enabled): rounds of prompts until every kept group's rewards
   vary (DAPO, `rlhflab.rollout.dynamic.dynamic_sample`);
 - `async` (rollout.mode "async"): the batch was sampled ahead by a behaviour copy of the policy in a
-  background thread (`rlhflab.rollout.async_rollouts`), at most `rollout.max_staleness` updates
-  old;
+  background thread (`rlhflab.rollout.async_rollouts`) or, with `rollout.async_worker: process`,
+  in a spawned process (`rlhflab.rollout.async_process`), at most `rollout.max_staleness`
+  updates old;
 - with an `env` section, every row is an episode: the model and the environment take turns
   (`rlhflab.envs.episodes`), the reward the environment's.
 
@@ -87,7 +88,24 @@ class Sampler:
         # rollout.mode "async": a background thread generates the next batches with a behaviour
         # copy of the policy while the trainer updates (rlhflab.rollout.async_rollouts).
         self.async_rollouts = self.group = None
-        if r.mode == "async":  # (not with FSDP2: `check_engine_layout`)
+        if r.mode == "async" and r.async_worker == "process":  # a spawned generation process
+            from rlhflab.rollout.async_process import ProcessRollouts
+
+            if torch.device(device).type != "cpu":
+                raise ConfigError(
+                    "rollout.async_worker 'process' runs on the CPU only; use 'thread' on GPUs"
+                )
+            self.async_rollouts = ProcessRollouts(
+                model,
+                partial(make_engine, r, tokenizer=tokenizer, autocast_dtype=autocast_dtype),
+                tokenizer,
+                self._request_behind,
+                self._finish_behind,
+                max_staleness=r.max_staleness,
+                total_steps=cfg.train.steps,
+                threads=cfg.precision.threads,
+            )
+        elif r.mode == "async":  # (not with FSDP2: `check_engine_layout`)
             from rlhflab.rollout.async_rollouts import AsyncRollouts
 
             # the background thread gathers its batches on a group of its own (the main thread's
@@ -177,7 +195,6 @@ class Sampler:
             draw_seed(self.rng, device)  # the draw `generate` would take: stay in step
             self.scorer.idle(device)
             return ScoredBatch.gather(None, self.tokenizer.pad_token_id, device, group)
-        problems = self.prompts.problems_of(mine, g)
         with generating(model, engine, train_after=train_after):
             rollout = engine.generate(
                 [ids[i] for i in mine],
@@ -188,10 +205,46 @@ class Sampler:
                 width=max(len(ids[i]) for i in chosen),  # the global batch's prompt width
             )
         texts = decode_completions(self.tokenizer, rollout, engine.stop_token_ids)
+        return self._scored(step, mine, rollout, texts, group)
+
+    def _scored(self, step: int, mine: list[int], rollout, texts: list[str],
+                group=None) -> ScoredBatch:  # fmt: skip
+        """This rank's rollout of the prompt indices `mine`, scored, then the global batch."""
+        device = self.device
+        problems = self.prompts.problems_of(mine, self.group_size)
         rewards, components = self.scorer.score(texts, rollout, problems, where=f"step {step}")
         components = {k: v.to(device) for k, v in components.items()}
         local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
         return ScoredBatch.gather(local, self.tokenizer.pad_token_id, device, group)
+
+    def _request_behind(self, step: int) -> tuple[list[int], dict | None]:
+        """The first half of `draw` for a generation process (rollout.async_worker "process"):
+        the step's prompt indices and this rank's request (None when it has no prompts). The
+        one seed `generate` draws is taken from the sampler's generator here, in step order; the
+        request carries the generator's state before it, so the worker draws the same seed."""
+        chosen = list(itertools.islice(self.prompts.stream, self.prompts_per_step))
+        g, ids = self.group_size, self.prompts.ids
+        g0, g1 = distributed.shard_bounds(len(chosen), even=False)
+        rng_state = self.rng.get_state()
+        draw_seed(self.rng, self.device)  # the worker's engine takes this very draw
+        if g0 == g1:
+            return chosen, None
+        return chosen, {
+            "rng_state": rng_state, "prompts": [ids[i] for i in chosen[g0:g1]],
+            "params": self.sampling, "rows": list(range(g0 * g, g1 * g)),
+            "n_rows": len(chosen) * g, "width": max(len(ids[i]) for i in chosen),
+        }  # fmt: skip
+
+    def _finish_behind(self, step: int, chosen: list[int], rollout, texts: list[str]):
+        """The second half: the worker's rollout scored and gathered (on the run's group, in
+        the trainer's thread); returns (global batch, stats)."""
+        g0, g1 = distributed.shard_bounds(len(chosen), even=False)
+        stats = lambda: {"verifier_errors": self.scorer.verifier.n_errors}  # noqa: E731
+        if rollout is None:
+            self.scorer.idle(self.device)
+            return ScoredBatch.gather(None, self.tokenizer.pad_token_id, self.device), stats()
+        rollout = rollout.to(self.device)
+        return self._scored(step, chosen[g0:g1], rollout, texts), stats()
 
     def draw_from(self, model, chosen: list[int], step: int) -> ScoredBatch:
         """`draw` with another, frozen model sampling (a GKD teacher), through an `hf` engine of

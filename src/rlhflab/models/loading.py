@@ -7,9 +7,9 @@ exception is chained (`raise ... from`) for debugging but never shown as the use
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
-import types
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -262,7 +262,9 @@ def float64_exact(model: torch.nn.Module) -> torch.nn.Module:
     model.to(torch.float64)
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(_rms_norm, module)
+            # a partial, not a bound method: it pickles (a spawned generation process gets the
+            # model by pickle, `rlhflab.rollout.async_process`)
+            module.forward = functools.partial(_rms_norm, module)
     return model
 
 
