@@ -72,7 +72,9 @@ def test_kept_caches_give_the_tokens_and_logps_of_prefilling_everything(
         prompts = _continue(prompts, kept, [[20, 21], [22], [23, 24, 25]]) + [[30, 31, 32]]
         assert len(prompts) >= 3, "too few rows stopped to test a continuation"
     assert reused_rounds == 2 and stats["reused"] > 0
-    # every token is forwarded once: the kept path prefilled what the plain one did, less reuse
+    # every real prompt token is either forwarded or taken from a kept cache (the histories are
+    # distinct, so the plain path's prefix sharing forwards each of them too)
+    assert stats["prefilled"] + stats["reused"] == plain_stats["prefilled"]
     assert stats["prefilled"] < plain_stats["prefilled"]
 
 
@@ -113,3 +115,6 @@ def test_kv_reuse_needs_the_eager_decode(tiny_model64, tiny_tokenizer):
         check_sampling_modes(RolloutConfig(decode="static"), env)
     check_sampling_modes(RolloutConfig(decode="static"), env.model_copy(update={"kv_reuse": False}))
     check_sampling_modes(RolloutConfig(), env)  # eager: fine
+    no_prefix_cache = RolloutConfig(engine="vllm", vllm={"enable_prefix_caching": False})
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        check_sampling_modes(no_prefix_cache, env)

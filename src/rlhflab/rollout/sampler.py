@@ -336,6 +336,7 @@ def sample(
     capacity = prompt_ids.size(1) + max_new_tokens
     cache = preallocated_cache(model.config, capacity)  # filled in place by every forward
     kw = cache_kwarg(model)
+    reused = 0
     if prefix_store is not None:
         if not all(isinstance(layer, PreallocatedLayer) for layer in cache.layers):
             raise ValueError(
@@ -343,13 +344,13 @@ def sample(
                 f"attention; {type(getattr(model, 'module', model)).__name__} has others"
             )
         if reuse:
-            fresh = _fill_stored_prefixes(cache, prompts, stored, prompt_ids.size(1))
+            fresh, reused = _fill_stored_prefixes(cache, prompts, stored, prompt_ids.size(1))
             step_input, step_positions = prompt_ids[:, -fresh:], positions[:, -fresh:]
     if stats is not None:
         stats["prefilled"] = stats.get("prefilled", 0) + int(
             step_attn[:, -step_input.size(1) :].sum()
         )
-        stats["reused"] = stats.get("reused", 0) + sum(n for n, _ in stored)
+        stats["reused"] = stats.get("reused", 0) + reused
     for t in range(max_new_tokens):
         with autocast:
             out = model(
@@ -402,15 +403,18 @@ def sample(
     )
 
 
-def _fill_stored_prefixes(cache, prompts, stored, width: int) -> int:
+def _fill_stored_prefixes(cache, prompts, stored, width: int) -> tuple[int, int]:
     """Write the stored keys/values of each row into the first columns of `cache` (a fresh
     `preallocated_cache`), in the left-padded layout of `width` columns (row i's prompt in its
     last len(prompt) columns): every column before the last U is either padding (zeros, masked)
-    or a stored key. Returns U, the columns left to forward: the most tokens any row has beyond
-    its stored prefix (a row with no stored prefix counts its whole prompt)."""
+    or a stored key. Returns U, the columns left to forward (the most tokens any row has beyond
+    its stored prefix; a row with no stored prefix counts its whole prompt), and the number of
+    stored keys written (a row's stored tokens in the last U columns are forwarded again)."""
     fresh = max(len(p) - n for p, (n, _) in zip(prompts, stored, strict=True))
     cached = width - fresh
     layers = next(layers for _, layers in stored if layers is not None)
+    reused = sum(max(0, cached - (width - len(p))) for p, (_, row) in zip(prompts, stored, strict=True)
+                 if row is not None)  # fmt: skip
     for li, layer in enumerate(cache.layers):
         k0, v0 = layers[li]
         keys = k0.new_zeros((len(prompts), k0.shape[0], cached, k0.shape[-1]))
@@ -421,7 +425,7 @@ def _fill_stored_prefixes(cache, prompts, stored, width: int) -> int:
                 keys[i, :, start:cached] = row[li][0][:, : cached - start]
                 values[i, :, start:cached] = row[li][1][:, : cached - start]
         layer.update(keys, values)
-    return fresh
+    return fresh, reused
 
 
 def _store_stopped(store, cache, prompts, out_ids, active, done, t: int, width: int) -> None:
