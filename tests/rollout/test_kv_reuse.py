@@ -42,7 +42,11 @@ def _continue(prompts, out, extra):
     nxt = []
     for i, p in enumerate(prompts):
         done = not bool(out.truncated[i])
-        comp = [t for t, m in zip(out.completion_ids[i].tolist(), out.mask[i].tolist()) if m]
+        comp = [
+            t
+            for t, m in zip(out.completion_ids[i].tolist(), out.mask[i].tolist(), strict=True)
+            if m
+        ]
         if done:
             nxt.append(list(p) + comp + extra[i % len(extra)])
     return nxt
@@ -69,7 +73,7 @@ def test_kept_caches_give_the_tokens_and_logps_of_prefilling_everything(
         assert torch.equal(kept.mask, plain.mask)
         torch.testing.assert_close(kept.logp, plain.logp, atol=1e-12, rtol=0)
         reused_rounds += stats.get("reused", 0) > 0
-        prompts = _continue(prompts, kept, [[20, 21], [22], [23, 24, 25]]) + [[30, 31, 32]]
+        prompts = [*_continue(prompts, kept, [[20, 21], [22], [23, 24, 25]]), [30, 31, 32]]
         assert len(prompts) >= 3, "too few rows stopped to test a continuation"
     assert reused_rounds == 2 and stats["reused"] > 0
     # every real prompt token is either forwarded or taken from a kept cache (the histories are
@@ -111,7 +115,7 @@ def test_kv_reuse_needs_the_eager_decode(tiny_model64, tiny_tokenizer):
         sample(tiny_model64, [[5, 6]], max_new_tokens=2, eos_token_id=0, pad_token_id=0,
                decode="static", prefix_store=PrefixStore())  # fmt: skip
     env = EnvConfig(**{"class": "x:Y"})
-    with pytest.raises(ValueError, match="env.kv_reuse"):
+    with pytest.raises(ValueError, match=r"env\.kv_reuse"):
         check_sampling_modes(RolloutConfig(decode="static"), env)
     check_sampling_modes(RolloutConfig(decode="static"), env.model_copy(update={"kv_reuse": False}))
     check_sampling_modes(RolloutConfig(), env)  # eager: fine
