@@ -20,6 +20,7 @@ equality is a test, tests/rollout/test_kv_reuse.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import tempfile
@@ -83,7 +84,7 @@ def measure(model_dir: str, episodes: int, batches: int, seed: int) -> dict:
             engine = make_engine(cfg.rollout, model, tokenizer)
             limits = episode_limits(cfg.env, rollout_max_new_tokens=cfg.rollout.max_new_tokens,
                                     context=context_length(model))  # fmt: skip
-            limits = type(limits)(**{**limits.__dict__, "kv_reuse": arm == "on"})
+            limits = dataclasses.replace(limits, kv_reuse=arm == "on")
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = run_episodes(engine, tokenizer, env, problems, sampling, limits,

@@ -367,20 +367,26 @@ def test_multi_turn_two_ranks_equal_one_process(strategy, base_model, tmp_path):
     assert evals and all(r["eval/n"] == raw["eval"]["n"] for r in evals)
 
 
-def test_async_two_ranks_equal_one_process(base_model, tmp_path):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_async_two_ranks_equal_one_process(base_model, tmp_path, worker):
     """rollout.mode async under torchrun (DDP): each rank's background thread samples its share
     of the next batch with a behaviour replica and gathers it on a process group of its own while
-    the main thread updates; the run equals one process's (float64: metrics, with the staleness,
-    every step's gradients, weights). FSDP2 is refused in one line, before any step."""
+    the main thread updates; with `async_worker: process` each rank's generation process samples
+    the share and the trainer scores and gathers it on the run's group. Either way the run equals
+    one process's (float64: metrics, with the staleness, every step's gradients, weights). FSDP2
+    is refused in one line, before any step."""
     raw = _grpo(base_model, train={"steps": 3, "micro_batch_size": 3, "update_epochs": 1,
                                    "minibatches": 2})  # fmt: skip
-    raw["rollout"] = {**raw["rollout"], "mode": "async", "max_staleness": 1}
+    raw["rollout"] = {**raw["rollout"], "mode": "async", "max_staleness": 1,
+                      "async_worker": worker}  # fmt: skip
     one = _train(tmp_path, "async", raw, 1, "none")
     two = _train(tmp_path, "async", raw, 2, "ddp")
     _assert_same_run(one, two)
     stale = [r["rollout/staleness"] for r in _metrics(two) if "rollout/staleness" in r]
     assert stale == [0.0, 1.0, 1.0]
     assert (one / "samples.jsonl").read_text() == (two / "samples.jsonl").read_text()
+    if worker == "process":  # the refusal below does not depend on the worker
+        return
     cfg = _write_cfg(tmp_path / "async-fsdp2.yaml", raw)
     res = _rlhflab(2, ["train", str(cfg), f"run.root={tmp_path / 'fsdp2'}",
                        "parallel.strategy=fsdp2"])  # fmt: skip
@@ -390,22 +396,6 @@ def test_async_two_ranks_equal_one_process(base_model, tmp_path):
         "error: rollout.mode 'async' under torchrun needs parallel.strategy 'ddp' (the behaviour "
         "copy is a whole replica of the policy; fsdp2: not yet)"
     ], res.stderr[-2000:]
-
-
-def test_async_process_two_ranks_equal_one_process(base_model, tmp_path):
-    """rollout.async_worker "process" under torchrun (DDP): every rank's generation process
-    samples the rank's share; scoring and the gather run in the trainer on the run's group. The
-    run equals one process's (float64: metrics, staleness, gradients, weights, samples)."""
-    raw = _grpo(base_model, train={"steps": 3, "micro_batch_size": 3, "update_epochs": 1,
-                                   "minibatches": 2})  # fmt: skip
-    raw["rollout"] = {**raw["rollout"], "mode": "async", "max_staleness": 1,
-                      "async_worker": "process"}  # fmt: skip
-    one = _train(tmp_path, "async-proc", raw, 1, "none")
-    two = _train(tmp_path, "async-proc", raw, 2, "ddp")
-    _assert_same_run(one, two)
-    stale = [r["rollout/staleness"] for r in _metrics(two) if "rollout/staleness" in r]
-    assert stale == [0.0, 1.0, 1.0]
-    assert (one / "samples.jsonl").read_text() == (two / "samples.jsonl").read_text()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

@@ -100,7 +100,8 @@ class ProcessRollouts:
         threads: torch intra-op threads of the worker (None: torch's default).
 
     Raises:
-        ValueError: max_staleness < 1, or a model that is not on the CPU.
+        ValueError: max_staleness < 1. (The caller refuses a model off the CPU:
+            `rlhflab.experience.Sampler`, naming `rollout.async_worker`.)
     """
 
     def __init__(self, model: torch.nn.Module, make_engine: Callable, tokenizer,
@@ -108,8 +109,6 @@ class ProcessRollouts:
                  threads: int | None = None) -> None:  # fmt: skip
         if max_staleness < 1:
             raise ValueError(f"rollout.max_staleness must be >= 1, got {max_staleness}")
-        if next(model.parameters()).device.type != "cpu":
-            raise ValueError("rollout.async_worker 'process' runs on the CPU only (use 'thread')")
         import torch.multiprocessing as mp
 
         behaviour = copy.deepcopy(model).requires_grad_(False)
