@@ -116,9 +116,21 @@ def test_per_seed_rows_name_the_highest_checkpoint_and_the_last_one():
 
 
 def test_cells_are_beta_by_seed():
-    spec = {"experiment": {"betas": [0.01, 1.0], "seeds": [3, 5]}}
-    assert cells(spec, "x.yaml") == ["beta0.01-seed3", "beta1-seed3", "beta0.01-seed5",
-                                     "beta1-seed5"]  # fmt: skip
+    spec = {"experiment": {"betas": [0.01, 0.03, 1.0], "seeds": [3, 5]}}
+    assert cells(spec, "x.yaml") == ["beta0.01-seed3", "beta0.03-seed3", "beta1-seed3",
+                                     "beta0.01-seed5", "beta0.03-seed5", "beta1-seed5"]  # fmt: skip
+
+
+def test_betas_without_the_criterions_are_refused_before_any_training():
+    from rlhflab.errors import ConfigError
+
+    spec = {"experiment": {"betas": [0.01, 1.0]}}
+    with pytest.raises(
+        ConfigError,
+        match=r"^x\.yaml: experiment\.betas: must include the β "
+        r"values the criterion reads \(0\.01, 0\.03, 1\); missing 0\.03 \(got",
+    ):
+        cells(spec, "x.yaml")
 
 
 @pytest.mark.slow

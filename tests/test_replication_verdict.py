@@ -215,3 +215,48 @@ def test_format_interval_by_hand():
     assert format_interval((0.5, 0.1, 0.9)) == "+0.500 [+0.100, +0.900]"
     assert format_interval((0.5, None, None)) == "+0.500 (no CI)"
     assert format_interval((0.25, -0.125, 1.5), fmt=".3g", none="") == "0.25 [-0.125, 1.5]"
+
+
+def test_jobs_run_cells_in_other_processes_with_the_results_of_one_at_a_time(tmp_path):
+    import os
+
+    import toy_cells
+
+    quiet = lambda line: None  # noqa: E731
+    spec = {"experiment": {"n": 5, "sleep_s": 0.3}}
+    serial = run_cells("toy", toy_cells, spec, tmp_path / "serial", "toy.yaml", print_fn=quiet)
+    par = run_cells("toy", toy_cells, spec, tmp_path / "par", "toy.yaml", jobs=2, print_fn=quiet)
+    assert par["values"] == serial["values"] == [0, 1, 4, 9, 16]
+    assert par["verdict"] == serial["verdict"]
+
+    def pids(run):
+        return {json.loads((tmp_path / run / "cells" / f"seed{i}.json").read_text())["pid"]
+                for i in range(5)}  # fmt: skip
+
+    assert len(pids("par")) == 2 and os.getpid() not in pids("par")
+    assert pids("serial") == {os.getpid()}
+
+    # a failing cell: its one-line error, raised here; the cells that finished keep their files
+    bad = {"experiment": {"n": 4, "fail": "seed1"}}
+    with pytest.raises(ConfigError, match=r"^toy: cell seed1 failed$"):
+        run_cells("toy", toy_cells, bad, tmp_path / "bad", "toy.yaml", jobs=2, print_fn=quiet)
+    assert not (tmp_path / "bad/cells/seed1.json").exists()
+    dead = {"experiment": {"n": 2, "die": "seed0"}}
+    with pytest.raises(RuntimeError, match=r"^replicate toy: the process running cell 'seed\d' "
+                       r"died before it ended"):  # fmt: skip
+        run_cells("toy", toy_cells, dead, tmp_path / "dead", "toy.yaml", jobs=2, print_fn=quiet)
+    with pytest.raises(ConfigError, match=r"^replicate toy --jobs 0: must be at least 1"):
+        run_cells("toy", toy_cells, spec, tmp_path / "zero", "toy.yaml", jobs=0, print_fn=quiet)
+
+
+def test_auto_jobs_is_cores_over_threads_and_one_without_threads(monkeypatch):
+    import os
+
+    from rlhflab.replications.cells import auto_jobs
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    assert auto_jobs({"experiment": {"threads": 1}}) == 5
+    assert auto_jobs({"experiment": {"threads": 2}}) == 2
+    assert auto_jobs({"experiment": {"threads": 8}}) == 1
+    assert auto_jobs({"experiment": {"threads": None}}) == 1
+    assert auto_jobs({}) == 1

@@ -364,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only cells j with j mod N = i (one GPU or machine each); no report")  # fmt: skip
     p.add_argument("--report", action="store_true",
                    help="train nothing; judge and report the finished cells in --out")  # fmt: skip
+    p.add_argument("--jobs", default="auto", metavar="N|auto",
+                   help="cells run at a time, each in its own process (default auto: CPU cores "
+                        "/ experiment.threads without a GPU, else 1)")  # fmt: skip
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_replicate)
 

@@ -326,7 +326,7 @@ def _cmd_replicate(args: argparse.Namespace) -> int:
     with announce_runs(f"replicate {args.name}"):
         results = run_replication(
             args.name, config, args.out, overrides, only=args.only, report_only=args.report,
-            print_fn=lambda line: print(line, file=sys.stderr),
+            jobs=args.jobs, print_fn=lambda line: print(line, file=sys.stderr),
         )  # fmt: skip
     _emit(args, results, replicate_lines(args.name, results, result_file(args.name, args.out)))
     return 0

@@ -20,6 +20,13 @@ under a file lock, before the first cell of any share.
     report.md            question, setting, plots, estimates with CIs, verdict, what did not hold
     <module>.json        every number (the results `report` returned, with per-cell wall-clock)
 
+`jobs` > 1 (`--jobs`) runs that many cells at a time, each in a process of its own (spawned; a
+cell's results do not depend on which process or in what order it runs: each is seeded by its own
+config and sets its own torch threads), a new cell starting as one ends; the results written are
+those of a one-at-a-time run. `--jobs auto` (the command's default) is the number of CPU cores this
+process may use divided by `experiment.threads`, on a machine without a GPU and with
+`experiment.threads` set; else 1.
+
 `--only i/N` runs cells j with j mod N = i (0 ≤ i < N) and writes no report, so N GPUs or machines
 each run a share into the same directory (or into copies merged afterwards); `--report` trains
 nothing and gathers the finished cells (refused, naming them, while any is missing).
@@ -84,6 +91,79 @@ def _prepare(module: ModuleType, spec: dict, out: Path, source: str, print_fn) -
         write_text_atomic(done, f"{time.perf_counter() - t0:.1f}\n")
 
 
+def auto_jobs(spec: dict) -> int:
+    """`--jobs auto`: the CPU cores this process may use (`os.sched_getaffinity`) // the
+    replication's `experiment.threads`, at least 1; 1 when `experiment.threads` is unset (torch
+    then uses every core for one cell) or a GPU is visible (cells would share it)."""
+    import os
+
+    threads = (spec.get("experiment") or {}).get("threads")
+    if not threads:
+        return 1
+    import torch
+
+    if torch.cuda.is_available():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // int(threads))
+
+
+def _run_one(module_name: str, name: str, spec: dict, cell: str, out: str, source: str) -> dict:
+    """A cell in a worker process: `module.run_cell` with its training runs announced on stderr
+    (prefixed with the cell), timed."""
+    import importlib
+
+    from rlhflab.tracking import announce_runs
+
+    module = importlib.import_module(module_name)
+    c0 = time.perf_counter()
+    with announce_runs(f"replicate {name} [{cell}]"):
+        result = module.run_cell(spec, cell, Path(out), source)
+    return {**result, "wall_s": round(time.perf_counter() - c0, 1)}
+
+
+def _run_parallel(name, module, spec, out, source, todo, jobs, t0, print_fn) -> list[str]:
+    """`todo`'s cells, `jobs` at a time in spawned processes; each cell's file written as it
+    ends. A failed cell stops the rest (the ones running finish; none not yet started starts) and
+    its error is raised here; the finished cells' files stay."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    ran: list[str] = []
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = {}
+        for cell in todo:
+            fut = pool.submit(_run_one, module.__name__, name, spec, cell, str(out), source)
+            futures[fut] = cell
+        print_fn(f"replicate {name}: {len(todo)} cell(s), {jobs} at a time "
+                 f"({time.perf_counter() - t0:.0f} s elapsed)")  # fmt: skip
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                cell = futures[fut]
+                err = fut.exception()
+                if err is not None:
+                    for other in pending:
+                        other.cancel()
+                    if isinstance(err, BrokenProcessPool):
+                        raise RuntimeError(
+                            f"replicate {name}: the process running cell '{cell}' died before it "
+                            "ended (killed, out of memory, or a script that starts processes "
+                            "without `if __name__ == '__main__':`); finished cells are kept: rerun "
+                            "the same command, or with --jobs 1 to see the cell fail in this process"
+                        ) from None
+                    raise err
+                result = fut.result()
+                write_json_atomic(_cell_file(out, cell), result)
+                ran.append(cell)
+                print_fn(f"replicate {name}: cell '{cell}' done in {result['wall_s']:.0f} s "
+                         f"({len(ran)}/{len(todo)}, {time.perf_counter() - t0:.0f} s elapsed)")  # fmt: skip
+    return ran
+
+
 def run_cells(
     name: str,
     module: ModuleType,
@@ -93,18 +173,21 @@ def run_cells(
     *,
     only: str | None = None,
     report_only: bool = False,
+    jobs: int = 1,
     print_fn: Callable[[str], None] = print,
 ) -> dict:
-    """Run a cell-protocol replication (module doc) into `out`.
+    """Run a cell-protocol replication (module doc) into `out`, `jobs` cells at a time.
 
     Returns:
         the report's results (with "verdict", "report", "cells_wall_s", "wall_s", "files"), or
         for a share {"share", "ran", "skipped", "cells"}.
 
     Raises:
-        ConfigError: a bad `--only`, `--only` with `--report`, another config's cells in `out`,
-            or `--report` while cells are missing (named).
+        ConfigError: a bad `--only`, `--only` with `--report`, `jobs` < 1, another config's
+            cells in `out`, or `--report` while cells are missing (named).
     """
+    if jobs < 1:
+        raise ConfigError(f"replicate {name} --jobs {jobs}: must be at least 1 (or auto)")
     from rlhflab.replications.verdict import write_verdict
     from rlhflab.sweep import parse_only
 
@@ -126,6 +209,10 @@ def run_cells(
             print_fn(f"replicate {name}: {len(skipped)} cell(s) already finished, kept")
         if todo:
             _prepare(module, spec, out, source, print_fn)
+        if min(jobs, len(todo)) > 1:
+            ran = _run_parallel(name, module, spec, out, source, todo, min(jobs, len(todo)), t0,
+                                print_fn)  # fmt: skip
+            todo = []
         for k, cell in enumerate(todo, 1):
             print_fn(f"replicate {name}: cell {k}/{len(todo)} '{cell}' started "
                      f"({time.perf_counter() - t0:.0f} s elapsed)")  # fmt: skip

@@ -100,6 +100,18 @@ class Spec(Experiment):
     seed: int = 0  # of the measurement's sampling
     policy: str | None = None
 
+    @field_validator("betas")
+    @classmethod
+    def _criterion_betas(cls, v: list[float]) -> list[float]:
+        missing = [b for b in (*LOW_BETAS, HIGH_BETA) if b not in v]
+        if missing:
+            raise ValueError(
+                "must include the β values the criterion reads "
+                f"({', '.join(f'{b:g}' for b in (*LOW_BETAS, HIGH_BETA))}); missing "
+                f"{', '.join(f'{b:g}' for b in missing)}"
+            )
+        return v
+
     @field_validator("seeds")
     @classmethod
     def _distinct(cls, v: list[int]) -> list[int]:

@@ -56,11 +56,13 @@ def run_replication(
     *,
     only: str | None = None,
     report_only: bool = False,
+    jobs: int | str = 1,
     print_fn=None,
 ) -> dict:
     """Load the replication's config (dotted overrides applied), run it into `out`: every cell,
     the share `only` ("i/N") of its cells, or (`report_only`) only the report of finished cells
-    (`rlhflab.replications.cells`). A replication not split into cells takes neither option.
+    (`rlhflab.replications.cells`), `jobs` cells at a time (an int, or "auto": `auto_jobs`). A
+    replication not split into cells takes none of these options.
 
     Raises:
         ConfigError: unknown name, missing config, or `--only` / `--report` given to a
@@ -70,7 +72,7 @@ def run_replication(
 
     from rlhflab.config import apply_overrides, read_yaml
     from rlhflab.config.base import did_you_mean
-    from rlhflab.replications.cells import is_cellular, run_cells
+    from rlhflab.replications.cells import auto_jobs, is_cellular, run_cells
 
     name = ALIASES.get(name, name)
     if name not in REPLICATIONS:
@@ -84,9 +86,18 @@ def run_replication(
         raise ConfigError(f"config file not found: {path}")
     spec = apply_overrides(read_yaml(path) or {}, overrides)
     mod = importlib.import_module(module)
+    if jobs == "auto":
+        jobs = auto_jobs(spec)
+    elif not isinstance(jobs, int):
+        try:
+            jobs = int(jobs)
+        except ValueError:
+            raise ConfigError(
+                f"replicate --jobs '{jobs}': expected a whole number or auto"
+            ) from None
     if is_cellular(mod):
         return run_cells(name, mod, spec, Path(out), str(path), only=only,
-                         report_only=report_only, print_fn=print_fn or print)  # fmt: skip
+                         report_only=report_only, jobs=jobs, print_fn=print_fn or print)  # fmt: skip
     if only is not None or report_only:
         raise ConfigError(f"replicate {name}: --only/--report need a replication split into cells")
     return mod.run(spec, Path(out), source=str(path))
