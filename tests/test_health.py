@@ -65,6 +65,19 @@ def test_degeneracy_fractions_by_hand():
     assert d["identical_group"] == 0.0
 
 
+def test_the_correctness_a_pg_run_passes_is_any_verifier_component():
+    # The policy-gradient trainer hands the health monitor `correctness_of(components)`: a reward
+    # of exact_match or math_verify (R1-Zero style) is a correctness too, so identical groups
+    # that are all right are not flagged as degenerate (they were, before: only a component
+    # named "correctness" counted).
+    from rlhflab.rewards.shaping import correctness_of
+
+    em, fmt, mv = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0])
+    assert correctness_of({"think_format": fmt, "exact_match": em}) is em
+    assert correctness_of({"exact_match": em, "math_verify": mv}) is mv  # the headline's order
+    assert correctness_of({"think_format": fmt}) is None
+
+
 def test_relative_change():
     a = torch.tensor([3.0, 4.0])
     assert relative_change(a, a) == 0.0

@@ -252,4 +252,21 @@ def test_a_tiny_run_through_the_cell_runner(tmp_path):
     assert (tmp_path / "r1_zero.png").is_file() and "r1_zero.png" in res["report"]
     cell = json.loads((tmp_path / "cells" / "seed1-no_format.json").read_text())
     assert sorted(cell["evals"], key=int) == ["0", "2", "4"]
-    assert len(list((tmp_path / "runs").glob("base-seed*"))) == 2  # one base per seed
+    # one base shared by the seeds (the default), evaluated by each seed with its own draws
+    assert len(list((tmp_path / "runs").glob("base-*"))) == 1
+    b0, b1 = (json.loads((tmp_path / "bases" / f"seed{s}.json").read_text()) for s in (0, 1))
+    assert b0["model_dir"] == b1["model_dir"] and b0["base"] == b1["base"] == "shared"
+    assert (b0["seed"], b1["seed"]) == (0, 1)
+
+
+def test_base_keys_one_shared_base_or_one_per_seed():
+    from rlhflab.config import read_yaml
+    from rlhflab.replications import check_experiment
+
+    spec = read_yaml(ROOT / "configs/replications/r1_zero.yaml")
+    spec["base"]["seed"] = 7
+    shared = check_experiment(R.Spec, {**spec["experiment"], "seeds": [0, 1, 2]}, "x")
+    assert R.base_keys(spec, shared) == {"shared": 7}
+    own = check_experiment(R.Spec, {**spec["experiment"], "seeds": [0, 2], "shared_base": False},
+                           "x")  # fmt: skip
+    assert R.base_keys(spec, own) == {"seed0": 0, "seed2": 2}

@@ -7,9 +7,10 @@ response length together — on a task and base where longer reasoning buys accu
 1. Task (`prepare`): chains of 3–4 one-digit numbers and operations (`experiment.ops`, a subset
    of +, -, *; the default config: sums) applied left to right modulo 10 (`chain_problems`), e.g.
    `7+3*2-4 mod 10` = 6; the held-out problems are questions absent from the training set.
-2. Base model, one per seed (built by the first cell of that seed that needs it, under a file
-   lock, so `--only i/N` shares never train one twice): a tiny model from scratch trained briefly
-   on plain-text documents (no chat template; the RL prompt is a prefix of each document) in which
+2. Base model, one shared by every seed (`experiment.shared_base`, the default; false: one per
+   seed), built by the first cell that needs it, under a file lock, so `--only i/N` shares never
+   train one twice; each seed evaluates it with its own sampling draws: a tiny model from scratch
+   trained on plain-text documents (no chat template; the RL prompt is a prefix of each document) in which
    every problem is answered in one of two styles, both in R1's `<think>…</think><answer>…</answer>`
    form (so the format reward is satisfied by either):
        short  (in the head)  `<think> </think> <answer> 6 </answer>`
@@ -103,6 +104,9 @@ class Spec(Experiment):
     worked_frac: float = Field(0.25, ge=0, le=1)  # base documents in the worked style
     # short-style base documents whose answer is a wrong guess (worked ones are always right)
     short_error: float = Field(0.0, ge=0, le=1)
+    # one base model for every seed (trained once, from the `base` stage's seed; each seed
+    # evaluates it with its own sampling draws), or false: one base per seed
+    shared_base: bool = True
     k: int = Field(4, ge=1)  # held-out samples per problem at T = 1 (pass@1 over k)
     eval_max_new_tokens: int = Field(48, ge=1)
     eval_steps: list[int] = Field(default_factory=list)  # RL checkpoints evaluated besides the end
@@ -377,43 +381,73 @@ def prepare(spec: dict, out: Path, source: str) -> None:
     train, held = split_problems(exp)
     for name, rows in (("train.jsonl", train), ("heldout.jsonl", held)):
         (out / name).write_text("".join(to_json(r) + "\n" for r in rows))
-    for seed in exp.seeds:
+    for key, seed in base_keys(spec, exp).items():
         docs, counts = base_documents(train, _template(spec), worked_frac=exp.worked_frac,
                                       seed=seed, short_error=exp.short_error)  # fmt: skip
-        (out / f"base_documents_seed{seed}.jsonl").write_text(
-            "".join(to_json(d) + "\n" for d in docs)
-        )
-        (out / f"base_documents_seed{seed}.json").write_text(json.dumps(counts))
+        (out / f"base_documents_{key}.jsonl").write_text("".join(to_json(d) + "\n" for d in docs))
+        (out / f"base_documents_{key}.json").write_text(json.dumps(counts))
 
 
-def _base(spec: dict, seed: int, out: Path, source: str) -> dict:
-    """Seed `seed`'s base model and its held-out evaluation, built once per output directory by
-    whichever cell asks first (a file lock makes the others wait, then read)."""
-    from rlhflab.trainers import run_config
+def base_keys(spec: dict, exp: Spec) -> dict[str, int]:
+    """The base models to train, name -> seed (of the documents' draw and the stage):
+    {"shared": the `base` stage's seed} with `experiment.shared_base`, else {"seed<s>": s} for each
+    seed."""
+    if exp.shared_base:
+        return {"shared": int(spec["base"].get("seed", 0))}
+    return {f"seed{s}": s for s in exp.seeds}
 
-    exp = _spec(spec, source)
-    done = out / "bases" / f"seed{seed}.json"
+
+def _base_key(exp: Spec, seed: int) -> str:
+    return "shared" if exp.shared_base else f"seed{seed}"
+
+
+def _locked_once(out: Path, name: str, build) -> dict:
+    """`bases/<name>.json`, written by `build()` by whichever cell asks first (a file lock makes
+    the others wait, then read it)."""
+    from rlhflab.serialize import write_json_atomic
+
+    done = out / "bases" / f"{name}.json"
     done.parent.mkdir(parents=True, exist_ok=True)
-    with open(out / "bases" / f".seed{seed}.lock", "w") as fd:
+    with open(out / "bases" / f".{name}.lock", "w") as fd:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if done.is_file():
             return json.loads(done.read_text())
-        t0 = time.perf_counter()
-        res = run_config(stage(spec, "base", source, seed=seed,
-                               data={"source": "jsonl",
-                                     "path": str(out / f"base_documents_seed{seed}.jsonl")},
-                               run={"root": str(out / "runs"), "name": f"base-seed{seed}"}))  # fmt: skip
-        train_s = time.perf_counter() - t0
-        held = _read_jsonl(out / "heldout.jsonl")
-        ev = evaluate_policy(res["model_dir"], held, _template(spec), k=exp.k,
-                             max_new_tokens=exp.eval_max_new_tokens, seed=seed)  # fmt: skip
-        docs = json.loads((out / f"base_documents_seed{seed}.json").read_text())
-        base = {"seed": seed, "model_dir": res["model_dir"], "documents": docs, "eval": ev,
-                "train_s": round(train_s, 1), "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
-        from rlhflab.serialize import write_json_atomic
+        result = build()
+        write_json_atomic(done, result)
+        return result
 
-        write_json_atomic(done, base)
-        return base
+
+def _base(spec: dict, seed: int, out: Path, source: str) -> dict:
+    """Seed `seed`'s base model (the shared one, or its own) and that seed's held-out evaluation
+    of it (sampling draws seeded with `seed`): `bases/seed<seed>.json`, built once per output
+    directory; the model itself once per `base_keys` entry (`bases/model-<key>.json`)."""
+    from rlhflab.trainers import run_config
+
+    exp = _spec(spec, source)
+    key = _base_key(exp, seed)
+    base_seed = base_keys(spec, exp)[key]
+
+    def train() -> dict:
+        t0 = time.perf_counter()
+        res = run_config(stage(spec, "base", source, seed=base_seed,
+                               data={"source": "jsonl",
+                                     "path": str(out / f"base_documents_{key}.jsonl")},
+                               run={"root": str(out / "runs"), "name": f"base-{key}"}))  # fmt: skip
+        docs = json.loads((out / f"base_documents_{key}.json").read_text())
+        return {"key": key, "seed": base_seed, "model_dir": res["model_dir"], "documents": docs,
+                "train_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+    def evaluate() -> dict:
+        model = _locked_once(out, f"model-{key}", train)
+        t0 = time.perf_counter()
+        held = _read_jsonl(out / "heldout.jsonl")
+        ev = evaluate_policy(model["model_dir"], held, _template(spec), k=exp.k,
+                             max_new_tokens=exp.eval_max_new_tokens, seed=seed)  # fmt: skip
+        return {"seed": seed, "base": key, "base_seed": base_seed, "model_dir": model["model_dir"],
+                "documents": model["documents"], "eval": ev, "train_s": model["train_s"],
+                "eval_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+    return _locked_once(out, f"seed{seed}", evaluate)
 
 
 def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
@@ -452,7 +486,7 @@ def run_cell(spec: dict, cell: str, out: Path, source: str) -> dict:
         "steps": steps,
         "evals": {str(s): v for s, v in sorted(evals.items())},
         "train_curves": train_curves(run_dir / "metrics.jsonl"),
-        "base_wall_s": base["wall_s"],
+        "base_eval_s": base["eval_s"],
         "rl_s": round(rl_s, 1),
         "run_dir": str(run_dir),
     }
@@ -615,6 +649,35 @@ def _example(ops: list[str]) -> list:
     return [7, ops[0], 3, ops[1 % len(ops)], 2, ops[2 % len(ops)], 4]
 
 
+def _what_the_rise_is(results: dict[str, dict]) -> list[str]:
+    """A bullet on what the main arm's change is made of: the worked share and the worked style's
+    accuracy and length, base → final (means over seeds)."""
+    rs = [r for r in results.values() if r["arm"] == MAIN_ARM]
+    if not rs:
+        return []
+
+    def mean(f):
+        xs = [f(r) for r in rs]
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    def at(r, end):
+        return r["evals"][str(r["steps"]) if end else "0"]
+
+    share = [mean(lambda r, e=e: at(r, e)["style_frac"]["worked"]) for e in (False, True)]
+    acc = [mean(lambda r, e=e: at(r, e)["style_acc"]["worked"]) for e in (False, True)]
+    length = [mean(lambda r, e=e: at(r, e)["style_len"]["worked"]) for e in (False, True)]
+    return [
+        f"- What the {MAIN_ARM} arm's change is made of (means over seeds, base → final): the "
+        f"worked style's share of the samples {share[0]:.2f} → {share[1]:.2f}, its accuracy "
+        f"{acc[0]:.2f} → {acc[1]:.2f}, its length {length[0]:.1f} → {length[1]:.1f} tokens. "
+        "Where the share moves and the style's own accuracy does not, RL selected the longer, "
+        "more accurate style the base already wrote rather than improving either style, and the "
+        "mean length can rise only up to the worked style's own. R1-Zero's length keeps growing "
+        "over thousands of steps as new reasoning behaviours appear; that is not tested here."
+    ]
+
+
 def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> str:
     rl = spec["rl"]
     ro = rl["rollout"]
@@ -631,8 +694,15 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         "**Setting.** Chains of "
         f"{exp.terms[0]}–{exp.terms[1]} numbers in 1..{exp.max_term} joined by {ops}, applied "
         f"left to right modulo 10; {exp.n_train} training "
-        f"problems, {exp.n_heldout} held-out questions absent from training. Per seed "
-        f"({exp.seeds}), a base model from scratch (`base` stage: a "
+        f"problems, {exp.n_heldout} held-out questions absent from training. "
+        + (
+            f"One base model shared by the seeds {exp.seeds} (trained once, seed "
+            f"{bases[0].get('base_seed', bases[0]['seed'])}; each RL seed starts from it and "
+            "evaluates it with its own sampling draws), from scratch "
+            if exp.shared_base
+            else f"Per seed ({exp.seeds}), a base model from scratch "
+        )
+        + "(`base` stage: a "
         f"{spec['base']['model'].get('build', {}).get('size', '?')} "
         f"{spec['base']['model'].get('build', {}).get('arch', '?')} model, "
         f"{spec['base']['train']['steps']} steps of plain-text documents, every token trained) "
@@ -674,19 +744,28 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         )
     ci = f"[{d_lo:+.3f}, {d_hi:+.3f}]" if d_lo is not None else "(no CI)"
     holds = d_lo is not None and d_lo > 0
-    docs = [(b["seed"], b["documents"]) for b in bases]
+    docs = {b.get("base", f"seed{b['seed']}"): b["documents"] for b in bases}
+    base_train = {b.get("base", f"seed{b['seed']}"): b["train_s"] for b in bases}
     lines += [
         "",
         "Base documents (as constructed): "
         + "; ".join(
-            f"seed {s}: {d['worked']} worked, {d.get('short', d['documents'] - d['worked'])} "
+            f"{k}: {d['worked']} worked, {d.get('short', d['documents'] - d['worked'])} "
             f"short of which {d.get('short_wrong', 0)} with a wrong answer"
-            for s, d in docs
+            for k, d in docs.items()
         )
+        + ". Base training: "
+        + ", ".join(f"{k} {t:.0f} s" for k, t in base_train.items())
         + ".",
         "",
         f"Worked − short correctness of the base's samples: **{d_est:+.3f}** {ci} (95% t interval "
-        f"over seeds): the precondition {'holds' if holds else 'does not hold'}.",
+        "over seeds"
+        + (
+            "; one shared base, so it covers the seeds' sampling draws, not base training"
+            if exp.shared_base
+            else ""
+        )
+        + f"): the precondition {'holds' if holds else 'does not hold'}.",
         "",
         "## Verdict (pre-registered)",
         "",
@@ -753,6 +832,7 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         )
     if not failed and not failed_sec:
         lines.append("Every pre-registered check, primary and secondary, held.")
+    lines += _what_the_rise_is(results)
     for c in failed + failed_sec:
         ci95 = "(no CI)" if c["ci95"] is None else f"[{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
         lines.append(f"- {c['what']}: {c['estimate']:+.3f} {ci95}, rule: {c['rule']}.")

@@ -33,6 +33,7 @@ __all__ = [
     "SUPPLIED_ARGS",
     "check_finite_reward",
     "correctness",
+    "correctness_of",
     "format_reward",
     "length_penalty",
     "overlong_penalty",
@@ -221,6 +222,15 @@ def call_reward_function(fn, comp, rows: list, texts: list[str], *, where: str) 
 #: Components whose value is a correctness (a verifier's judgement of the answer), in the order
 #: in which one is chosen as the held-out headline of a prompt dataset (`TextRewardScorer`).
 CORRECTNESS_COMPONENTS = ("correctness", "math_verify", "exact_match")
+
+
+def correctness_of(components: dict[str, Tensor]) -> Tensor | None:
+    """The (B,) correctness among a batch's reward components (name -> (B,) values): the first
+    of CORRECTNESS_COMPONENTS present (1 = right), None when the reward has none."""
+    for name in CORRECTNESS_COMPONENTS:
+        if name in components:
+            return components[name]
+    return None
 
 
 class TextRewardScorer:

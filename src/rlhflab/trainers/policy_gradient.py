@@ -52,7 +52,7 @@ from rlhflab.rewards.reward_model import (
     load_running_norm_state,
     running_norm_state,
 )
-from rlhflab.rewards.shaping import TextRewardScorer
+from rlhflab.rewards.shaping import TextRewardScorer, correctness_of
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.trainers import pg_phases
 from rlhflab.trainers.common import (
@@ -314,7 +314,7 @@ class PolicyGradient(Trainer):
             "adv": distributed.gather_cat(data.adv),
             "texts": batch.texts,
             "group_size": self.group_size,
-            "correct": batch.components.get("correctness"),
+            "correct": correctness_of(batch.components),  # correctness, math_verify, exact_match
         }
         metrics.update(batch.info)  # multi-turn: rollout/turns_mean, rollout/tool_calls_mean
         return metrics, health_inputs
