@@ -5,6 +5,7 @@ import json
 import math
 import random
 import sys
+import time
 import types
 
 import pytest
@@ -235,6 +236,16 @@ def test_jobs_run_cells_in_other_processes_with_the_results_of_one_at_a_time(tmp
 
     assert len(pids("par")) == 2 and os.getpid() not in pids("par")
     assert pids("serial") == {os.getpid()}
+
+    # each cell's file and line come when it ends, not when the last one does
+    said = []
+    slow = {"experiment": {"n": 2, "sleep_s": {"seed1": 2.0}}}
+    run_cells("toy", toy_cells, slow, tmp_path / "slow", "toy.yaml", jobs=2,
+              print_fn=lambda line: said.append((time.perf_counter(), line,
+                                                 (tmp_path / "slow/cells/seed0.json").exists())))  # fmt: skip
+    ends = {c: (t, seen) for t, line, seen in said for c in ("seed0", "seed1")
+            if line.startswith(f"replicate toy: cell '{c}' done")}  # fmt: skip
+    assert ends["seed0"][0] + 1.0 < ends["seed1"][0] and ends["seed0"][1]
 
     # a failing cell: its one-line error, raised here; the cells that finished keep their files
     bad = {"experiment": {"n": 4, "fail": "seed1"}}

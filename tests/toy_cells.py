@@ -24,7 +24,8 @@ def run_cell(spec, cell, out, source):
     if cell == spec["experiment"].get("die"):
         os._exit(3)
     assert (out / "shared.txt").read_text() == "base"
-    time.sleep(spec["experiment"].get("sleep_s", 0.0))
+    sleep_s = spec["experiment"].get("sleep_s", 0.0)  # seconds, or {cell: seconds}
+    time.sleep(sleep_s.get(cell, 0.0) if isinstance(sleep_s, dict) else sleep_s)
     return {"value": int(cell[4:]) ** 2, "pid": os.getpid()}
 
 

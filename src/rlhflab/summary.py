@@ -299,7 +299,8 @@ def replicate_lines(name: str, r: dict, json_path: str) -> list[str]:
         held = sum(c["holds"] for c in v["checks"])
         return [
             f"replicate {name}: {'REPRODUCED' if v['reproduced'] else 'NOT reproduced'} "
-            f"({held}/{len(v['checks'])} checks hold; seeds {v['seeds']}); compute "
+            f"({held}/{len(v['checks'])} checks hold; seeds {v['seeds']}); this command "
+            f"{duration(r.get('wall_s') or 0)}, cells' own time summed "
             f"{duration(r.get('compute_s') or 0)}",
             f"claim: {v['claim']}",
             f"headline: {v['checks'][0]['what']} = {v['estimate']:.3g} ({ci})",

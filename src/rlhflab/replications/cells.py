@@ -110,14 +110,15 @@ def auto_jobs(spec: dict) -> int:
 
 def _run_one(module_name: str, name: str, spec: dict, cell: str, out: str, source: str) -> dict:
     """A cell in a worker process: `module.run_cell` with its training runs announced on stderr
-    (prefixed with the cell), timed."""
+    (prefixed with the cell) and transformers as quiet as in the command's own process, timed."""
     import importlib
 
+    from rlhflab.quiet import quiet_transformers
     from rlhflab.tracking import announce_runs
 
     module = importlib.import_module(module_name)
     c0 = time.perf_counter()
-    with announce_runs(f"replicate {name} [{cell}]"):
+    with quiet_transformers(), announce_runs(f"replicate {name} [{cell}]"):
         result = module.run_cell(spec, cell, Path(out), source)
     return {**result, "wall_s": round(time.perf_counter() - c0, 1)}
 
@@ -127,7 +128,7 @@ def _run_parallel(name, module, spec, out, source, todo, jobs, t0, print_fn) -> 
     ends. A failed cell stops the rest (the ones running finish; none not yet started starts) and
     its error is raised here; the finished cells' files stay."""
     import multiprocessing as mp
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
     ran: list[str] = []
@@ -141,7 +142,7 @@ def _run_parallel(name, module, spec, out, source, todo, jobs, t0, print_fn) -> 
                  f"({time.perf_counter() - t0:.0f} s elapsed)")  # fmt: skip
         pending = set(futures)
         while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
                 cell = futures[fut]
                 err = fut.exception()
@@ -239,6 +240,8 @@ def run_cells(
     prep = out / "prepare.done"
     prep_s = float(prep.read_text()) if prep.is_file() else 0.0
     results["cells_wall_s"] = {c: r["wall_s"] for c, r in results_by_cell.items()}
+    # the preparation and every cell's own wall-clock, summed (with --jobs > 1 more than the
+    # command's wall-clock; a cell waiting on another's shared work counts its wait)
     results["compute_s"] = round(prep_s + sum(results["cells_wall_s"].values()), 1)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     verdict_path = write_verdict(out, results["verdict"])
