@@ -117,9 +117,14 @@ def _run_one(module_name: str, name: str, spec: dict, cell: str, out: str, sourc
     from rlhflab.tracking import announce_runs
 
     module = importlib.import_module(module_name)
-    c0 = time.perf_counter()
     with quiet_transformers(), announce_runs(f"replicate {name} [{cell}]"):
-        result = module.run_cell(spec, cell, Path(out), source)
+        return _timed_cell(module, spec, cell, Path(out), source)
+
+
+def _timed_cell(module: ModuleType, spec: dict, cell: str, out: Path, source: str) -> dict:
+    """`module.run_cell`'s results with its wall-clock, `wall_s`."""
+    c0 = time.perf_counter()
+    result = module.run_cell(spec, cell, out, source)
     return {**result, "wall_s": round(time.perf_counter() - c0, 1)}
 
 
@@ -213,16 +218,14 @@ def run_cells(
         if min(jobs, len(todo)) > 1:
             ran = _run_parallel(name, module, spec, out, source, todo, min(jobs, len(todo)), t0,
                                 print_fn)  # fmt: skip
-            todo = []
-        for k, cell in enumerate(todo, 1):
-            print_fn(f"replicate {name}: cell {k}/{len(todo)} '{cell}' started "
-                     f"({time.perf_counter() - t0:.0f} s elapsed)")  # fmt: skip
-            c0 = time.perf_counter()
-            result = module.run_cell(spec, cell, out, source)
-            result = {**result, "wall_s": round(time.perf_counter() - c0, 1)}
-            write_json_atomic(_cell_file(out, cell), result)
-            ran.append(cell)
-            print_fn(f"replicate {name}: cell '{cell}' done in {result['wall_s']:.0f} s")
+        else:
+            for k, cell in enumerate(todo, 1):
+                print_fn(f"replicate {name}: cell {k}/{len(todo)} '{cell}' started "
+                         f"({time.perf_counter() - t0:.0f} s elapsed)")  # fmt: skip
+                result = _timed_cell(module, spec, cell, out, source)
+                write_json_atomic(_cell_file(out, cell), result)
+                ran.append(cell)
+                print_fn(f"replicate {name}: cell '{cell}' done in {result['wall_s']:.0f} s")
     if share is not None:
         print_fn(f"replicate {name}: share {only} done; gather with the same command and --report")
         return {"share": only, "ran": ran, "skipped": skipped, "cells": ids,

@@ -10,7 +10,8 @@ response length together — on a task and base where longer reasoning buys accu
 2. Base model, one shared by every seed (`experiment.shared_base`, the default; false: one per
    seed), built by the first cell that needs it, under a file lock, so `--only i/N` shares never
    train one twice; each seed evaluates it with its own sampling draws: a tiny model from scratch
-   trained on plain-text documents (no chat template; the RL prompt is a prefix of each document) in which
+   trained on plain-text documents (no chat template; the RL prompt is a prefix of each
+   document) in which
    every problem is answered in one of two styles, both in R1's `<think>…</think><answer>…</answer>`
    form (so the format reward is satisfied by either):
        short  (in the head)  `<think> </think> <answer> 6 </answer>`
@@ -388,17 +389,18 @@ def prepare(spec: dict, out: Path, source: str) -> None:
         (out / f"base_documents_{key}.json").write_text(json.dumps(counts))
 
 
-def base_keys(spec: dict, exp: Spec) -> dict[str, int]:
-    """The base models to train, name -> seed (of the documents' draw and the stage):
-    {"shared": the `base` stage's seed} with `experiment.shared_base`, else {"seed<s>": s} for each
-    seed."""
+def base_of(spec: dict, exp: Spec, seed: int) -> tuple[str, int]:
+    """The base model RL seed `seed` starts from: (its name, the seed of its documents' draw and
+    of its stage): ("shared", the `base` stage's seed) with `experiment.shared_base`, else
+    ("seed<seed>", seed)."""
     if exp.shared_base:
-        return {"shared": int(spec["base"].get("seed", 0))}
-    return {f"seed{s}": s for s in exp.seeds}
+        return "shared", int(spec["base"].get("seed", 0))
+    return f"seed{seed}", seed
 
 
-def _base_key(exp: Spec, seed: int) -> str:
-    return "shared" if exp.shared_base else f"seed{seed}"
+def base_keys(spec: dict, exp: Spec) -> dict[str, int]:
+    """The base models to train, name -> seed (`base_of` over the seeds, once each)."""
+    return dict(base_of(spec, exp, s) for s in exp.seeds)
 
 
 def _locked_once(out: Path, name: str, build) -> dict:
@@ -424,8 +426,7 @@ def _base(spec: dict, seed: int, out: Path, source: str) -> dict:
     from rlhflab.trainers import run_config
 
     exp = _spec(spec, source)
-    key = _base_key(exp, seed)
-    base_seed = base_keys(spec, exp)[key]
+    key, base_seed = base_of(spec, exp, seed)
 
     def train() -> dict:
         t0 = time.perf_counter()
@@ -697,7 +698,7 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         f"problems, {exp.n_heldout} held-out questions absent from training. "
         + (
             f"One base model shared by the seeds {exp.seeds} (trained once, seed "
-            f"{bases[0].get('base_seed', bases[0]['seed'])}; each RL seed starts from it and "
+            f"{bases[0]['base_seed']}; each RL seed starts from it and "
             "evaluates it with its own sampling draws), from scratch "
             if exp.shared_base
             else f"Per seed ({exp.seeds}), a base model from scratch "
@@ -744,8 +745,8 @@ def _markdown(spec, exp, results, bases, pre, est, verdict, arms, heldout) -> st
         )
     ci = f"[{d_lo:+.3f}, {d_hi:+.3f}]" if d_lo is not None else "(no CI)"
     holds = d_lo is not None and d_lo > 0
-    docs = {b.get("base", f"seed{b['seed']}"): b["documents"] for b in bases}
-    base_train = {b.get("base", f"seed{b['seed']}"): b["train_s"] for b in bases}
+    docs = {b["base"]: b["documents"] for b in bases}
+    base_train = {b["base"]: b["train_s"] for b in bases}
     lines += [
         "",
         "Base documents (as constructed): "
