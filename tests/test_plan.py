@@ -620,3 +620,62 @@ def test_a_sequence_at_the_model_context_is_planned(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "1", "trainer=sft",
                  "train.max_len=65"]) == 2  # fmt: skip
     assert "65 tokens > 64 (max_position_embeddings of " in capsys.readouterr().err
+
+
+def _needs_torchao() -> None:
+    """Skip without torchao (the lowmem extra); fail instead under RLHFLAB_REQUIRE_TORCHAO=1
+    (CI's lowmem step)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("torchao") is None:
+        if os.environ.get("RLHFLAB_REQUIRE_TORCHAO"):
+            pytest.fail("RLHFLAB_REQUIRE_TORCHAO is set but torchao is not installed")
+        pytest.skip("needs torchao (the lowmem extra)")
+
+
+def test_qwen3_8b_full_grpo_with_reference_fits_4x48gb_without_offload_with_bf16_adamw():
+    """Issue #41's plan line: bf16 weights and gradients, torchao's bf16 AdamW (m and v bf16,
+    stochastic rounding), FSDP2 over 4 ranks, 1,024 new tokens, micro-batch 2, a KL reference:
+    2 + 2 + 4 bytes per parameter and the bf16 reference (2), each over 4 ranks."""
+    over = [
+        "rollout.max_new_tokens=1024", "train.micro_batch_size=2", "kl.coef=0.04",
+        "parallel.strategy=fsdp2", "model.gradient_checkpointing=true",
+        "model.dtype=bfloat16", "optim.name=adamw_bf16",
+    ]  # fmt: skip
+    _needs_torchao()  # the config refuses optim.name adamw_bf16 without it
+    r = plan("qwen3-8b", overrides=over, gpus=4, gpu_memory_gib=48, config=GRPO, prompt_len=256)
+    P = BUILTIN_SHAPES["qwen3-8b"].params()
+    c = r["components"]
+    assert c["parameters"] * GIB == pytest.approx(2 * P / 4, rel=1e-12)
+    assert c["gradients"] * GIB == pytest.approx(2 * P / 4, rel=1e-12)
+    assert c["optimizer_state"] * GIB == pytest.approx(4 * P / 4, rel=1e-12)
+    assert c["reference"] * GIB == pytest.approx(2 * P / 4, rel=1e-12)
+    assert r["fits"] and r["load_fits"] and r["host_gib"] == 0
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "adamw_bf16"])
+def test_optimizer_state_term_against_bytes_measured_on_cpu(name, tmp_path, tiny_tokenizer):
+    """The planner's optimizer-state term for a built model's shape (base: 256 hidden, where
+    nearly every value sits in a matrix of 4096 values or more) against the bytes the
+    optimizer's state tensors hold after one step of that model (CPU): within 5%."""
+    torch = pytest.importorskip("torch")
+    if name != "adamw":
+        _needs_torchao()
+    from rlhflab import optimizers
+    from rlhflab.models.build import build_model
+
+    model = build_model(tiny_tokenizer, size="base", max_position_embeddings=64)
+    dtype = "bfloat16" if name == "adamw_bf16" else "float32"
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(tmp_path)
+    shape = resolve_shape(str(tmp_path))
+    opt = optimizers.build(name, list(model.parameters()), lr=1e-3, betas=(0.9, 0.999),
+                           eps=1e-8, weight_decay=0.0)  # fmt: skip
+    ids = torch.randint(0, 300, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    measured = optimizers.measured_state_bytes(opt)
+    planned = estimate(shape, PlanInputs(trainer="sft", model_dtype=dtype, optimizer=name,
+                                         autocast=False))["components"]["optimizer_state"]  # fmt: skip
+    assert planned * GIB == pytest.approx(measured, rel=0.05)

@@ -79,7 +79,11 @@ def test_the_cli_shows_the_warning_as_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    (line,) = out.stderr.splitlines()
+    # with torchao installed (the lowmem extra), importing transformers makes torchao log its
+    # optional CUDA kernels that do not load on a CPU and torch's pytree note about torchao's
+    # enums (not rlhflab's output; the CLI silences them, rlhflab.quiet.QUIET_LOGGERS)
+    (line,) = [x for x in out.stderr.splitlines()
+               if not (x.startswith("Failed to load") and "torchao" in x) and "_pytree.py" not in x]  # fmt: skip
     assert line.startswith("warning: model.dtype: bfloat16 with full fine-tuning")
 
 

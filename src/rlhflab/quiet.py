@@ -9,7 +9,7 @@ What is silenced, and why the user cannot act on it:
 * transformers' tqdm bars ("Loading weights", "Writing model shards"): one per model load or save,
   interleaved with rlhflab's own progress display;
 * transformers' log lines below ERROR (e.g. newly initialised reward heads, which rlhflab
-  initialises on purpose).
+  initialises on purpose), and torchao's and torch pytree's (`QUIET_LOGGERS`).
 
 Warnings are not filtered: a FutureWarning / DeprecationWarning about how rlhflab calls
 transformers is a bug to fix where the call is made (rlhflab.rollout.sampler passes the KV cache
@@ -19,6 +19,7 @@ under the name the installed transformers takes, `cache_kwarg`), not to hide.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 
 
@@ -46,12 +47,24 @@ def quiet_transformers():
         hf_logging.disable_progress_bar()
 
     token = _autoregister.when_imported(apply)
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         yield
     finally:
         _autoregister.cancel(token)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
         if saved:
             _restore(saved)
+
+
+#: Loggers below ERROR are silenced too: torchao (imported by transformers whenever installed)
+#: warns about its optional CUDA kernels that do not load on a CPU machine, and torch's pytree
+#: notes that torchao registers enums the old way; neither is something a user can act on.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def _restore(saved: dict) -> None:

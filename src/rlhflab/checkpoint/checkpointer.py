@@ -54,6 +54,8 @@ from rlhflab.checkpoint.state import (
     _json_safe,
     _load_optimizer_state,
     _optimizer_state,
+    decode_tensors,
+    encode_tensors,
     rng_state,
     set_rng_state,
 )
@@ -294,7 +296,10 @@ class Checkpointer:
                 "step": step,
                 "trainer": state,
                 "optimizers": opt_meta,
-                "schedulers": {k: _json_safe(s.state_dict()) for k, s in self.schedulers.items()},
+                "schedulers": {
+                    k: _json_safe(encode_tensors(s.state_dict()))
+                    for k, s in self.schedulers.items()
+                },
                 "python_rng": ranks[0]["python"],
                 "numpy_rng": ranks[0]["numpy"],
                 "world_size": len(ranks),
@@ -415,7 +420,7 @@ class Checkpointer:
                 tensors = load_file(str(path / f"{name}.safetensors"))
                 _load_optimizer_state(opt, tensors, meta, self._module_of(name))
             for name, sched in self.schedulers.items():
-                sched.load_state_dict(ckpt.state["schedulers"][name])
+                sched.load_state_dict(decode_tensors(ckpt.state["schedulers"][name]))
             rng = load_file(str(path / "rng.safetensors"))
         except (KeyError, IndexError, RuntimeError, ValueError) as exc:
             msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -49,6 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlhflab import distributed
+from rlhflab.checkpoint.state import encode_tensors
 from rlhflab.errors import CheckpointError
 from rlhflab.serialize import match_umask
 
@@ -405,7 +406,7 @@ def optimizer_pieces(opt: torch.optim.Optimizer) -> tuple[dict[str, Piece | None
                 pieces[f"{idx}.{k}"] = distributed.local_piece(v)
             else:
                 scalars[f"{idx}.{k}"] = v
-    return pieces, {"param_groups": sd["param_groups"], "scalars": scalars}
+    return pieces, {"param_groups": encode_tensors(sd["param_groups"]), "scalars": scalars}
 
 
 def load_module(module: torch.nn.Module, reader: TensorReader) -> None:

@@ -29,15 +29,23 @@ def _optimizer_state(
     opt: torch.optim.Optimizer, full: dict | None = None
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, JSON) of an optimizer's state dict (`full`: one gathered from shards)."""
+    from rlhflab.optimizers import flatten_state
+
     sd = full if full is not None else opt.state_dict()
-    tensors, scalars = {}, {}
+    tensors, scalars, quantized = {}, {}, {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+                flat, meta = flatten_state(f"{idx}.{k}", v)
+                tensors.update(flat)
+                if meta is not None:  # a quantized state (adamw_8bit): its parts, rebuilt on load
+                    quantized[f"{idx}.{k}"] = meta
             else:
                 scalars[f"{idx}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    meta = {"param_groups": encode_tensors(sd["param_groups"]), "scalars": scalars}
+    if quantized:
+        meta["quantized"] = quantized
+    return tensors, meta
 
 
 def _load_optimizer_state(
@@ -48,7 +56,12 @@ def _load_optimizer_state(
 ) -> None:
     """Inverse of `_optimizer_state`; `module` is the model the optimizer trains (needed when it
     is sharded: the full state is scattered to this rank's shards)."""
+    from rlhflab.optimizers import unflatten_state
+
     state: dict[int, dict] = {}
+    tensors = dict(tensors)
+    for key, qmeta in meta.get("quantized", {}).items():
+        tensors[key] = unflatten_state(key, tensors, qmeta)
     for key, v in tensors.items():
         idx, k = key.split(".", 1)
         state.setdefault(int(idx), {})[k] = v
@@ -56,7 +69,7 @@ def _load_optimizer_state(
         idx, k = key.split(".", 1)
         state.setdefault(int(idx), {})[k] = v
     groups = []
-    for g in meta["param_groups"]:
+    for g in decode_tensors(meta["param_groups"]):
         g = dict(g)
         if isinstance(g.get("betas"), list):
             g["betas"] = tuple(g["betas"])
@@ -65,6 +78,32 @@ def _load_optimizer_state(
         distributed.load_full_optimizer_state(module, opt, {"state": state, "param_groups": groups})
         return
     opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def encode_tensors(value: Any) -> Any:
+    """`value` with every one-element tensor in it (torchao's optimizers keep the learning rate
+    as a tensor, and LambdaLR then its base rates) written as {"__tensor__": x, "dtype": d}:
+    JSON keeps the float exactly, so `decode_tensors` gives back the same bits."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise TypeError(f"cannot store a tensor of shape {tuple(value.shape)} as JSON")
+        return {"__tensor__": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        return {k: encode_tensors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(encode_tensors(v) for v in value)
+    return value
+
+
+def decode_tensors(value: Any) -> Any:
+    """Inverse of `encode_tensors` (tensors come back 0-dimensional, on the CPU)."""
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__", "dtype"}:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+        return {k: decode_tensors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(decode_tensors(v) for v in value)
+    return value
 
 
 def _json_safe(value: Any) -> Any:

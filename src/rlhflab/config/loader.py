@@ -83,6 +83,8 @@ def full_finetune_precision_warning(cfg: TrainerConfig) -> str | None:
     bits = SIGNIFICANT_BITS.get(cfg.model.dtype)
     if bits is None or cfg.model.lora is not None:
         return None
+    if getattr(getattr(cfg, "optim", None), "name", "adamw") == "adamw_bf16":
+        return None  # stochastic rounding keeps the small updates in expectation
     lr = cfg.optim.lr
     return (
         f"model.dtype: {cfg.model.dtype} with full fine-tuning (no model.lora): AdamW updates "

@@ -123,10 +123,16 @@ class TaskConfig(Strict):
 class OptimConfig(Strict):
     """AdamW with linear warmup then a schedule; gradients clipped by global norm.
 
+    `name` picks how AdamW keeps its state (`rlhflab.optimizers`): "adamw" (torch; m and v in
+    the parameters' dtype), "adamw_8bit" (torchao; m and v block-wise 8-bit, 2.03 bytes per
+    parameter), "adamw_bf16" (torchao; bfloat16 weights, m and v with stochastic rounding;
+    needs model.dtype: bfloat16). The last two need `pip install "rlhflab[lowmem]"`.
+
     Checked here, not by torch at optimizer build: lr, eps > 0 and finite; weight_decay >= 0 and
     finite; each of betas in [0, 1) (beta2 = 1 would divide by zero in Adam's bias correction).
     """
 
+    name: Literal["adamw", "adamw_8bit", "adamw_bf16"] = "adamw"
     lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -388,6 +394,37 @@ class TrainerConfig(Strict):
         rollout = getattr(self, "rollout", None)
         if isinstance(rollout, BaseModel):
             _check_rollout(self.trainer, type(self).ROLLOUT_KEYS, rollout)
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_fits(self) -> TrainerConfig:
+        optims = [("optim", getattr(self, "optim", None))]
+        value = getattr(self, "value", None)
+        optims.append(("value.optim", getattr(value, "optim", None)))
+        for field, optim in optims:
+            if not isinstance(optim, OptimConfig) or optim.name == "adamw":
+                continue
+            import importlib.util
+
+            if importlib.util.find_spec("torchao") is None:
+                raise ValueError(
+                    f"{field}.name: {optim.name} needs torchao (pip install 'rlhflab[lowmem]')"
+                )
+            if optim.name == "adamw_8bit" and self.parallel.strategy == "fsdp2":
+                raise ValueError(
+                    f"{field}.name: adamw_8bit under parallel.strategy: fsdp2 is not supported "
+                    "yet (its block-quantized state is not written to sharded checkpoints); use "
+                    "adamw_bf16, or parallel.strategy: ddp"
+                )
+            if optim.name == "adamw_bf16" and (
+                self.model.dtype != "bfloat16" or self.model.lora is not None
+            ):
+                raise ValueError(
+                    f"{field}.name: adamw_bf16 keeps bfloat16 weights and rounds each update "
+                    f"stochastically; it needs model.dtype: bfloat16 without model.lora (got "
+                    f"model.dtype: {self.model.dtype}"
+                    f"{', model.lora set' if self.model.lora is not None else ''})"
+                )
         return self
 
 

@@ -57,6 +57,7 @@ def inputs_from_config(
         lora_targets=lora.target_modules if lora is not None else "all-linear",
         activation_checkpointing=activation_checkpointing or cfg.model.gradient_checkpointing,
         reference_dtype=reference_dtype,
+        optimizer=getattr(getattr(cfg, "optim", None), "name", "adamw"),
     )
     default_prompt = 256 if prompt_len is None else prompt_len
     if trainer == "policy_gradient":

@@ -22,8 +22,11 @@ Resident state (alive the whole step; per GPU):
                  q, k, v, o, gate, up, down of every block; not the LM head).
     gradients    w per trainable parameter (full: w·P; LoRA: 4·T). Grads stay allocated from one
                  backward to the next `zero_grad(set_to_none=True)`, so through the next rollout.
-    optimizer    torch AdamW: exp_avg and exp_avg_sq like the parameter: 2·w per trainable
-                 parameter (8 bytes in fp32; 4 for a bf16 model.dtype).
+    optimizer    `rlhflab.optimizers.bytes_per_param` per trainable parameter: torch AdamW
+                 ("adamw"): exp_avg and exp_avg_sq like the parameter, 2·w (8 bytes in fp32; 4
+                 for a bf16 model.dtype); "adamw_8bit": 2·(1 + 4/256) = 2.03 (block-wise 8-bit
+                 m and v; the few tensors it leaves unquantized, norms and biases, are ignored);
+                 "adamw_bf16": 4 (bf16 m and v, with bf16 weights and gradients: 8 in all).
     reference    (policy gradient with kl.coef > 0, full fine-tuning) a frozen copy of the
                  policy: w_ref·P (w_ref: 2 under fsdp2 over N > 1 ranks with mixed_precision
                  bf16, which stores the reference in bf16 (`trainers.common.Reference`), else
@@ -57,7 +60,10 @@ Transient terms, by phase (one phase at a time; the total is resident + the larg
               larger of the two.
     optimizer torch AdamW (foreach, the CUDA default) allocates one temporary like exp_avg_sq
               (sqrt) for all parameters of a dtype at once: w per trainable parameter (on the host
-              under cpu_offload).
+              under cpu_offload). torchao's optimizers (adamw_8bit, adamw_bf16) step one tensor
+              at a time in one compiled kernel: counted as one fp32 copy of the largest
+              trainable tensor (the embedding, vocab × hidden; its 1/N shard), an estimate not
+              yet measured on a GPU.
 
 Autocast weight copies: under bf16 autocast every nn.Linear casts its fp32 weight to bf16 (cached
 for trainable leaves during the forward; saved by autograd for the backward of the input either
@@ -182,6 +188,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlhflab.optimizers import bytes_per_param
 from rlhflab.plan.shapes import ModelShape
 
 GIB = 2**30
@@ -235,6 +242,7 @@ class PlanInputs:
     reward_model: ModelShape | None = None
     activation_checkpointing: bool = False
     scoring_passes: bool = False  # no-grad log-prob passes over the rollout (PG)
+    optimizer: str = "adamw"  # optim.name (rlhflab.optimizers): adamw | adamw_8bit | adamw_bf16
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -350,11 +358,11 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     if lora:
         put("parameters", w * (P_model - head) + 4 * (T + head))
         put("gradients", 4 * trainable)
-        put("optimizer_state", 8 * trainable)
+        put("optimizer_state", bytes_per_param(p.optimizer, 4) * trainable)
     else:
         put("parameters", w * P_model)
         put("gradients", w * trainable)
-        put("optimizer_state", 2 * w * trainable)
+        put("optimizer_state", bytes_per_param(p.optimizer, w) * trainable)
     put("reference", w_ref * P if (p.reference and not lora) else 0.0)
     if p.critic:
         critic_trainable = T + shape.hidden_size + 1 if lora else P_bb + shape.hidden_size + 1
@@ -420,7 +428,12 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         kv = kv_per_token * p.rollout_rows * seq
         sampling = 4 * 4 * max(p.rollout_rows_global, p.rollout_rows) * shape.vocab_size
         rollout = kv + sampling + cast_copies + gathered
-    opt_temp = 0.0 if offload else (4 if lora else w) * trainable / n
+    if offload:
+        opt_temp = 0.0
+    elif p.optimizer == "adamw":
+        opt_temp = (4 if lora else w) * trainable / n
+    else:  # torchao steps one tensor at a time: one fp32 copy of the largest (its shard)
+        opt_temp = 4 * (T if lora else shape.vocab_size * shape.hidden_size) / n
     phases = {"train": train, "scoring": score, "rollout": rollout, "optimizer_step": opt_temp}
     binding = max(phases, key=phases.get)
     total = resident + phases[binding]

@@ -5,7 +5,7 @@ from __future__ import annotations
 _ROWS = [
     ("parameters", "parameters"),
     ("gradients", "gradients"),
-    ("optimizer_state", "optimizer state (AdamW)"),
+    ("optimizer_state", "optimizer state"),
     ("reference", "reference (frozen)"),
     ("critic", "critic (params+grads+optim)"),
     ("reward_model", "reward model"),

@@ -71,8 +71,20 @@ CHANGES = (
 MAX_GPUS = 1024
 
 
+def _allowed(change: Change, inputs: dict) -> bool:
+    """Whether the config would accept `change` with the run's optimizer: adamw_8bit is refused
+    under FSDP2, adamw_bf16 with LoRA (`config.sections.TrainerConfig._optimizer_fits`)."""
+    optimizer = inputs.get("optimizer", "adamw")
+    if optimizer == "adamw_8bit" and "parallel.strategy=fsdp2" in change.overrides:
+        return False
+    return not (optimizer == "adamw_bf16" and change.rank == 5)
+
+
 def _applies(change: Change, inputs: dict, gpus: int) -> bool:
-    """Whether `change` changes the planned run (`inputs`: its PlanInputs as a dict)."""
+    """Whether `change` changes the planned run (`inputs`: its PlanInputs as a dict) and the
+    config accepts it (`_allowed`)."""
+    if not _allowed(change, inputs):
+        return False
     if change.rank == 1:
         return not inputs["activation_checkpointing"]
     if change.rank in (2, 3, 4) and gpus < 2:
@@ -155,7 +167,9 @@ def fit_suggestions(setting, base: dict) -> dict:
             cheapest = {**tried, "changes": [c.name for c in cs]}
             break
     exact = tuple(
-        c for c in CHANGES if c.rank in (1, 2) and (c.rank != 1 or _applies(c, inputs, gpus))
+        c
+        for c in CHANGES
+        if c.rank in (1, 2) and _allowed(c, inputs) and (c.rank != 1 or _applies(c, inputs, gpus))
     )
     unit = _batch_unit(setting.load([]))
     n, more = gpus * 2, None

@@ -183,7 +183,8 @@ def check_context_fit(rows: list[dict], context: int, *, what: str) -> None:
 
 
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; its state (m, v) in the parameters' dtype.
+    """AdamW over the trainable parameters (`optim.name`: `rlhflab.optimizers`); with the
+    default "adamw" its state (m, v) is in the parameters' dtype.
 
     The implementation is `adamw_implementation` of the parameters' devices: torch's fused
     kernel when they are all on CUDA, the default otherwise (CPU, and FSDP2 shards kept in host
@@ -199,14 +200,17 @@ def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Op
     keeps the same state as the default implementation (no extra bytes per parameter); it
     updates each tensor in one kernel instead of a chain of element-wise ones.
     """
+    from rlhflab import optimizers
+
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
+    return optimizers.build(
+        optim.name,
         params,
         lr=optim.lr,
         betas=optim.betas,
         eps=optim.eps,
         weight_decay=optim.weight_decay,
-        **adamw_implementation({p.device for p in params}),
+        torch_kwargs=adamw_implementation({p.device for p in params}),
     )
 
 

@@ -1,0 +1,169 @@
+"""Low-memory optimizers (`optim.name`, rlhflab.optimizers): the bytes of state each keeps
+against the planner's formula, refusals, the checkpoint round trip of a quantized state, and
+exact resume. Closeness to fp32 AdamW over whole runs is a benchmark (bench/lowmem_optim.py)."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhflab import optimizers
+from rlhflab.config import config_from_dict
+from rlhflab.errors import ConfigError, Interrupted
+from rlhflab.trainers import run_config
+
+# torchao is the `lowmem` extra. CI runs this file again with it installed and
+# RLHFLAB_REQUIRE_TORCHAO=1, where a missing torchao fails instead of skipping.
+if importlib.util.find_spec("torchao") is None:
+    if os.environ.get("RLHFLAB_REQUIRE_TORCHAO"):
+        raise RuntimeError("RLHFLAB_REQUIRE_TORCHAO is set but torchao is not installed")
+    pytest.skip("needs torchao (the lowmem extra)", allow_module_level=True)
+
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "n_train": 40,
+    "n_heldout": 8,
+    "seed": 0,
+    "answer_format": "plain",
+    "reward": "binary",
+}
+# hidden 64: the 64 x 64 attention and 64 x 128 MLP matrices (4096+ values) get 8-bit states,
+# the norms (64 values) float32 ones, so both branches of the formula are exercised.
+BUILD = {"size": "tiny", "vocab_size": 300, "max_position_embeddings": 64, "tokenizer_texts": 100}
+
+
+def sft_raw(root, name, optim, dtype="float32", steps=12):
+    return {
+        "trainer": "sft",
+        "model": {"build": BUILD, "dtype": dtype},
+        "task": TASK,
+        "precision": {"threads": 1},
+        "tracking": {"console": False},
+        "train": {"steps": steps, "batch_size": 8, "micro_batch_size": 4, "max_len": 48},
+        "optim": {
+            "name": optim,
+            "lr": 1e-3,
+            "warmup_steps": 2,
+            "schedule": "cosine",
+            "weight_decay": 0.01,
+        },
+        "eval": {"n": 0},
+        "checkpoint": {"every": 5, "keep_last": 2},
+        "run": {"name": name, "root": str(root)},
+    }
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(300, 64),  # 19,200 values: quantized
+        torch.nn.Linear(64, 128),  # weight 8,192: quantized; bias 128: not
+        torch.nn.LayerNorm(128),  # 128 + 128: not
+        torch.nn.Linear(128, 3, bias=False),  # 384: not (< 4096)
+    ).to(dtype)
+
+
+def _one_step(model, opt):
+    x = torch.randint(0, 300, (4, 5))
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "param_bytes"),
+    [
+        ("adamw", torch.float32, 4),
+        ("adamw_8bit", torch.float32, 4),
+        ("adamw_bf16", torch.bfloat16, 2),
+    ],
+)
+def test_state_bytes_measured_equal_the_formula(name, dtype, param_bytes):
+    model = _model(dtype)
+    params = list(model.parameters())
+    opt = optimizers.build(name, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0)
+    _one_step(model, opt)
+    measured = optimizers.measured_state_bytes(opt)
+    numels = [p.numel() for p in params]
+    # by hand: 8-bit on the embedding (19,200) and the first weight (8,192): codes 1 B + one
+    # float32 scale per 256 values, for m and v, plus two 256-entry float32 maps per tensor
+    by_hand = {
+        "adamw": 8 * sum(numels),
+        "adamw_bf16": 4 * sum(numels),
+        "adamw_8bit": sum(2 * (n + 4 * n // 256) + 2 * 1024 for n in (19_200, 8_192))
+        + 8 * (128 + 128 + 128 + 384),
+    }[name]
+    assert optimizers.state_bytes(name, numels, param_bytes) == by_hand
+    assert measured == by_hand
+    # the planner's per-parameter limit: within 5% on a model whose values sit in big matrices
+    big = [4096 * 4096] * 4
+    per = optimizers.state_bytes(name, big, param_bytes) / sum(big)
+    assert per == pytest.approx(optimizers.bytes_per_param(name, param_bytes), rel=0.05)
+
+
+def test_adamw_bf16_refuses_float32_weights():
+    with pytest.raises(ValueError, match=r"adamw_bf16.*float32"):
+        optimizers.build("adamw_bf16", list(_model().parameters()), lr=1e-3,
+                         betas=(0.9, 0.999), eps=1e-8, weight_decay=0)  # fmt: skip
+
+
+def test_config_refuses_adamw_bf16_without_bf16_weights(tmp_path):
+    with pytest.raises(ConfigError, match=r"optim\.name: adamw_bf16 .*model\.dtype: float32"):
+        config_from_dict(sft_raw(tmp_path, "x", "adamw_bf16"))
+
+
+def test_quantized_state_round_trips_through_the_checkpoint_format():
+    from rlhflab.checkpoint.state import _load_optimizer_state, _optimizer_state
+
+    model = _model()
+    kw = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0}
+    opt = optimizers.build("adamw_8bit", list(model.parameters()), **kw)
+    _one_step(model, opt)
+    tensors, meta = _optimizer_state(opt)
+    assert all(type(t) is torch.Tensor for t in tensors.values())  # plain, for safetensors
+    assert meta["quantized"]  # the two big tensors' m and v
+    meta = json.loads(json.dumps(meta))  # as state.json stores it
+    other = optimizers.build("adamw_8bit", list(model.parameters()), **kw)
+    _load_optimizer_state(other, tensors, meta)
+    for p in model.parameters():
+        for k, v in opt.state[p].items():
+            w = other.state[p][k]
+            assert type(w) is type(v), k
+            if hasattr(v, "codes"):
+                assert torch.equal(w.codes, v.codes) and torch.equal(w.scale, v.scale)
+            else:
+                assert torch.equal(w, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dtype"), [("adamw_8bit", "float32"),
+                                             ("adamw_bf16", "bfloat16")])  # fmt: skip
+def test_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, monkeypatch, name, dtype):
+    """SIGTERM at the end of step 7 (a checkpoint is written there), resume: the same metrics
+    and bitwise-identical weights as the run never stopped (stochastic rounding's random bits
+    come back with the RNG state)."""
+    ref = run_config(config_from_dict(sft_raw(tmp_path / "ref", "sft", name, dtype)))
+    raw = sft_raw(tmp_path / "runs", "sft", name, dtype)
+    with monkeypatch.context() as m, pytest.raises(Interrupted, match="stopped by SIGTERM"):
+        m.setenv("RLHFLAB_FAULT", "step_end@7=sigterm")
+        run_config(config_from_dict(raw))
+    [run_dir] = sorted((tmp_path / "runs").glob("sft-*"))
+    assert not (run_dir / "final_results.json").exists()
+    run_config(config_from_dict({**raw, "run": {**raw["run"], "resume": str(run_dir)}}))
+
+    def rows(d):
+        lines = (Path(d) / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("perf/")
+                 and k != "time_s"} for x in lines]  # fmt: skip
+
+    assert rows(ref["run_dir"]) == rows(run_dir)
+    wa = load_file(str(Path(ref["run_dir"]) / "model/model.safetensors"))
+    wb = load_file(str(run_dir / "model/model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
