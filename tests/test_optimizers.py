@@ -23,18 +23,9 @@ if importlib.util.find_spec("torchao") is None:
         raise RuntimeError("RLHFLAB_REQUIRE_TORCHAO is set but torchao is not installed")
     pytest.skip("needs torchao (the lowmem extra)", allow_module_level=True)
 
-TASK = {
-    "name": "chain_sum",
-    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-    "n_train": 40,
-    "n_heldout": 8,
-    "seed": 0,
-    "answer_format": "plain",
-    "reward": "binary",
-}
-# hidden 64: the 64 x 64 attention and 64 x 128 MLP matrices (4096+ values) get 8-bit states,
-# the norms (64 values) float32 ones, so both branches of the formula are exercised.
-BUILD = {"size": "tiny", "vocab_size": 300, "max_position_embeddings": 64, "tokenizer_texts": 100}
+# the task and tiny model of the exact-resume tests; in the tiny model the 64 x 64 attention and
+# 64 x 128 MLP matrices (4096+ values) get 8-bit states, the norms (64 values) float32 ones
+from test_checkpoint_resume import BUILD, TASK
 
 
 def sft_raw(root, name, optim, dtype="float32", steps=12):
