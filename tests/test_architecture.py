@@ -40,7 +40,7 @@ TRAINER_SHARED = {"rlhflab.trainers", "rlhflab.trainers.common", "rlhflab.traine
 # (top-level module or subpackage) and of lower layers only. Keep this table and the doc's equal.
 LAYERS: list[set[str]] = [
     {"errors", "fingerprint", "plots", "presets", "serialize"},  # leaves: no rlhflab imports
-    {"distributed", "rundir", "health", "ops"},
+    {"distributed", "rundir", "health", "ops", "optimizers"},
     {"faults", "tracking", "losses", "runs"},
     {"models"},
     {"data", "_autoregister", "checkpoint"},
