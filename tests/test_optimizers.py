@@ -135,9 +135,9 @@ def test_quantized_state_round_trips_through_the_checkpoint_format():
 @pytest.mark.parametrize(("name", "dtype"), [("adamw_8bit", "float32"),
                                              ("adamw_bf16", "bfloat16")])  # fmt: skip
 def test_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, monkeypatch, name, dtype):
-    """SIGTERM at the end of step 7 (a checkpoint is written there), resume: the same metrics
-    and bitwise-identical weights as the run never stopped (stochastic rounding's random bits
-    come back with the RNG state)."""
+    """SIGTERM sent at the end of step 7 (the run stops after step 8 and checkpoints there), then
+    resume: the same metrics and bitwise-identical weights as the run never stopped (stochastic
+    rounding's random bits come back with the RNG state)."""
     ref = run_config(config_from_dict(sft_raw(tmp_path / "ref", "sft", name, dtype)))
     raw = sft_raw(tmp_path / "runs", "sft", name, dtype)
     with monkeypatch.context() as m, pytest.raises(Interrupted, match="stopped by SIGTERM"):
