@@ -5,19 +5,22 @@
                  parameter with float32 master weights.
     adamw_8bit   torchao.optim.AdamW8bit: the same update, with m and v stored block-wise
                  quantized to 8 bits (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-                 Quantization", §2: dynamic quantization map, one float32 absmax scale per
-                 block of 256 values). Per parameter 2 · (1 + 4/256) = 2.03 bytes; a tensor
-                 with fewer than 4096 values or a size that is not a multiple of 256 (norm
-                 weights, biases) keeps float32 m and v (8 bytes), as bitsandbytes does. The
+                 Quantization", §2: a dynamic quantization map and one absmax scale per block;
+                 the paper's blocks hold 2048 values, torchao's 256, its map is
+                 `torchao.optim.quant_utils.create_dynamic_map`). Per parameter
+                 2 · (1 + 4/256) = 2.03 bytes; a tensor with fewer than 4096 values or a size
+                 that is not a multiple of 256 (norm weights, biases) keeps its m and v in its
+                 own dtype (torchao's `_new_buffer`: "follow bitsandbytes"). The
                  update is computed in float32 from the dequantized m and v, then they are
                  quantized again: the states lose precision, the arithmetic does not.
     adamw_bf16   torchao.optim._AdamW with bf16_stochastic_round: parameters, gradients, m and v
-                 all bfloat16 (2 + 2 + 2 + 2 = 8 bytes per parameter, as AReaL trains). The
-                 update is computed in float32 and written back to the bfloat16 weight with
-                 stochastic rounding (Gupta et al. 2015, "Deep Learning with Limited Numerical
-                 Precision", §3: round up with probability equal to the distance to the lower
-                 neighbour, so E[round(x)] = x and an update smaller than half a bfloat16 step is
-                 kept in expectation instead of always lost). Needs `model.dtype: bfloat16`.
+                 all bfloat16 (2 + 2 + 2 + 2 = 8 bytes per parameter). The update is computed
+                 in float32 and written back to the bfloat16 weight with stochastic rounding
+                 (Gupta et al. 2015, "Deep Learning with Limited Numerical Precision": x goes to
+                 the neighbour above ⌊x⌋ with probability (x − ⌊x⌋)/ε, ε the spacing, so
+                 E[round(x)] = x and an update smaller than half a bfloat16 step is kept in
+                 expectation instead of always lost; torchao's `_fp32_to_bf16_sr` draws the
+                 16 dropped bits' threshold uniformly). Needs `model.dtype: bfloat16`.
                  The random bits come from torch's default generator of the parameter's device
                  (a checkpoint saves and restores it, so a resumed run draws the same bits).
 
@@ -35,21 +38,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where it is used: `rlhflab plan` reads the formulas only
     import torch
 
-#: optim.name -> one line for errors and `rlhflab plan`.
-OPTIMIZERS: dict[str, str] = {
-    "adamw": "torch AdamW, m and v in the parameters' dtype",
-    "adamw_8bit": "torchao AdamW8bit, m and v block-wise 8-bit (2.03 B/param)",
-    "adamw_bf16": "torchao AdamW, bf16 weights, m and v, stochastic rounding",
-}
+#: The values of `optim.name` (config.sections.OptimConfig).
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_bf16")
 
 #: torchao quantizes a tensor's m and v only when it has at least this many values...
 QUANTIZE_MIN_NUMEL = 4096
 #: ... and a multiple of this block size (one float32 scale per block).
 BLOCK_SIZE_8BIT = 256
-
-
-def needs_torchao(name: str) -> bool:
-    return name in ("adamw_8bit", "adamw_bf16")
 
 
 def _torchao_optim():
@@ -65,7 +60,14 @@ def _torchao_optim():
 
 def build(name: str, params: list[torch.nn.Parameter], *, lr: float, betas, eps: float,
           weight_decay: float, torch_kwargs: dict | None = None) -> torch.optim.Optimizer:  # fmt: skip
-    """The optimizer `name` (a key of `OPTIMIZERS`) over `params`.
+    """The optimizer `name` (one of `OPTIMIZERS`) over `params`.
+
+    Args:
+        name: "adamw", "adamw_8bit" or "adamw_bf16" (module docstring).
+        params: the trainable parameters (any shapes; all bfloat16 for adamw_bf16).
+        lr, betas, eps, weight_decay: AdamW's (weight decay decoupled, as torch's AdamW).
+        torch_kwargs: extra keyword arguments of `torch.optim.AdamW` (e.g. fused=True); only
+            "adamw" takes them.
 
     Raises:
         ValueError: an unknown name, or adamw_bf16 over parameters that are not bfloat16.
@@ -85,29 +87,10 @@ def build(name: str, params: list[torch.nn.Parameter], *, lr: float, betas, eps:
                 "optim.name: adamw_bf16 updates bfloat16 weights with stochastic rounding; the "
                 f"trainable parameters are {', '.join(dtypes)} (set model.dtype: bfloat16)"
             )
-    tao = _quiet_import()
+    tao = _torchao_optim()
     if name == "adamw_8bit":
         return tao.AdamW8bit(params, **kw, block_size=BLOCK_SIZE_8BIT)
     return tao._AdamW(params, **kw, bf16_stochastic_round=True)
-
-
-def _quiet_import():
-    """torchao, imported with its start-up chatter (optional CUDA kernels that do not load on
-    a CPU machine, deprecation notes) kept out of the run's output."""
-    import logging
-    import warnings
-
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _torchao_optim()
-    finally:
-        for lg, lv in zip(loggers, levels, strict=True):
-            lg.setLevel(lv)
 
 
 def state_bytes(name: str, numels: Iterable[int], param_bytes: int) -> int:
@@ -166,11 +149,9 @@ def measured_state_bytes(opt: torch.optim.Optimizer) -> int:
 def _tensor_bytes(v: torch.Tensor) -> int:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    if is_traceable_wrapper_subclass(v):
+    if is_traceable_wrapper_subclass(v):  # a quantized state, or a DTensor (its local shard)
         names, _ = v.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(v, n)) for n in names)
-    if hasattr(v, "to_local"):  # a DTensor: this rank's shard
-        v = v.to_local()
     return v.numel() * v.element_size()
 
 
@@ -226,18 +207,12 @@ def unflatten_state(key: str, tensors: dict[str, torch.Tensor], meta: dict) -> t
     return cls.__tensor_unflatten__(inner, ctx, torch.Size(meta["size"]), tuple(meta["stride"]))
 
 
-def describe(name: str) -> str:
-    return OPTIMIZERS.get(name, name)
-
-
 __all__ = [
     "OPTIMIZERS",
     "build",
     "bytes_per_param",
-    "describe",
     "flatten_state",
     "measured_state_bytes",
-    "needs_torchao",
     "state_bytes",
     "unflatten_state",
 ]

@@ -401,11 +401,11 @@ class TrainerConfig(Strict):
         optims = [("optim", getattr(self, "optim", None))]
         value = getattr(self, "value", None)
         optims.append(("value.optim", getattr(value, "optim", None)))
+        import importlib.util
+
         for field, optim in optims:
             if not isinstance(optim, OptimConfig) or optim.name == "adamw":
                 continue
-            import importlib.util
-
             if importlib.util.find_spec("torchao") is None:
                 raise ValueError(
                     f"{field}.name: {optim.name} needs torchao (pip install 'rlhflab[lowmem]')"

@@ -432,7 +432,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         opt_temp = 0.0
     elif p.optimizer == "adamw":
         opt_temp = (4 if lora else w) * trainable / n
-    else:  # torchao steps one tensor at a time: one fp32 copy of the largest (its shard)
+    else:  # torchao steps one tensor at a time: one fp32 copy of the largest (its shard);
+        # LoRA: of all the adapters together (an upper bound, small)
         opt_temp = 4 * (T if lora else shape.vocab_size * shape.hidden_size) / n
     phases = {"train": train, "scoring": score, "rollout": rollout, "optimizer_step": opt_temp}
     binding = max(phases, key=phases.get)

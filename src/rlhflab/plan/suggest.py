@@ -71,20 +71,21 @@ CHANGES = (
 MAX_GPUS = 1024
 
 
-def _allowed(change: Change, inputs: dict) -> bool:
-    """Whether the config would accept `change` with the run's optimizer: adamw_8bit is refused
-    under FSDP2, adamw_bf16 with LoRA (`config.sections.TrainerConfig._optimizer_fits`)."""
-    optimizer = inputs.get("optimizer", "adamw")
-    if optimizer == "adamw_8bit" and "parallel.strategy=fsdp2" in change.overrides:
+def _accepted(setting, change: Change) -> bool:
+    """Whether the run's config accepts `change`'s overrides (e.g. `adamw_8bit` is refused under
+    FSDP2, `adamw_bf16` with LoRA: `config.sections.TrainerConfig._optimizer_fits`); a change it
+    refuses is not suggested."""
+    from rlhflab.errors import ConfigError
+
+    try:
+        setting.load(list(change.overrides))
+    except ConfigError:
         return False
-    return not (optimizer == "adamw_bf16" and change.rank == 5)
+    return True
 
 
 def _applies(change: Change, inputs: dict, gpus: int) -> bool:
-    """Whether `change` changes the planned run (`inputs`: its PlanInputs as a dict) and the
-    config accepts it (`_allowed`)."""
-    if not _allowed(change, inputs):
-        return False
+    """Whether `change` changes the planned run (`inputs`: its PlanInputs as a dict)."""
     if change.rank == 1:
         return not inputs["activation_checkpointing"]
     if change.rank in (2, 3, 4) and gpus < 2:
@@ -153,7 +154,7 @@ def fit_suggestions(setting, base: dict) -> dict:
     """
     gpus, inputs = setting.gpus, base["inputs"]
     user_mb = setting.gives_micro_batch()
-    pool = [c for c in CHANGES if _applies(c, inputs, gpus)]
+    pool = [c for c in CHANGES if _applies(c, inputs, gpus) and _accepted(setting, c)]
     if user_mb and base["max_micro_batch"] < inputs["micro_batch"]:
         pool.insert(0, MICRO_BATCH)
     each = [_try(setting, (c,), gpus, user_mb) for c in pool]
@@ -169,7 +170,7 @@ def fit_suggestions(setting, base: dict) -> dict:
     exact = tuple(
         c
         for c in CHANGES
-        if c.rank in (1, 2) and _allowed(c, inputs) and (c.rank != 1 or _applies(c, inputs, gpus))
+        if c.rank in (1, 2) and (c.rank != 1 or _applies(c, inputs, gpus)) and _accepted(setting, c)
     )
     unit = _batch_unit(setting.load([]))
     n, more = gpus * 2, None
