@@ -48,42 +48,40 @@ def _state_bytes_per_param(trainer) -> float:
     return measured_state_bytes(opt) / n
 
 
-def run_arm(root: Path, arm: str, seed: int, args, sft_base: str | None) -> dict:
-    """One SFT and (from `sft_base`, the adamw arm's SFT model of this seed) one GRPO run."""
+def _train(config: str, overrides: list[str], make) -> tuple[dict, object, float]:
+    """One run of `config` with `overrides`, driven a step at a time: (its final results, the
+    trainer, seconds)."""
     from rlhflab.config import load_config
     from rlhflab.trainers.loop import Run
+
+    t = time.perf_counter()
+    session = Run(load_config(ROOT / config, overrides), make)
+    with session:
+        while session.step() is not None:
+            pass
+    res = session.finish()
+    return res, session.trainer, round(time.perf_counter() - t, 1)
+
+
+def run_arm(root: Path, arm: str, seed: int, args, sft_base: str | None) -> dict:
+    """One SFT and (from `sft_base`, the adamw arm's SFT model of this seed) one GRPO run."""
     from rlhflab.trainers.policy_gradient import PolicyGradient
     from rlhflab.trainers.sft import SFT
 
-    out: dict = {"arm": arm, "seed": seed}
-    common = [f"seed={seed}", f"run.root={root}", "tracking.console=false", *ARMS[arm]]
-    sft_cfg = load_config(ROOT / "configs/sft/quickstart.yaml", [
-        *common, f"train.steps={args.sft_steps}", f"eval.n={args.heldout}", "eval.every=0",
-        f"run.name=sft-{arm}-s{seed}"])  # fmt: skip
-    t = time.perf_counter()
-    session = Run(sft_cfg, SFT)
-    with session:
-        while session.step() is not None:
-            pass
-    out["sft_state_bytes_per_param"] = _state_bytes_per_param(session.trainer)
-    res = session.finish()
-    out["sft_s"] = round(time.perf_counter() - t, 1)
-    out["sft_final_loss"] = _last_mean(res["run_dir"], "train/loss")
-    out["sft_heldout_accuracy"] = res.get("heldout_accuracy", res.get("eval/accuracy"))
-    out["sft_model"] = res["model_dir"]
-    base = sft_base or res["model_dir"]
-    grpo_cfg = load_config(ROOT / "configs/pg/quickstart_grpo.yaml", [
-        *common, f"model.name_or_path={base}", f"train.steps={args.grpo_steps}",
-        f"eval.every={args.grpo_steps}", f"eval.n={args.heldout}",
-        f"run.name=grpo-{arm}-s{seed}"])  # fmt: skip
-    t = time.perf_counter()
-    session = Run(grpo_cfg, PolicyGradient)
-    with session:
-        while session.step() is not None:
-            pass
-    res = session.finish()
-    out["grpo_s"] = round(time.perf_counter() - t, 1)
-    out["grpo_heldout_accuracy"] = res.get("heldout_accuracy", res.get("eval/accuracy"))
+    common = [f"seed={seed}", f"run.root={root}", "tracking.console=false", *ARMS[arm],
+              f"eval.n={args.heldout}"]  # fmt: skip
+    res, trainer, sft_s = _train("configs/sft/quickstart.yaml", [
+        *common, f"train.steps={args.sft_steps}", "eval.every=0", f"run.name=sft-{arm}-s{seed}"],
+        SFT)  # fmt: skip
+    out: dict = {"arm": arm, "seed": seed,
+                 "sft_state_bytes_per_param": _state_bytes_per_param(trainer), "sft_s": sft_s,
+                 "sft_final_loss": _last_mean(res["run_dir"], "train/loss"),
+                 "sft_heldout_accuracy": res["heldout_accuracy"], "sft_model": res["model_dir"]}  # fmt: skip
+    res, _, out["grpo_s"] = _train("configs/pg/quickstart_grpo.yaml", [
+        *common, f"model.name_or_path={sft_base or res['model_dir']}",
+        f"train.steps={args.grpo_steps}", f"eval.every={args.grpo_steps}",
+        f"run.name=grpo-{arm}-s{seed}"], PolicyGradient)  # fmt: skip
+    out["grpo_heldout_accuracy"] = res["heldout_accuracy"]
     return out
 
 

@@ -166,7 +166,11 @@ STATE_SUBCLASSES = {
 def flatten_state(key: str, v: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict | None]:
     """A state tensor as plain tensors for a safetensors file: itself under `key`, or, for a
     quantized state (a tensor subclass), its inner tensors under `key.<name>` and the JSON
-    needed to rebuild it ({"type", "ctx", "size", "stride"})."""
+    needed to rebuild it ({"type", "names", "ctx", "size", "stride"}).
+
+    Raises:
+        TypeError: a subclass not in `STATE_SUBCLASSES`, or a context value JSON cannot hold.
+    """
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if not is_traceable_wrapper_subclass(v):
@@ -192,7 +196,13 @@ def _ctx_json(c):
 
 
 def unflatten_state(key: str, tensors: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
-    """Inverse of `flatten_state` for one quantized state (pops its inner tensors)."""
+    """Inverse of `flatten_state` for one quantized state (pops its inner tensors from
+    `tensors`).
+
+    Raises:
+        TypeError: a type not in `STATE_SUBCLASSES` (nothing else is imported); KeyError: an
+            inner tensor missing from `tensors`.
+    """
     import importlib
 
     import torch
