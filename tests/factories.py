@@ -146,3 +146,21 @@ def reseal(ck: Path) -> None:
     }
     (ck / MANIFEST).write_text(json.dumps(manifest, indent=1))
     (ck / COMMITTED).write_text(sha256_file(ck / MANIFEST) + "\n")
+
+
+def spy_micro_batches(monkeypatch) -> list[list[list]]:
+    """Record every split `distributed.micro_batches` returns in this process (one list of
+    micro-batches' rows per call), so a test can check that a token budget really grouped rows
+    into several micro-batches of uneven sizes."""
+    from rlhflab import distributed
+
+    calls: list[list[list]] = []
+    real = distributed.micro_batches
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append([rows for rows, _weight in out])
+        return out
+
+    monkeypatch.setattr(distributed, "micro_batches", spy)
+    return calls

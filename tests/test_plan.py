@@ -679,3 +679,31 @@ def test_optimizer_state_term_against_bytes_measured_on_cpu(name, tmp_path, tiny
     planned = estimate(shape, PlanInputs(trainer="sft", model_dtype=dtype, optimizer=name,
                                          autocast=False))["components"]["optimizer_state"]  # fmt: skip
     assert planned * GIB == pytest.approx(measured, rel=0.05)
+
+
+def test_a_token_budget_is_judged_at_the_full_length_rows_it_holds():
+    # 256 + 512 = 768 tokens a row: a budget of 3,000 tokens holds 3 rows; 700 holds none, and a
+    # row longer than the budget goes alone (1)
+    kw = dict(gpus=1, gpu_memory_gib=48, config=GRPO, prompt_len=256, suggest=False)
+    over = ["rollout.max_new_tokens=512"]
+    for budget, rows in ((3000, 3), (700, 1)):
+        r = plan("qwen3-0.6b", overrides=[*over, f"train.max_tokens_per_micro_batch={budget}"],
+                 **kw)  # fmt: skip
+        at = plan("qwen3-0.6b", overrides=[*over, f"train.micro_batch_size={rows}"], **kw)
+        assert r["inputs"]["micro_batch"] == rows and r["token_budget"] == budget
+        assert not r["micro_batch_searched"] and r["per_gpu_gib"] == at["per_gpu_gib"]
+        from rlhflab.plan.report import micro_batch_line
+
+        assert f"train.max_tokens_per_micro_batch={budget} holds" in micro_batch_line(r)
+
+
+def test_a_budget_that_does_not_fit_is_replaced_by_a_micro_batch_that_does():
+    over = ["rollout.max_new_tokens=1024", "train.max_tokens_per_micro_batch=2560"]
+    r = plan("qwen3-8b", gpus=4, gpu_memory_gib=48, prompt_len=256, overrides=over)
+    assert not r["fits"] and r["inputs"]["micro_batch"] == 2  # 2,560 // 1,280
+    first = r["suggestions"]["each"][0]
+    assert first["change"] == "micro-batch"
+    assert first["overrides"][0] == "train.max_tokens_per_micro_batch=null"
+    again = plan("qwen3-8b", gpus=4, gpu_memory_gib=48, prompt_len=256, suggest=False,
+                 overrides=[*over, *first["overrides"]])  # fmt: skip
+    assert again["token_budget"] is None and again["per_gpu_gib"] == first["per_gpu_gib"]

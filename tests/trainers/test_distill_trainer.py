@@ -408,7 +408,8 @@ def test_distill_kl_flat_health_check():
 def test_two_ranks_fsdp2_match_one_process(tmp_path, models):
     # torchrun, 2 processes on gloo, FSDP2 (the teacher sharded like the student; its head is
     # gathered through the backward passes, which recompute the chunks' teacher logits): the
-    # per-step loss and KL equal those of one process, GKD with student and teacher batches.
+    # per-step loss and KL equal those of one process, GKD with student and teacher batches,
+    # fixed micro-batches in the one process, token-budget ones on the 2 ranks.
     import subprocess
     import sys
 
@@ -419,6 +420,9 @@ def test_two_ranks_fsdp2_match_one_process(tmp_path, models):
                  precision={"threads": 1})  # fmt: skip
     one = run_config(config_from_dict(raw))["run_dir"]
     raw["run"] = {"name": "two", "root": str(tmp_path / "two")}
+    # the 2 ranks group their rows by length into micro-batches of at most 100 padded tokens
+    # (about two completions each) instead of 4 rows: the same update
+    raw["train"] = {**raw["train"], "max_tokens_per_micro_batch": 100}
     cfg = tmp_path / "two.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

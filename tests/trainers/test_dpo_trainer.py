@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from factories import tiny_task
+from factories import spy_micro_batches, tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import config_from_dict, load_config
@@ -254,9 +254,12 @@ def test_bad_config_fails_before_run_dir(tmp_path):
         )
 
 
-@pytest.mark.parametrize("loss", ["dpo", "simpo", "kto"])
-def test_micro_batches_match_one_batch(sft_model_dir, tmp_path, loss, monkeypatch):
-    """k micro-batches give the update of one batch (the loss is divided by the step's pairs).
+@pytest.mark.parametrize(
+    "loss,split", [("dpo", "rows"), ("simpo", "rows"), ("kto", "rows"), ("dpo", "tokens")]
+)
+def test_micro_batches_match_one_batch(sft_model_dir, tmp_path, loss, split, monkeypatch):
+    """k micro-batches give the update of one batch (the loss is divided by the step's pairs):
+    one pair each, or grouped by length under `train.max_tokens_per_micro_batch`.
 
     In float64 (`model.dtype`): the two add the same terms in other orders, which in float32
     moves results by ~1e-7 relative, differently with each CPU's kernels."""
@@ -267,15 +270,22 @@ def test_micro_batches_match_one_batch(sft_model_dir, tmp_path, loss, monkeypatc
             row = {"prompt": f"What is {i} + 2?", "chosen": str(i + 2), "rejected": str(3 * i + 1)}
             f.write(json.dumps(row) + "\n")
     results = []
+    splits = spy_micro_batches(monkeypatch)
     for micro in (4, 1):
         monkeypatch.setenv("RLHFLAB_GRAD_DUMP", str(tmp_path / f"grads-{micro}"))
+        budget = 150 if micro == 1 and split == "tokens" else None
         cfg = config_from_dict(
             {
                 "trainer": "direct_alignment",
                 "model": {"name_or_path": sft_model_dir, "dtype": "float64"},
                 "data": {"source": "file", "path": str(path), "heldout_pairs": 0},
                 "loss": {"name": loss},
-                "train": {"steps": 1, "batch_size": 4, "micro_batch_size": micro},
+                "train": {
+                    "steps": 1,
+                    "batch_size": 4,
+                    "micro_batch_size": micro,
+                    "max_tokens_per_micro_batch": budget,
+                },
                 "optim": {"lr": 1e-3},
                 "eval": {"n": 0, "pref_every": 0},
                 "tracking": {"console": False, "samples_per_step": 0},
@@ -284,6 +294,8 @@ def test_micro_batches_match_one_batch(sft_model_dir, tmp_path, loss, monkeypatc
         )
         results.append(run_config(cfg))
     a, b = results
+    if split == "tokens":  # several micro-batches, not all of one size
+        assert len(splits[-1]) > 1 and len({len(rows) for rows in splits[-1]}) > 1, splits[-1]
     if loss != "kto":  # KTO's z₀ is estimated per micro-batch (documented), so the loss differs
         assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e4 * eps)
         (ga,), (gb,) = (

@@ -41,7 +41,7 @@ def test_logps_with_entropy_and_sum_pi_squared(tiny_model64, tiny_tokenizer):
     )
     assert g_ref.abs().max() > 0
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-10 * g_ref.abs().max().item())
-    cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size=2),
+    cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None),
                           rollout=SimpleNamespace(temperature=0.7))  # fmt: skip
     spp = no_grad_sum_pi_squared(tiny_model64, batch, cfg, None)
     torch.testing.assert_close(spp, spp_ref, rtol=0, atol=1e-10)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from factories import tiny_sft, tiny_task
+from factories import spy_micro_batches, tiny_sft, tiny_task
 from safetensors.torch import load_file
 
 from rlhflab.config import config_from_dict
@@ -118,16 +118,22 @@ def test_policy_gradient_smoke(sft_run, tmp_path, extra):
     assert res["heldout_n"] == 8
 
 
-def test_sft_micro_batches_match_one_batch(sft_run, tmp_path, monkeypatch):
-    """k micro-batches give the same update as one batch (denominator counted over the step).
+@pytest.mark.parametrize("split", ["rows", "tokens"])
+def test_sft_micro_batches_match_one_batch(sft_run, tmp_path, monkeypatch, split):
+    """k micro-batches give the same update as one batch (denominator counted over the step):
+    2 rows each, or grouped by length under `train.max_tokens_per_micro_batch`.
 
     In float64 (`model.dtype`, from the SFT run's model): the two add the same terms in other
     orders, which in float32 moves results by ~1e-7 relative, differently per CPU kernels."""
     eps = torch.finfo(torch.float64).eps
     runs = []
+    splits = spy_micro_batches(monkeypatch)
     for micro in (8, 2):
         monkeypatch.setenv("RLHFLAB_GRAD_DUMP", str(tmp_path / f"grads-{micro}"))
-        cfg = _sft_cfg(tmp_path / str(micro), steps=1, batch_size=8, micro_batch_size=micro)
+        extra = {"max_tokens_per_micro_batch": 100} if micro == 2 and split == "tokens" else {}
+        cfg = _sft_cfg(
+            tmp_path / str(micro), steps=1, batch_size=8, micro_batch_size=micro, **extra
+        )
         cfg = cfg.model_copy(
             update={"model": cfg.model.model_copy(
                 update={"build": None, "name_or_path": sft_run["model_dir"], "dtype": "float64"}
@@ -135,6 +141,8 @@ def test_sft_micro_batches_match_one_batch(sft_run, tmp_path, monkeypatch):
         )  # fmt: skip
         runs.append(run_config(cfg))
     a, b = runs
+    if split == "tokens":  # several micro-batches, not all of one size
+        assert len(splits[-1]) > 1 and len({len(rows) for rows in splits[-1]}) > 1, splits[-1]
     assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e4 * eps)
     (ga,), (gb,) = (
         [load_file(p) for p in (tmp_path / f"grads-{m}").glob("*.safetensors")] for m in (8, 2)

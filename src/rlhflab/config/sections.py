@@ -254,7 +254,17 @@ MAX_SECONDS_DOC = (
 
 
 class TrainBase(Strict):
-    """Fault policy shared by every trainer's `train` section."""
+    """Shared by every trainer's `train` section: the fault policy and the token budget of a
+    micro-batch."""
+
+    # Token budget of one forward/backward (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu):
+    # when set, each rank's rows of an optimizer step (and of the no-gradient reference, old
+    # log-prob and value passes) are grouped by length, longest first, into micro-batches whose
+    # padded grid (sequences × (longest prompt + longest completion)) holds at most this many
+    # tokens; it replaces `micro_batch_size`. Denominators stay those of the whole step, so the
+    # update equals fixed micro-batches' up to float rounding. A row longer than the budget is a
+    # micro-batch alone (logged). None: `micro_batch_size` rows per micro-batch.
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
 
     # A non-finite loss or gradient norm: "raise" stops before the optimizer step, naming the
     # step and the metric; "skip" drops the step (no optimizer or scheduler step), counts it in

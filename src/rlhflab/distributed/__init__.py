@@ -13,6 +13,8 @@ What the trainers call (nothing else in the package touches torch.distributed):
     world_size() rank() is_main()      who we are
     device()                           cuda:LOCAL_RANK on GPUs, else cpu
     shard(rows)                        this rank's contiguous share of a global batch
+    micro_batches(rows, size)          this rank's micro-batches, as many as every other rank's
+                                       (fixed size, or a token budget: token_budget_split)
     all_reduce_sum / _max / _min(t)    in place on a tensor, returned
     gather_cat(t)                      every rank's rows, concatenated in rank order
     all_gather_tensor(t)               every rank's same-shape tensor, stacked (device backend)
@@ -94,6 +96,7 @@ from rlhflab.distributed.group import (  # noqa: F401
     side_group,
     sum_dict,
     teardown,
+    token_budget_split,
     world_size,
 )
 

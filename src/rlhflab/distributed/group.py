@@ -255,16 +255,63 @@ def shard(rows: Sequence, *, even: bool = True) -> list:
     return list(rows[start:end])
 
 
-def micro_batches(rows: Sequence, size: int, pad_row=None) -> list[tuple[list, float]]:
+def token_budget_split(widths: Sequence[Sequence[int]], max_tokens: int,
+                       seqs_per_row: int = 1) -> list[list[int]]:  # fmt: skip
+    """Indices of `widths` grouped into micro-batches whose padded grid holds at most
+    `max_tokens` tokens (verl's `use_dynamic_bsz`, with the padded grid as the cost).
+
+    Row i lays out as padded segments of lengths `widths[i]` (a Rollout row: (prompt tokens,
+    completion tokens up to the last scored one)); a micro-batch of rows S is a grid of
+    `seqs_per_row · |S|` sequences (2 for a preference pair: chosen and rejected in one forward)
+    by `Σ_k max_{i∈S} widths[i][k]` columns. Rows are taken longest first (ties by index, so the
+    split is deterministic) and a micro-batch is closed when the next row would push its grid
+    past the budget; a row whose own grid exceeds the budget is a micro-batch alone (the caller
+    reports it). Every index appears exactly once.
+
+    Raises:
+        ValueError: `max_tokens` < 1 or rows of different segment counts.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
+    if len({len(w) for w in widths}) > 1:
+        raise ValueError("token_budget_split: every row needs the same number of segments")
+    order = sorted(range(len(widths)), key=lambda i: (-sum(widths[i]), i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    top: list[int] = []  # per-segment maxima of `cur`
+    for i in order:
+        grown = [max(a, b) for a, b in zip(top, widths[i], strict=True)] if cur else list(widths[i])
+        if cur and seqs_per_row * (len(cur) + 1) * sum(grown) > max_tokens:
+            out.append(cur)
+            cur, grown = [], list(widths[i])
+        cur.append(i)
+        top = grown
+    if cur:
+        out.append(cur)
+    return out
+
+
+def micro_batches(rows: Sequence, size: int, pad_row=None, *, widths=None,
+                  max_tokens: int | None = None, seqs_per_row: int = 1) -> list[tuple[list, float]]:  # fmt: skip
     """Micro-batches of this rank's `rows`, as (rows, weight) pairs, padded so that every rank
     runs the same number of forward/backward passes (FSDP2's passes are collectives).
+
+    `size` rows each, in order; or, with `max_tokens` (`train.max_tokens_per_micro_batch`) and
+    `widths` (one entry per row, see `token_budget_split`), rows grouped by length into
+    micro-batches of at most `max_tokens` padded tokens, longest first.
 
     A padding entry is `[pad_row]` (default: the first of `rows`) with weight 0.0: the trainer
     multiplies that pass's loss by 0, so it adds nothing to the gradient, and skips its
     statistics. With one process there is no padding. `rows` may be empty on a rank (then give
     `pad_row`, any valid row).
     """
-    mbs = [(list(rows[s : s + size]), 1.0) for s in range(0, len(rows), size)]
+    if max_tokens is None:
+        mbs = [(list(rows[s : s + size]), 1.0) for s in range(0, len(rows), size)]
+    else:
+        if widths is None or len(widths) != len(rows):
+            raise ValueError("micro_batches: max_tokens needs one `widths` entry per row")
+        split = token_budget_split(widths, max_tokens, seqs_per_row)
+        mbs = [([rows[i] for i in part], 1.0) for part in split]
     n = len(mbs)
     if _talk():
         t = torch.tensor([n], dtype=torch.long)

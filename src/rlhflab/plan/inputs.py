@@ -103,6 +103,10 @@ def inputs_from_config(
         p.completion_len = completion_len or max(1, max_len - p.prompt_len)
     else:
         raise ValueError(f"trainer: {trainer!r} is not planned")
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is not None:  # as many full-length rows as the token budget holds (at least one)
+        row = p.rows_per_example * (p.prompt_len + p.completion_len)
+        p.micro_batch = max(1, min(limit, budget // row))
     return p, limit
 
 
@@ -163,7 +167,9 @@ class PlanSetting:
         that fits and the config allows, `micro_batches`; 0: none), "micro_batch_limit",
         "micro_batch_searched" and "config_micro_batch". The micro-batch is the one the
         overrides set; when they set none it is the largest that fits (1 when none does), not
-        the config's (the presets' are CPU values).
+        the config's (the presets' are CPU values). With `train.max_tokens_per_micro_batch` it
+        is the number of full-length rows (prompt + completion tokens) the budget holds, at
+        least 1 (a longer row goes alone); "token_budget" says so.
 
         Raises:
             ConfigError: a bad override or config; ValueError: an estimate's own check.
@@ -181,7 +187,8 @@ class PlanSetting:
         valid = micro_batches(cfg)
         if valid is not None:  # the largest allowed one at or below the largest that fits
             best = max((m for m in valid if m <= best), default=0)
-        searched = not self.gives_micro_batch(extra)
+        budget = cfg.train.max_tokens_per_micro_batch
+        searched = not self.gives_micro_batch(extra) and budget is None
         if searched:
             p.micro_batch = max(1, best)
         out = estimate(self.shape, p)
@@ -189,6 +196,7 @@ class PlanSetting:
         out["micro_batch_limit"] = limit
         out["micro_batch_searched"] = searched
         out["config_micro_batch"] = cfg.train.micro_batch_size
+        out["token_budget"] = budget
         inputs = dataclasses.asdict(p)
         inputs["reward_model"] = p.reward_model.name if p.reward_model else None
         out["inputs"] = inputs

@@ -90,6 +90,11 @@ def micro_batch_line(result: dict) -> str:
         result["max_micro_batch"],
         (result["micro_batch_limit"]),
     )
+    if result.get("token_budget") is not None:
+        return (
+            f"micro-batch {mb}: the full-length rows train.max_tokens_per_micro_batch="
+            f"{result['token_budget']} holds (largest that fits: {best} of {limit})"
+        )
     if not result.get("micro_batch_searched"):
         return f"micro-batch {mb} as given (largest that fits: {best} of {limit})"
     if best == 0:

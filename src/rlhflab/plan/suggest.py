@@ -112,6 +112,8 @@ def _try(setting, changes: tuple[Change, ...], gpus: int, user_mb: bool) -> dict
     extra = _dedup(o for c in changes for o in c.overrides)
     free_mb = MICRO_BATCH in changes or not user_mb
     if free_mb and user_mb:  # replace the user's micro-batch by the largest that fits
+        if setting.at(extra, gpus)["token_budget"] is not None:  # a budget sets it: dropped
+            extra.append("train.max_tokens_per_micro_batch=null")
         probe = setting.at([*extra, "train.micro_batch_size=1"], gpus)
         extra.append(f"train.micro_batch_size={max(1, probe['max_micro_batch'])}")
         r = setting.at(extra, gpus)
@@ -153,7 +155,7 @@ def fit_suggestions(setting, base: dict) -> dict:
         overrides=[*user_overrides, *e["overrides"]])["per_gpu_gib"] == e["per_gpu_gib"]`.
     """
     gpus, inputs = setting.gpus, base["inputs"]
-    user_mb = setting.gives_micro_batch()
+    user_mb = setting.gives_micro_batch() or base["token_budget"] is not None
     pool = [c for c in CHANGES if _applies(c, inputs, gpus) and _accepted(setting, c)]
     if user_mb and base["max_micro_batch"] < inputs["micro_batch"]:
         pool.insert(0, MICRO_BATCH)

@@ -111,6 +111,36 @@ class Rollout:
         """The same rollout with every tensor on `device`."""
         return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
 
+    def widths(self) -> list[tuple[int, int]]:
+        """Per row, (prompt tokens, completion columns up to its last scored token): the
+        lengths its padded layout needs (`distributed.token_budget_split`'s widths)."""
+        cols = torch.arange(1, self.mask.size(1) + 1, device=self.mask.device)
+        comp = torch.where(self.mask > 0, cols, 0).amax(1) if self.mask.size(0) else cols[:0]
+        return list(zip(self.prompt_mask.sum(1).tolist(), comp.tolist(), strict=True))
+
+    def trimmed(self) -> Rollout:
+        """The same rows without the columns that are padding in every row: leading prompt
+        columns with no real token and completion columns past every row's last scored token
+        (at least one kept). Positions come from the mask and nothing attends to those columns,
+        so every kept token is scored as before; a micro-batch of short rows then pays for its
+        own widths, not the whole batch's."""
+        if self.mask.size(0) == 0:
+            return self
+        widths = self.widths()
+        p = max(w[0] for w in widths)
+        t = max(1, max(w[1] for w in widths))
+        P, T = self.prompt_ids.size(1), self.completion_ids.size(1)
+        if p == P and t == T:
+            return self
+        return Rollout(
+            self.prompt_ids[:, P - p :],
+            self.prompt_mask[:, P - p :],
+            self.completion_ids[:, :t],
+            self.mask[:, :t],
+            self.logp[:, :t],
+            self.truncated,
+        )
+
     def select(self, index: Tensor | slice) -> Rollout:
         """Rows `index` of every field (a micro-batch view)."""
         return Rollout(
@@ -634,9 +664,27 @@ def completion_logps(
     memory does not grow with B × T × V; values and gradients equal the unfused ones up to float
     rounding (tests/test_fused_head.py).
 
+    The rollout is scored at its own widths (`Rollout.trimmed`: columns that are padding in
+    every row are dropped first, then the outputs are padded back to T), so a micro-batch of
+    short rows does not pay for the longest row of its step.
+
     Returns:
         logp: (B, T) float32, 0 on padding; entropy: (B, T) float32 detached, or None.
     """
+    width = rollout.completion_ids.size(1)
+    logp, entropy = _completion_logps(
+        model, rollout.trimmed(), temperature=temperature, with_entropy=with_entropy,
+        autocast_dtype=autocast_dtype,
+    )  # fmt: skip
+    if logp.size(1) < width:  # back to the caller's (B, T) grid
+        logp = torch.nn.functional.pad(logp, (0, width - logp.size(1)))
+        if entropy is not None:
+            entropy = torch.nn.functional.pad(entropy, (0, width - entropy.size(1)))
+    return logp, entropy
+
+
+def _completion_logps(model, rollout: Rollout, *, temperature, with_entropy, autocast_dtype):
+    """`completion_logps` on the rollout as given (no trimming)."""
     input_ids = rollout.input_ids
     attn = rollout.attention_mask
     width = rollout.completion_ids.size(1)

@@ -47,6 +47,17 @@ class Trajectory(Rollout):
             self.truncated.to(device), self.attend.to(device),
         )  # fmt: skip
 
+    def trimmed(self) -> Trajectory:
+        """`Rollout.trimmed` with `attend` cut to the same columns (the environment's tokens
+        before the last scored one stay attended)."""
+        base = Rollout.trimmed(self)
+        if base is self:
+            return self
+        return Trajectory(
+            base.prompt_ids, base.prompt_mask, base.completion_ids, base.mask, base.logp,
+            base.truncated, self.attend[:, : base.completion_ids.size(1)],
+        )  # fmt: skip
+
     def select(self, index: Tensor | slice) -> Trajectory:
         """Rows `index` of every field (a micro-batch view)."""
         base = Rollout.select(self, index)

@@ -6,6 +6,7 @@ No maths of any algorithm lives here; that is in `rlhflab.losses`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 import warnings
@@ -21,6 +22,31 @@ from rlhflab.errors import DataError, ModelError, NonFiniteError
 from rlhflab.experience.prompts import check_generation_budget, check_lengths  # noqa: F401
 from rlhflab.experience.stream import ShuffledStream  # noqa: F401  (the trainers' data position)
 from rlhflab.throughput import STAGES
+
+logger = logging.getLogger(__name__)
+
+
+def micro_batches(train, rows: list, widths: list | None, *, pad_row=None,
+                  seqs_per_row: int = 1) -> list[tuple[list, float]]:  # fmt: skip
+    """This rank's micro-batches of `rows` as (rows, weight) pairs, as many as every other
+    rank's (weight 0.0: a padding pass whose loss is multiplied by 0, see
+    `distributed.micro_batches`): `train.micro_batch_size` rows each, or, with
+    `train.max_tokens_per_micro_batch` set, rows grouped by length into padded grids of at most
+    that many tokens (`distributed.token_budget_split`; `widths[i]` are row i's padded segment
+    lengths, `seqs_per_row` the sequences one row puts in the forward). A row over the budget
+    goes alone and is logged."""
+    budget = train.max_tokens_per_micro_batch
+    if budget is None:
+        return distributed.micro_batches(rows, train.micro_batch_size, pad_row)
+    over = [sum(w) * seqs_per_row for w in widths if sum(w) * seqs_per_row > budget]
+    if over:
+        logger.warning(
+            "train.max_tokens_per_micro_batch %d: %d row(s) of up to %d tokens go alone",
+            budget, len(over), max(over),
+        )  # fmt: skip
+    return distributed.micro_batches(
+        rows, 0, pad_row, widths=widths, max_tokens=budget, seqs_per_row=seqs_per_row
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -74,6 +74,7 @@ from rlhflab.trainers.common import (
     heldout_eval,
     make_optimizer,
     make_scheduler,
+    micro_batches,
     prepare_model,
 )
 from rlhflab.trainers.da_data import (
@@ -336,17 +337,21 @@ class DirectAlignment(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             n_tokens = 0
-            for s in range(0, len(local_idx), cfg.train.micro_batch_size):
-                mb = [self.rows[i] for i in local_idx[s : s + cfg.train.micro_batch_size]]
+            for mb_idx, weight in micro_batches(
+                cfg.train, local_idx, [self._widths(i) for i in local_idx], seqs_per_row=2
+            ):
+                mb = [self.rows[i] for i in mb_idx]
                 losses, stats, tokens = (
                     self._unpaired_loss if self.unpaired else self._paired_loss
                 )(mb)
-                n_tokens += tokens
                 # the global step's mean over pairs (B counts every rank's pairs), whatever the
                 # micro-batching and the number of ranks
                 loss = losses.sum() / B
-                loss = faults.corrupt("loss", step, loss)
+                loss = faults.corrupt("loss", step, loss) * weight
                 loss.backward()
+                if not weight:  # a padding pass (common.micro_batches): no statistics
+                    continue
+                n_tokens += tokens
                 sums["train/loss"] = sums.get("train/loss", 0.0) + loss.item()
                 for k, val in stats.items():
                     sums[k] = sums.get(k, 0.0) + upcast(val).sum().item() / B
@@ -391,6 +396,13 @@ class DirectAlignment(Trainer):
             self.stream.restart(len(self.rows))
         self.later_round = True
         self.tracker.print(f"round {r}: {self.data_counts[f'round_{r}']}")
+
+    def _widths(self, i: int) -> tuple[int, int]:
+        """Row i's (prompt, longer completion) tokens: its two sequences' padded widths."""
+        r = self.rows[i]
+        if self.unpaired:
+            return len(r["prompt"]), max(len(r["completion"]), len(r["kl_completion"]))
+        return len(r["prompt"]), max(len(r["chosen"]), len(r["rejected"]))
 
     def _paired_loss(self, mb: list[dict]) -> tuple[torch.Tensor, dict, int]:
         """Losses (n,) of a micro-batch of n pairs, their stats (dpo/*, <loss>/*, logps/*; each

@@ -60,6 +60,7 @@ from rlhflab.trainers.common import (
     heldout_eval,
     make_optimizer,
     make_scheduler,
+    micro_batches,
     prepare_model,
 )
 from rlhflab.trainers.loop import Checkpointed, Env, Trainer, run
@@ -480,11 +481,17 @@ class Distill(Trainer):
         loss and appends the per-token KL and agreement to `kl` and `agree`."""
         r0, r1 = distributed.shard_bounds(self.batch_size)
         loss_sum = 0.0
-        for rows, weight in distributed.micro_batches(
-            list(range(r0, r1)), self.cfg.train.micro_batch_size, pad_row=r0
-        ):
+        rows_all = list(range(r0, r1))
+        widths = None
+        if self.cfg.train.max_tokens_per_micro_batch:  # the wider of the two prompts' layouts
+            w_s, w_t = rollout.widths(), t_rollout.widths()
+            widths = [(max(w_s[i][0], w_t[i][0]), w_s[i][1]) for i in rows_all]
+        for rows, weight in micro_batches(self.cfg.train, rows_all, widths, pad_row=r0):
             idx = torch.tensor(rows, device=rollout.mask.device)
-            s, t, m = rollout.select(idx), t_rollout.select(idx), mask_all[idx]
+            # at the micro-batch's own widths (Rollout.trimmed; student and teacher share the
+            # completion tokens and mask, so both keep the same completion columns)
+            s, t = rollout.select(idx).trimmed(), t_rollout.select(idx).trimmed()
+            m = mask_all[idx][:, : s.mask.size(1)]
             div, kl_tok, agree_tok = self.token_terms(s, t, m)
             loss = div.sum() / num_tokens  # div: 0 off the scored tokens
             loss = faults.corrupt("loss", step, loss) * weight

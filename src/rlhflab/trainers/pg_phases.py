@@ -35,7 +35,7 @@ from rlhflab.losses.value import clipped_value_loss, explained_variance
 from rlhflab.ops import entropy_from_logits, position_ids_from_mask, selective_log_softmax, upcast
 from rlhflab.rollout.dynamic import ScoredBatch
 from rlhflab.rollout.sampler import completion_logps
-from rlhflab.trainers.common import grad_norm_and_clip
+from rlhflab.trainers.common import grad_norm_and_clip, micro_batches
 
 
 @dataclass
@@ -295,8 +295,10 @@ def _optimizer_step(data: StepData, learners: Learners, guard, cfg, stats: Updat
         learners.value_optimizer.zero_grad(set_to_none=True)
     # `weight` is 0 only for the padding passes that give every rank the same number of
     # forward/backward passes (distributed.micro_batches).
-    for row_list, weight in distributed.micro_batches(
-        mine.tolist(), cfg.train.micro_batch_size, pad_row=0
+    mine_rows = mine.tolist()
+    widths = rollout.widths() if cfg.train.max_tokens_per_micro_batch else None
+    for row_list, weight in micro_batches(
+        cfg.train, mine_rows, [widths[i] for i in mine_rows] if widths else None, pad_row=0
     ):
         rows = torch.tensor(row_list, dtype=torch.long, device=device)
         micro = rollout.select(rows)
@@ -430,17 +432,31 @@ def step_metrics(data: StepData, stats: UpdateStats, cfg, *, sampling_stats: dic
     return metrics, kl_seq
 
 
+def _by_micro_batch(rollout, cfg, fn) -> torch.Tensor:
+    """(B, ...) `fn(micro)` (a no-gradient pass, (b, ...) per micro-batch) over the rollout's
+    rows in this rank's micro-batches (`common.micro_batches`: fixed size or the token budget,
+    as many passes as every other rank), each written back to its rows."""
+    n = rollout.mask.size(0)
+    widths = rollout.widths() if cfg.train.max_tokens_per_micro_batch else None
+    out = None
+    for rows, weight in micro_batches(cfg.train, list(range(n)), widths, pad_row=0):
+        idx = torch.tensor(rows, dtype=torch.long, device=rollout.mask.device)
+        value = fn(rollout.select(idx))
+        if weight:
+            out = value.new_zeros((n, *value.shape[1:])) if out is None else out
+            out[idx] = value
+    return out
+
+
 @torch.no_grad()
 def no_grad_logps(model, rollout, cfg, autocast_dtype) -> torch.Tensor:
     """(B, T) log-probs of the rollout under `model`, computed in micro-batches."""
-    out = []
-    for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
-        micro = rollout.select(slice(s, s + cfg.train.micro_batch_size))
-        logp, _ = completion_logps(
+    return _by_micro_batch(
+        rollout, cfg,
+        lambda micro: completion_logps(
             model, micro, temperature=cfg.rollout.temperature, autocast_dtype=autocast_dtype
-        )
-        out.append(logp)
-    return torch.cat(out)
+        )[0],
+    )  # fmt: skip
 
 
 def _logits(model, rollout, temperature, autocast_dtype) -> torch.Tensor:
@@ -471,23 +487,18 @@ def logps_with_entropy(model, rollout, temperature, autocast_dtype):
 def no_grad_sum_pi_squared(model, rollout, cfg, autocast_dtype) -> torch.Tensor:
     """(B, T) Σ_v π(v | o_<t)² of the tempered policy at each completion position (OTB's
     realised energy), in micro-batches, 0 at padding."""
-    out = []
-    for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
-        micro = rollout.select(slice(s, s + cfg.train.micro_batch_size))
-        logits = _logits(model, micro, cfg.rollout.temperature, autocast_dtype)
-        out.append(sum_pi_squared(logits) * micro.mask)
-    return torch.cat(out)
+    return _by_micro_batch(
+        rollout, cfg,
+        lambda micro: sum_pi_squared(
+            _logits(model, micro, cfg.rollout.temperature, autocast_dtype)
+        ) * micro.mask,
+    )  # fmt: skip
 
 
 @torch.no_grad()
 def no_grad_values(value_model, rollout, cfg, autocast_dtype) -> torch.Tensor:
     """(B, T) critic values of the rollout, computed in micro-batches."""
-    out = []
-    for s in range(0, rollout.mask.size(0), cfg.train.micro_batch_size):
-        out.append(
-            value_model(rollout.select(slice(s, s + cfg.train.micro_batch_size)), autocast_dtype)
-        )
-    return torch.cat(out)
+    return _by_micro_batch(rollout, cfg, lambda micro: value_model(micro, autocast_dtype))
 
 
 def _add(sums: dict, name: str, value) -> None:

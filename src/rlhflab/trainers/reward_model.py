@@ -63,6 +63,7 @@ from rlhflab.trainers.common import (
     grad_norm_and_clip,
     make_optimizer,
     make_scheduler,
+    micro_batches,
     prepare_model,
 )
 from rlhflab.trainers.loop import Checkpointed, Env, Trainer, run
@@ -174,14 +175,20 @@ class RewardModelTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
             acc_sum = acc_n = 0.0
-            for s in range(0, len(local), cfg.train.micro_batch_size):
-                mb = local[s : s + cfg.train.micro_batch_size]
+            pairs = cfg.kind == "preference"  # chosen and rejected in one forward
+            widths = [_widths(it, pairs) for it in local]
+            for rows, pass_weight in micro_batches(
+                cfg.train, list(range(len(local))), widths, seqs_per_row=2 if pairs else 1
+            ):
+                mb = [local[i] for i in rows]
                 losses, weight, stats = rm_losses(
                     cfg, model, mb, self.tokenizer.pad_token_id, device, self.autocast_dtype
                 )
                 loss = losses.sum() / denom
-                loss = faults.corrupt("loss", step, loss)
+                loss = faults.corrupt("loss", step, loss) * pass_weight
                 loss.backward()
+                if not pass_weight:  # a padding pass (common.micro_batches): no statistics
+                    continue
                 step_loss += loss.detach().cpu()
                 acc_sum += float((stats["accuracy"] * weight).sum())
                 acc_n += float(weight.sum())
@@ -448,6 +455,13 @@ def _pad_labels(items: list[StepLabelledCompletion], width: int) -> torch.Tensor
     for i, it in enumerate(items):
         out[i, : len(it.labels)] = torch.tensor(it.labels, dtype=torch.long)
     return out
+
+
+def _widths(item, pairs: bool) -> tuple[int, int]:
+    """An item's (prompt, completion) tokens in the padded layout (a pair: the longer side)."""
+    if pairs:
+        return len(item.prompt_ids), max(len(item.chosen_ids), len(item.rejected_ids))
+    return len(item.prompt_ids), len(item.completion_ids)
 
 
 def rm_losses(cfg: RMConfig, model, mb: list, pad_id: int, device, autocast_dtype):

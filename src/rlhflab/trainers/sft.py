@@ -38,6 +38,7 @@ from rlhflab.trainers.common import (
     heldout_eval,
     make_optimizer,
     make_scheduler,
+    micro_batches,
     prepare_model,
 )
 from rlhflab.trainers.loop import Checkpointed, Env, Trainer, run
@@ -166,8 +167,8 @@ class SFT(Trainer):
         with self.timer.stage("update"):
             self.optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64)  # the step's loss, summed exactly
-            for s in range(0, len(local_idx), cfg.train.micro_batch_size):
-                idx = local_idx[s : s + cfg.train.micro_batch_size]
+            widths = [(len(pairs[i][0]), len(pairs[i][1])) for i in local_idx]
+            for idx, weight in micro_batches(cfg.train, local_idx, widths):
                 mb = pack(
                     [pairs[i][0] for i in idx],
                     [pairs[i][1] for i in idx],
@@ -179,9 +180,9 @@ class SFT(Trainer):
                     loss_mask[r, : len(pairs[i][2])] = torch.tensor(pairs[i][2])
                 logp, _ = completion_logps(model, mb, autocast_dtype=self.autocast_dtype)
                 tokens, width = float(mb.attention_mask.sum()), mb.attention_mask.size(1)
-                self.timer.train("update", tokens, width)
+                self.timer.train("update", tokens * weight, width)
                 loss = aggregate(-logp, loss_mask, "token_mean", num_tokens=num_tokens)
-                loss = faults.corrupt("loss", step, loss)
+                loss = faults.corrupt("loss", step, loss) * weight
                 loss.backward()
                 step_loss += loss.detach().cpu()
             faults.hit("step_mid", step)

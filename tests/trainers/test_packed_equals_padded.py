@@ -1,0 +1,116 @@
+"""Padding-free packing (`rlhflab.models.packing`, the CPU's layout: sequences of uneven lengths
+in shared rows, a GRPO group's or a pair's prompt written once) against the padded layout, per
+trainer: the same gradients at every step and the same weights after 3 steps, in float64.
+
+The padded arm turns packing off (`MIN_SAVING` 1.0: no layout saves enough); the packed arm must
+actually pack (counted). One process here; one process against 2 FSDP2 ranks, which never pack,
+is tests/distributed (test_two_ranks_equal_one_process). A mask that let a token see another
+sequence's tokens would change that token's log-prob and every gradient: these comparisons fail.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from factories import tiny_dpo, tiny_pg, tiny_sft
+from safetensors.torch import load_file
+
+import rlhflab.models.packing as packing
+import rlhflab.rollout.sampler as sampler
+from rlhflab.config import config_from_dict
+from rlhflab.trainers import run_config
+
+EPS = torch.finfo(torch.float64).eps
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed_base")
+    sft = tiny_sft(root, train={"steps": 30, "batch_size": 8, "micro_batch_size": 8, "max_len": 48})
+    return run_config(config_from_dict(sft))["model_dir"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Preference pairs of very different lengths (1 to 12 characters a side), and beside them
+    `sft.jsonl`, prompt-completion rows of 1 to 30 completion characters."""
+    path = tmp_path_factory.mktemp("packed_pairs") / "pairs.jsonl"
+    rows = [
+        {"prompt": f"What is {i} + {i % 3}?", "chosen": str(i) * (1 + i % 4),
+         "rejected": "x" * (1 + (5 * i) % 12)}
+        for i in range(24)
+    ]  # fmt: skip
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    sft = [{"prompt": f"Say {i}.", "completion": "y" * (1 + (7 * i) % 30)} for i in range(24)]
+    (path.parent / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
+    return path
+
+
+def _raw(family: str, root, base, pairs) -> dict:
+    f64 = {"name_or_path": base, "dtype": "float64"}
+    if family == "sft":  # prompt-completion rows of 1 to 30 completion characters
+        data = {"source": "dataset", "path": str(pairs.parent / "sft.jsonl")}
+        return tiny_sft(root, model=f64, data=data,
+                        train={"steps": 3, "batch_size": 8, "micro_batch_size": 8, "max_len": 64})  # fmt: skip
+    if family == "grpo":
+        # a length term beside correctness, so that every group's rewards vary
+        reward = {"components": [{"name": "correctness", "weight": 1.0},
+                                 {"name": "length", "weight": 0.5}]}  # fmt: skip
+        return tiny_pg(root, base, model=f64, reward=reward,
+                       train={"steps": 3, "micro_batch_size": 8})  # fmt: skip
+    if family == "dpo":
+        return tiny_dpo(root, base, model=f64,
+                        train={"steps": 3, "batch_size": 4, "micro_batch_size": 2})  # fmt: skip
+    return {
+        "trainer": "reward_model", "kind": "preference", "model": f64,
+        "data": {"source": "preference", "path": str(pairs), "format": "pairs", "max_len": 64},
+        "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 4}, "optim": {"lr": 1e-3},
+        "eval": {"n_problems": 4}, "tracking": {"console": False},
+        "run": {"name": "rm", "root": str(root)},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["sft", "grpo", "dpo", "rm"])
+def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch):
+    packed_calls = []
+    real = packing.packed_layout
+
+    def counted(*args, **kwargs):
+        lay = real(*args, **kwargs)
+        packed_calls.append(lay is not None)
+        return lay
+
+    monkeypatch.setattr(packing, "packed_layout", counted)
+    monkeypatch.setattr(sampler, "packed_layout", counted)
+    runs = {}
+    for arm in ("packed", "padded"):
+        if arm == "padded":
+            monkeypatch.setattr(packing, "MIN_SAVING", 1.0)
+        monkeypatch.setenv("RLHFLAB_GRAD_DUMP", str(tmp_path / f"grads-{arm}"))
+        runs[arm] = run_config(config_from_dict(_raw(family, tmp_path / arm, base, pairs)))
+        if arm == "packed":
+            assert any(packed_calls), "the packed arm never packed"
+            packed_calls.clear()
+    assert not any(packed_calls), "the padded arm packed"
+    dumps = {
+        arm: [load_file(p) for p in sorted((tmp_path / f"grads-{arm}").glob("*.safetensors"))]
+        for arm in runs
+    }
+    assert len(dumps["packed"]) == len(dumps["padded"]) == 3
+    g_max = []
+    for ga, gb in zip(dumps["packed"], dumps["padded"], strict=True):
+        g_max.append(max(g.abs().max().item() for g in gb.values()))
+        for k in gb:
+            assert ga[k].dtype == torch.float64
+            # float64 rounding of sums of up to ~1e4 terms, relative to the largest gradient
+            torch.testing.assert_close(ga[k], gb[k], atol=1e4 * EPS * g_max[-1], rtol=0, msg=k)
+    assert min(g_max) > 0
+    # AdamW moves a weight by lr·m/(sqrt(v) + eps): a gradient difference δ by at most lr·δ/eps
+    # per step (the worst case, g ≈ 0)
+    lr, eps_adam = 1e-3, 1e-8
+    atol = sum(lr / eps_adam * 1e4 * EPS * g for g in g_max)
+    wa, wb = (load_file(f"{runs[a]['model_dir']}/model.safetensors") for a in ("packed", "padded"))
+    for k in wb:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
