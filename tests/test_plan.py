@@ -707,3 +707,25 @@ def test_a_budget_that_does_not_fit_is_replaced_by_a_micro_batch_that_does():
     again = plan("qwen3-8b", gpus=4, gpu_memory_gib=48, prompt_len=256, suggest=False,
                  overrides=[*over, *first["overrides"]])  # fmt: skip
     assert again["token_budget"] is None and again["per_gpu_gib"] == first["per_gpu_gib"]
+
+
+def test_half_weights_rollout_is_a_bf16_copy_not_the_gathered_policy():
+    # Qwen3-8B GRPO + KL on 4× 48 GB, fsdp2, fp32 weights with bf16 autocast: the rollout phase
+    # holds the gathered fp32 policy and autocast's bf16 weight copies; with rollout.half_weights
+    # the engine's bf16 copy (2 bytes × P) and one full fp32 tensor while it is filled (the
+    # largest: the embedding, V × H) instead.
+    over = ["kl.coef=0.04", "parallel.strategy=fsdp2", "precision.autocast=bf16",
+            "model.gradient_checkpointing=true", "rollout.max_new_tokens=1024",
+            "train.micro_batch_size=2"]  # fmt: skip
+    kw = dict(gpus=4, gpu_memory_gib=48, config=GRPO, suggest=False)
+    gathered = plan("qwen3-8b", overrides=over, **kw)
+    half = plan("qwen3-8b", overrides=[*over, "rollout.half_weights=true"], **kw)
+    s = BUILTIN_SHAPES["qwen3-8b"]
+    P, big = s.params(), s.vocab_size * s.hidden_size
+    assert half["components"]["rollout_half_copy"] == pytest.approx((2 * P + 4 * big) / GIB)
+    assert gathered["components"]["fsdp_gathered_model"] == pytest.approx(4 * P / GIB)
+    assert half["components"]["fsdp_gathered_model"] == 0.0
+    delta = (2 * P + 4 * big - 4 * P - 2 * s.linear_params()) / GIB
+    assert half["phases"]["rollout"] - gathered["phases"]["rollout"] == pytest.approx(delta)
+    # the scoring passes (old and reference log-probs) never gather a model whole
+    assert gathered["phases"]["scoring"] < 4 * P / GIB

@@ -708,3 +708,63 @@ def test_reward_model_component_fsdp2_rank1_holds_no_full_copy(base_model, rm_di
         if name == "seq_cls":
             alone = torch.tensor(ranks[0]["alone"], dtype=torch.float64)
             torch.testing.assert_close(alone, want.double(), rtol=RTOL, atol=RTOL)
+
+
+HALF_WORKER = """
+import json, sys
+import torch
+from rlhflab import distributed
+from rlhflab.config import ParallelConfig
+from rlhflab.models.loading import load_model
+from rlhflab.rollout.engines.base import SamplingParams
+from rlhflab.rollout.engines.hf import HFEngine
+from rlhflab.rollout.engines.lifecycle import generating
+
+path, out = sys.argv[1], sys.argv[2]
+distributed.setup("fsdp2", timeout_s=120)
+rank = distributed.rank()
+model = distributed.wrap(load_model(path), ParallelConfig(strategy="fsdp2"))
+want = {n: p.full_tensor().to(torch.bfloat16) for n, p in model.named_parameters()}
+engine = HFEngine(model, pad_token_id=0, stop_token_ids=(1,), autocast_dtype=torch.bfloat16,
+                  half_weights=True)
+gathers, real = [], distributed.gathered
+distributed.gathered = lambda m: (gathers.append(1), real(m))[1]
+with generating(model, engine) as eng:
+    sharded = all(hasattr(p, "to_local") for p in model.parameters())
+    ro = eng.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(n=2, max_new_tokens=5),
+                      generator=torch.Generator().manual_seed(rank))
+result = {
+    "gathers": len(gathers), "sharded_while_sampling": sharded,
+    "copy_is_the_policy": all(torch.equal(p, want[n]) for n, p in engine.half.named_parameters()),
+    "completion_ids": ro.completion_ids.tolist(),
+}
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+distributed.teardown()
+"""
+
+
+def test_half_weights_rollout_never_gathers_the_fsdp2_policy(base_model, tmp_path):
+    """`rollout.half_weights` under FSDP2: the rollout runs on the bf16 copy, filled one
+    parameter at a time, while the float32 policy stays sharded (never gathered whole); the copy
+    equals the policy cast to bf16, and each rank's completions equal one process's from the
+    same weights and seed."""
+    from rlhflab.models.loading import load_model
+    from rlhflab.rollout.engines.base import SamplingParams
+    from rlhflab.rollout.engines.hf import HFEngine
+
+    script = tmp_path / "worker.py"
+    script.write_text(HALF_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    res = subprocess.run([*cmd, str(script), base_model, str(tmp_path)], env=_env(),
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    engine = HFEngine(load_model(base_model).eval(), pad_token_id=0, stop_token_ids=(1,),
+                      autocast_dtype=torch.bfloat16, half_weights=True)  # fmt: skip
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["gathers"] == 0 and got["sharded_while_sampling"], got
+        assert got["copy_is_the_policy"]
+        ro = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(n=2, max_new_tokens=5),
+                             generator=torch.Generator().manual_seed(rank))  # fmt: skip
+        assert got["completion_ids"] == ro.completion_ids.tolist()

@@ -70,6 +70,7 @@ def inputs_from_config(
         p.completion_len = completion_len or ro.max_new_tokens
         p.rollout_rows, p.rollout_rows_global = per_rank, batch
         p.temperature = ro.temperature
+        p.half_weights = ro.engine == "hf" and ro.half_weights
         p.reference = cfg.kl.coef > 0
         p.critic = cfg.value is not None
         p.critic_init_from = p.critic and bool(cfg.value.init_from)

@@ -48,10 +48,15 @@ Transient terms, by phase (one phase at a time; the total is resident + the larg
               rollouts (prompts_per_step·group_size / N); sampling logits and Gumbel noise
               ~4 fp32 (rows_global, V) tensors per step; under fsdp2 the whole policy gathered
               (`distributed.gathered`: P × its compute dtype, 2 with mixed_precision bf16, else w);
-              autocast weight copies (below).
+              autocast weight copies (below). With `rollout.half_weights` instead of the last two:
+              the engine's bf16 copy, 2·P, filled under fsdp2 one parameter at a time (the
+              largest one, full, in w) while the policy stays sharded.
     scoring   no-grad log-probs of the old / reference policy and the critic's values, one
               micro-batch at a time: (B, T+1, V) logits in c bytes plus their float() copy in fp32
-              (+ fp32 again when temperature != 1); one layer's activations; the gathered model.
+              (+ fp32 again when temperature != 1); one layer's activations; under fsdp2 the
+              root and two decoder layers unsharded in compute dtype (the policy gradient's
+              passes: the models' own forwards), or the whole model gathered (with a critic:
+              its values; DPO's reference pass).
     train     forward + backward of one micro-batch: activations (below), logits (below), autocast
               weight copies, and under fsdp2 the unsharded working set: the root's embedding /
               norm / LM head for the whole forward and backward, plus two decoder layers
@@ -243,6 +248,7 @@ class PlanInputs:
     activation_checkpointing: bool = False
     scoring_passes: bool = False  # no-grad log-prob passes over the rollout (PG)
     optimizer: str = "adamw"  # optim.name (rlhflab.optimizers): adamw | adamw_8bit | adamw_bf16
+    half_weights: bool = False  # rollout.half_weights: the hf engine samples from a bf16 copy
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -408,10 +414,16 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         cast_copies += 2 * T
     layer_unsharded = 0.0
     gathered = 0.0
+    score_weights = 0.0
     if fsdp:
         root = (P - L * shape.layer_params()) * compute_w
         layer_unsharded = root + 2 * shape.layer_params() * compute_w + 4 * shape.layer_params()
         gathered = P * compute_w  # distributed.gathered: the whole model at once
+        # the policy gradient's scoring passes run through the models' own forwards: the root
+        # and two layers at a time, as in training without the gradients; the critic's values
+        # and DPO's reference pass gather the model whole
+        per_layer = p.trainer == "policy_gradient" and not p.critic
+        score_weights = root + 2 * shape.layer_params() * compute_w if per_layer else gathered
     critic_act = 0.0
     if p.critic:
         critic_act = L * a_layer * tokens if not p.activation_checkpointing else act
@@ -420,14 +432,20 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     score = 0.0
     if p.scoring_passes or p.reference or p.critic:
         one_layer = a_layer * tokens
-        score = logits_score + one_layer + cast_copies + gathered
+        score = logits_score + one_layer + cast_copies + score_weights
     kv = 0.0
     rollout = 0.0
+    half_copy = 0.0
     if p.rollout_rows > 0:
         kv_per_token = 2 * L * shape.kv_dim * c
         kv = kv_per_token * p.rollout_rows * seq
         sampling = 4 * 4 * max(p.rollout_rows_global, p.rollout_rows) * shape.vocab_size
         rollout = kv + sampling + cast_copies + gathered
+        if p.half_weights:  # the bf16 copy instead: no weight casts, no whole model gathered
+            # (under fsdp2 the copy is filled one parameter at a time: the largest, full, in w)
+            half_copy = 2 * P + (w * max([V * h, *(a * b for a, b in shape.linear_dims().values())])
+                                 if fsdp else 0.0)  # fmt: skip
+            rollout = kv + sampling + half_copy
     if offload:
         opt_temp = 0.0
     elif p.optimizer == "adamw":
@@ -472,7 +490,10 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         "logits": max(logits_train, logits_score if score else 0.0) / GIB,
         "autocast_weight_copies": cast_copies / GIB,
         "fsdp_unsharded_working_set": layer_unsharded / GIB,
-        "fsdp_gathered_model": gathered / GIB if (score or rollout) else 0.0,
+        "fsdp_gathered_model": gathered / GIB
+        if ((score and score_weights == gathered) or (rollout and not half_copy))
+        else 0.0,
+        "rollout_half_copy": half_copy / GIB,
         "rollout_kv_cache": kv / GIB,
         "optimizer_step_temporaries": opt_temp / GIB,
     }

@@ -14,6 +14,7 @@ _ROWS = [
     ("autocast_weight_copies", "autocast bf16 weight copies"),
     ("fsdp_unsharded_working_set", "FSDP2 unsharded layers + root"),
     ("fsdp_gathered_model", "FSDP2 whole model gathered"),
+    ("rollout_half_copy", "bf16 rollout copy (half_weights)"),
     ("rollout_kv_cache", "rollout KV cache"),
     ("optimizer_step_temporaries", "optimizer-step temporaries"),
 ]
@@ -22,7 +23,8 @@ _PHASE_OF = {
     "logits": "train / scoring",
     "autocast_weight_copies": "train, scoring, rollout",
     "fsdp_unsharded_working_set": "train",
-    "fsdp_gathered_model": "scoring, rollout",
+    "fsdp_gathered_model": "rollout; scoring with a critic",
+    "rollout_half_copy": "rollout",
     "rollout_kv_cache": "rollout",
     "optimizer_step_temporaries": "optimizer step",
 }

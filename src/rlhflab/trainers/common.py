@@ -427,12 +427,14 @@ class Reference:
 
     @contextlib.contextmanager
     def scoring(self):
-        """Yields the module that computes π_ref (parameters gathered under FSDP2): the copy, or
-        the LoRA policy with adapters disabled for the duration."""
+        """Yields the module that computes π_ref: the copy, or the LoRA policy with adapters
+        disabled for the duration. Under FSDP2 it stays sharded: its callers score through its
+        own forward (one layer gathered at a time), every rank making the same number of passes
+        (`common.micro_batches`)."""
         from rlhflab.models.lora import adapters_disabled
 
         module = self.copy if self.copy is not None else self.policy
-        with distributed.gathered(module), adapters_disabled(module):
+        with adapters_disabled(module):
             yield module
 
 

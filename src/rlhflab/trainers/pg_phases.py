@@ -116,7 +116,10 @@ def no_grad_passes(data: StepData, learners: Learners, reference, cfg, autocast_
     `timer` (`rlhflab.throughput.StageTimer`): stages logp_old, ref and values, and their FLOPs."""
     rollout, model, value_model = data.local.rollout, learners.model, learners.value_model
     tokens, width = float(rollout.attention_mask.sum()), rollout.attention_mask.size(1)
-    with timer.stage("logp_old"), distributed.gathered(model):
+    # The policy's log-probs run through its own forward (FSDP2 gathers one layer at a time) and
+    # every rank makes the same number of passes (common.micro_batches), so the sharded policy
+    # is never gathered whole here.
+    with timer.stage("logp_old"):
         data.logp_old = (
             no_grad_logps(model, rollout, cfg, autocast_dtype) if need_logp_old else None
         )

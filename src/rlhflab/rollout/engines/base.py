@@ -58,6 +58,10 @@ class RolloutEngine(Protocol):
 
     name: str
     stop_token_ids: tuple[int, ...]  # the engine's stop set: EOS first, then the others
+    # True: `generate` runs the trainer's own module, so a sharded (FSDP2) policy is gathered
+    # around it (`lifecycle.generating`); False: the engine samples from weights of its own
+    # (vLLM's; the hf engine's half copy), filled without ever gathering the whole policy.
+    samples_live_policy: bool
 
     def generate(
         self,

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from rlhflab import distributed
 from rlhflab.rollout.engines.base import SamplingParams, unwrapped
 from rlhflab.rollout.kv_cache import PrefixStore
 from rlhflab.rollout.sampler import DECODE_PATHS, Rollout, sample
@@ -26,7 +27,7 @@ class HFEngine:
 
     Args:
         model: the policy module; the caller puts it in eval mode (and gathers sharded
-            parameters) around `generate`.
+            parameters, unless `half_weights`) around `generate`.
         pad_token_id: written after a completion stops.
         stop_token_ids: the stop set, EOS first (`rlhflab.rollout.engines.stop_ids_for`).
         autocast_dtype: forwards under torch.autocast with this dtype, as the trainer's.
@@ -35,8 +36,11 @@ class HFEngine:
             CUDA graph on CUDA (`rlhflab.rollout.sampler.sample`; config `rollout.decode`,
             `rollout.sync_every`, `rollout.cuda_graph`).
         half_weights: generate with a copy of the policy in `autocast_dtype` (bf16 / fp16),
-            refreshed from the live module before every `generate` (`half_copy`,
-            `refresh_half_copy`), instead of casting the float32 weights at every token.
+            refreshed from the live module (`half_copy`, `refresh_half_copy`) instead of
+            casting the float32 weights at every token: before every `generate`, or, for an
+            FSDP2-sharded policy, at `wake` (every rank, one parameter gathered at a time), so
+            the whole float32 policy is never gathered for a rollout
+            (`samples_live_policy` False).
 
     Raises:
         ValueError: no stop token, an unknown `decode`, sync_every < 1, or half_weights
@@ -143,8 +147,8 @@ class HFEngine:
     ) -> Rollout:
         """`params.n` completions of each prompt (group-contiguous rows); see `RolloutEngine`."""
         stops = (*self.stop_token_ids, *params.stop_token_ids)
-        if self.half is not None:
-            refresh_half_copy(self.half, self.model)
+        if self.half is not None and not distributed.is_sharded(self.model):
+            refresh_half_copy(self.half, self.model)  # a sharded policy's: at `wake`
         return sample(
             self.half if self.half is not None else self.model,
             [p for p in prompts for _ in range(params.n)],
@@ -172,11 +176,20 @@ class HFEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Nothing to load: the engine samples with the live policy module."""
 
+    @property
+    def samples_live_policy(self) -> bool:
+        """False with a half copy: the sharded policy is never gathered around `generate`."""
+        return self.half is None
+
     def sleep(self) -> None:
         """Nothing to free."""
 
     def wake(self) -> None:
-        """Nothing to restore."""
+        """With a half copy of an FSDP2-sharded policy: refresh it, one parameter gathered at
+        a time (a collective: every rank wakes the engine before generating, in step, as
+        `lifecycle.generating` and `awake` do). Otherwise nothing to restore."""
+        if self.half is not None and distributed.is_sharded(self.model):
+            refresh_half_copy(self.half, self.model)
 
 
 def _hf_class(module: torch.nn.Module) -> type:

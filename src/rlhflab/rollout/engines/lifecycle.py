@@ -36,13 +36,15 @@ def generating(model: torch.nn.Module, engine: RolloutEngine, *,
                train_after: bool = True) -> Iterator[RolloutEngine]:  # fmt: skip
     """One generation from `model` through `engine`: `model.eval()`, the engine `awake`, the
     model's full parameters on every rank while the body runs (`distributed.gathered`; nothing
-    for an unsharded model); then the engine asleep and `model.train()` — unless `train_after`
-    is False (a frozen teacher stays in eval mode). The train mode is set only when the body
-    returns: a body that raises leaves the model in eval mode, the engine asleep."""
+    for an unsharded model, nor for an engine with weights of its own:
+    `engine.samples_live_policy` False); then the engine asleep and `model.train()` — unless
+    `train_after` is False (a frozen teacher stays in eval mode). The train mode is set only
+    when the body returns: a body that raises leaves the model in eval mode, the engine asleep."""
     from rlhflab import distributed
 
     model.eval()
-    with awake(engine), distributed.gathered(model):
+    live = getattr(engine, "samples_live_policy", True)
+    with awake(engine), distributed.gathered(model) if live else contextlib.nullcontext():
         yield engine
     if train_after:
         model.train()

@@ -130,6 +130,7 @@ class VLLMEngine:
     """
 
     name = "vllm"
+    samples_live_policy = False  # its own weights, pushed by `update_weights`
 
     def __init__(self, llm, *, pad_token_id: int, stop_token_ids: tuple[int, ...], tied: bool,
                  dtype: torch.dtype, workdir=None, sleep_mode: bool = False,
