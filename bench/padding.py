@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 from pathlib import Path
 
@@ -166,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlhflab.trainers.sft import SFT
 
     torch.set_num_threads(1)
-    result = {"machine": {"cpu": platform.processor() or platform.machine(),
-                          "torch": torch.__version__},
-              "args": {k: v for k, v in vars(args).items() if k != "out"}}  # fmt: skip
+    from bench.common import machine
+
+    result = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "out"}}
     with tempfile.TemporaryDirectory() as tmp:
         common = [f"run.root={tmp}", "tracking.console=false", "eval.n=0"]
         sft, sft_trainer = _train("configs/sft/quickstart.yaml",
