@@ -94,10 +94,15 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch):
             assert any(packed_calls), "the packed arm never packed"
             packed_calls.clear()
     assert not any(packed_calls), "the padded arm packed"
+
+    def step_of(path):  # grads-<n>.safetensors, n counted per process (not per run)
+        return int(path.stem.split("-")[1])
+
     dumps = {
-        arm: [load_file(p) for p in sorted((tmp_path / f"grads-{arm}").glob("*.safetensors"))]
+        arm: [load_file(p) for p in
+              sorted((tmp_path / f"grads-{arm}").glob("*.safetensors"), key=step_of)]
         for arm in runs
-    }
+    }  # fmt: skip
     assert len(dumps["packed"]) == len(dumps["padded"]) == 3
     g_max = []
     for ga, gb in zip(dumps["packed"], dumps["padded"], strict=True):
@@ -105,7 +110,8 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch):
         for k in gb:
             assert ga[k].dtype == torch.float64
             # float64 rounding of sums of up to ~1e4 terms, relative to the largest gradient
-            torch.testing.assert_close(ga[k], gb[k], atol=1e4 * EPS * g_max[-1], rtol=0, msg=k)
+            torch.testing.assert_close(ga[k], gb[k], atol=1e4 * EPS * g_max[-1], rtol=0,
+                                       msg=lambda m, k=k: f"{k}: {m}")  # fmt: skip
     assert min(g_max) > 0
     # AdamW moves a weight by lr·m/(sqrt(v) + eps): a gradient difference δ by at most lr·δ/eps
     # per step (the worst case, g ≈ 0)
@@ -113,4 +119,4 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch):
     atol = sum(lr / eps_adam * 1e4 * EPS * g for g in g_max)
     wa, wb = (load_file(f"{runs[a]['model_dir']}/model.safetensors") for a in ("packed", "padded"))
     for k in wb:
-        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
