@@ -44,17 +44,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cells_step_width(ro, micro: int) -> int:
+def _cells_step_width(ro) -> int:
     """Every micro-batch at the whole step's widths."""
     return ro.mask.size(0) * (ro.prompt_ids.size(1) + ro.mask.size(1))
 
 
-def _cells_own(ro, parts) -> int:
-    total = 0
-    for rows in parts:
-        w = [ro.widths()[i] for i in rows]
-        total += len(rows) * (max(p for p, _ in w) + max(c for _, c in w))
-    return total
+def _cells_own(widths, parts) -> int:
+    """Every micro-batch at its own widths (`distributed.padded_cells`)."""
+    from rlhflab.distributed import padded_cells
+
+    return sum(padded_cells(widths, rows) for rows in parts)
 
 
 def _cells_packed(ro, parts) -> int:
@@ -87,16 +86,16 @@ def layouts(ro, micro: int, seqs_per_row: int = 1) -> dict:
         return [[i + k * n for k in range(seqs_per_row) for i in part] for part in parts]
 
     fixed = seqs([list(range(s, min(n, s + micro))) for s in range(0, n, micro)])
-    budget = max(_cells_own(ro, [part]) for part in fixed)
+    budget = max(_cells_own(widths, [part]) for part in fixed)
     budgeted = seqs(token_budget_split(pair_w, budget, seqs_per_row))
     return {
         "real_tokens": sum(p + c for p, c in widths),
         "budget": budget,
         "passes_fixed": len(fixed),
         "passes_budget": len(budgeted),
-        "step_width": _cells_step_width(ro, micro),
-        "own_width": _cells_own(ro, fixed),
-        "token_budget": _cells_own(ro, budgeted),
+        "step_width": _cells_step_width(ro),
+        "own_width": _cells_own(widths, fixed),
+        "token_budget": _cells_own(widths, budgeted),
         "packed": _cells_packed(ro, fixed),
     }
 

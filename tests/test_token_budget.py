@@ -23,6 +23,14 @@ def _grid(widths, part, seqs_per_row=1):
     return seqs_per_row * len(part) * sum(max(widths[i][s] for i in part) for s in segments)
 
 
+def test_padded_cells_by_hand():
+    widths = [(2, 3), (1, 1), (4, 4), (2, 2)]
+    assert distributed.padded_cells(widths, [0, 3]) == 2 * (2 + 3)  # column maxima 2 and 3
+    assert distributed.padded_cells(widths, [0, 1, 3], seqs_per_row=2) == 2 * 3 * (2 + 3)
+    assert distributed.padded_cells(widths, [2]) == 8
+    assert distributed.padded_cells(widths, []) == 0
+
+
 def test_split_by_hand():
     widths = [(2, 3), (1, 1), (4, 4), (2, 2)]  # totals 5, 2, 8, 4
     # longest first: row 2 (8) alone (with row 0 the grid is 2·8 = 16 > 10); rows 0 and 3 make

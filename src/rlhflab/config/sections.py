@@ -257,7 +257,8 @@ class TrainBase(Strict):
     """Shared by every trainer's `train` section: the fault policy and the token budget of a
     micro-batch."""
 
-    # Token budget of one forward/backward (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu):
+    # Token budget of one forward/backward (the knob of verl's ppo_max_token_len_per_gpu under
+    # use_dynamic_bsz; the split differs: distributed.token_budget_split):
     # when set, each rank's rows of an optimizer step (and of the no-gradient reference, old
     # log-prob and value passes) are grouped by length, longest first, into micro-batches whose
     # padded grid (sequences × (longest prompt + longest completion)) holds at most this many

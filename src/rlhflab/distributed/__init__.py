@@ -89,6 +89,7 @@ from rlhflab.distributed.group import (  # noqa: F401
     main_then_share,
     micro_batches,
     on_teardown,
+    padded_cells,
     rank,
     setup,
     shard,

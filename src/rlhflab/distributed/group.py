@@ -255,18 +255,37 @@ def shard(rows: Sequence, *, even: bool = True) -> list:
     return list(rows[start:end])
 
 
+def padded_cells(widths: Sequence[Sequence[int]], rows: Sequence[int],
+                 seqs_per_row: int = 1) -> int:  # fmt: skip
+    """Tokens (cells) of the padded grid of the micro-batch `rows`: `seqs_per_row · |rows|`
+    sequences by `Σ_k max_{i∈rows} widths[i][k]` columns (row i laid out as padded segments of
+    lengths `widths[i]`, e.g. (prompt, completion), left- and right-padded). 0 for no rows."""
+    if not rows:
+        return 0
+    columns = sum(max(widths[i][k] for i in rows) for k in range(len(widths[rows[0]])))
+    return seqs_per_row * len(rows) * columns
+
+
 def token_budget_split(widths: Sequence[Sequence[int]], max_tokens: int,
                        seqs_per_row: int = 1) -> list[list[int]]:  # fmt: skip
-    """Indices of `widths` grouped into micro-batches whose padded grid holds at most
-    `max_tokens` tokens (verl's `use_dynamic_bsz`, with the padded grid as the cost).
+    """Indices of `widths` grouped into micro-batches whose padded grid (`padded_cells`) holds
+    at most `max_tokens` tokens.
 
     Row i lays out as padded segments of lengths `widths[i]` (a Rollout row: (prompt tokens,
-    completion tokens up to the last scored one)); a micro-batch of rows S is a grid of
-    `seqs_per_row · |S|` sequences (2 for a preference pair: chosen and rejected in one forward)
-    by `Σ_k max_{i∈S} widths[i][k]` columns. Rows are taken longest first (ties by index, so the
-    split is deterministic) and a micro-batch is closed when the next row would push its grid
-    past the budget; a row whose own grid exceeds the budget is a micro-batch alone (the caller
-    reports it). Every index appears exactly once.
+    completion tokens up to the last scored one)); a micro-batch of rows S costs
+    `padded_cells(widths, S, seqs_per_row)` (2 sequences per row for a preference pair: chosen
+    and rejected in one forward). Rows are taken longest first (ties by index, so the split is
+    deterministic) and a micro-batch is closed when the next row would push its grid past the
+    budget; a row whose own grid exceeds the budget is a micro-batch alone (the caller reports
+    it). Every index appears exactly once.
+
+    The knob is verl's `ppo_max_token_len_per_gpu` under `use_dynamic_bsz`; the split is not
+    verl's: its `rearrange_micro_batches` (verl/utils/seqlen_balancing.py) takes
+    ⌈Σ real tokens / budget⌉ micro-batches (the maximum over ranks) and balances their real-token
+    sums with Karmarkar–Karp, its forwards removing the padding, and requires the budget to hold
+    the longest sequence. Here the cost is the padded grid (the GPU forward is padded), the
+    filling greedy, ranks may differ in their number of micro-batches (`micro_batches` pads the
+    passes) and a longer row is allowed.
 
     Raises:
         ValueError: `max_tokens` < 1 or rows of different segment counts.
@@ -279,7 +298,7 @@ def token_budget_split(widths: Sequence[Sequence[int]], max_tokens: int,
     out: list[list[int]] = []
     cur: list[int] = []
     top: list[int] = []  # per-segment maxima of `cur`
-    for i in order:
+    for i in order:  # `top` keeps padded_cells' column maxima incrementally
         grown = [max(a, b) for a, b in zip(top, widths[i], strict=True)] if cur else list(widths[i])
         if cur and seqs_per_row * (len(cur) + 1) * sum(grown) > max_tokens:
             out.append(cur)

@@ -65,11 +65,10 @@ def packed_layout(rollout, *, pad_token_id: int = 0) -> PackedLayout | None:
     completion attends to the prompt and to itself, with positions continuing from the prompt,
     so every completion token sees exactly the context it has in the padded layout.
     """
-    prompt_len = rollout.prompt_mask.sum(1).tolist()
-    # Completion tokens up to the last valid one (masked-out tokens inside are scored, then
-    # zeroed by the caller's mask, as in the padded layout).
-    cols = torch.arange(1, rollout.mask.size(1) + 1, device=rollout.mask.device)
-    comp_len = torch.where(rollout.mask > 0, cols, 0).amax(1).tolist()
+    # Per row: prompt tokens, and completion tokens up to the last valid one (masked-out tokens
+    # inside are scored, then zeroed by the caller's mask, as in the padded layout).
+    widths = rollout.widths()
+    prompt_len, comp_len = [p for p, _ in widths], [c for _, c in widths]
     B, P = rollout.prompt_ids.shape
     T = rollout.completion_ids.size(1)
     if B == 0 or min(prompt_len) == 0:

@@ -415,6 +415,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
     layer_unsharded = 0.0
     gathered = 0.0
     score_weights = 0.0
+    score_gathers = False
+    biggest = max([V * h, *(a * b for a, b in shape.linear_dims().values())])  # largest tensor
     if fsdp:
         root = (P - L * shape.layer_params()) * compute_w
         layer_unsharded = root + 2 * shape.layer_params() * compute_w + 4 * shape.layer_params()
@@ -422,8 +424,8 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         # the policy gradient's scoring passes run through the models' own forwards: the root
         # and two layers at a time, as in training without the gradients; the critic's values
         # and DPO's reference pass gather the model whole
-        per_layer = p.trainer == "policy_gradient" and not p.critic
-        score_weights = root + 2 * shape.layer_params() * compute_w if per_layer else gathered
+        score_gathers = p.trainer != "policy_gradient" or p.critic
+        score_weights = gathered if score_gathers else root + 2 * shape.layer_params() * compute_w
     critic_act = 0.0
     if p.critic:
         critic_act = L * a_layer * tokens if not p.activation_checkpointing else act
@@ -443,8 +445,7 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         rollout = kv + sampling + cast_copies + gathered
         if p.half_weights:  # the bf16 copy instead: no weight casts, no whole model gathered
             # (under fsdp2 the copy is filled one parameter at a time: the largest, full, in w)
-            half_copy = 2 * P + (w * max([V * h, *(a * b for a, b in shape.linear_dims().values())])
-                                 if fsdp else 0.0)  # fmt: skip
+            half_copy = 2 * P + (w * biggest if fsdp else 0.0)
             rollout = kv + sampling + half_copy
     if offload:
         opt_temp = 0.0
@@ -465,7 +466,6 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         crit_b = 4 * (T + h + 1) if lora else w * (P_bb + h + 1)
     rm_b = gpu.get("reward_model", 0.0)
     if fsdp:
-        biggest = max([V * h, *(a * b for a, b in shape.linear_dims().values())])
         flight = 0.0 if offload else w * biggest  # the full tensor being broadcast
         sh = 0.0 if offload else 1 / n  # the share of each model's shards on the GPU
         load = (ref_b + policy_b + crit_b) * sh + flight
@@ -491,7 +491,7 @@ def estimate(shape: ModelShape, p: PlanInputs) -> dict:
         "autocast_weight_copies": cast_copies / GIB,
         "fsdp_unsharded_working_set": layer_unsharded / GIB,
         "fsdp_gathered_model": gathered / GIB
-        if ((score and score_weights == gathered) or (rollout and not half_copy))
+        if ((score and score_gathers) or (rollout and not p.half_weights))
         else 0.0,
         "rollout_half_copy": half_copy / GIB,
         "rollout_kv_cache": kv / GIB,

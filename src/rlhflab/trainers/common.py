@@ -24,6 +24,7 @@ from rlhflab.experience.stream import ShuffledStream  # noqa: F401  (the trainer
 from rlhflab.throughput import STAGES
 
 logger = logging.getLogger(__name__)
+_OVER_BUDGET_SAID: set[int] = set()  # budgets whose over-long rows were logged (once a process)
 
 
 def micro_batches(train, rows: list, widths: list | None, *, pad_row=None,
@@ -33,16 +34,18 @@ def micro_batches(train, rows: list, widths: list | None, *, pad_row=None,
     `distributed.micro_batches`): `train.micro_batch_size` rows each, or, with
     `train.max_tokens_per_micro_batch` set, rows grouped by length into padded grids of at most
     that many tokens (`distributed.token_budget_split`; `widths[i]` are row i's padded segment
-    lengths, `seqs_per_row` the sequences one row puts in the forward). A row over the budget
-    goes alone and is logged."""
+    lengths, `seqs_per_row` the sequences one row puts in the forward; ignored without a
+    budget). A row over the budget goes alone, logged once a process."""
     budget = train.max_tokens_per_micro_batch
     if budget is None:
         return distributed.micro_batches(rows, train.micro_batch_size, pad_row)
-    over = [sum(w) * seqs_per_row for w in widths if sum(w) * seqs_per_row > budget]
-    if over:
+    alone = [distributed.padded_cells(widths, [i], seqs_per_row) for i in range(len(widths))]
+    over = [c for c in alone if c > budget]
+    if over and budget not in _OVER_BUDGET_SAID:  # once a process, not at every step
+        _OVER_BUDGET_SAID.add(budget)
         logger.warning(
-            "train.max_tokens_per_micro_batch %d: %d row(s) of up to %d tokens go alone",
-            budget, len(over), max(over),
+            "train.max_tokens_per_micro_batch %d: %d row(s) of up to %d tokens go alone (said "
+            "once)", budget, len(over), max(over),
         )  # fmt: skip
     return distributed.micro_batches(
         rows, 0, pad_row, widths=widths, max_tokens=budget, seqs_per_row=seqs_per_row

@@ -482,10 +482,8 @@ class Distill(Trainer):
         r0, r1 = distributed.shard_bounds(self.batch_size)
         loss_sum = 0.0
         rows_all = list(range(r0, r1))
-        widths = None
-        if self.cfg.train.max_tokens_per_micro_batch:  # the wider of the two prompts' layouts
-            w_s, w_t = rollout.widths(), t_rollout.widths()
-            widths = [(max(w_s[i][0], w_t[i][0]), w_s[i][1]) for i in rows_all]
+        w_s, w_t = rollout.widths(), t_rollout.widths()  # the wider of the two prompts' layouts
+        widths = [(max(w_s[i][0], w_t[i][0]), w_s[i][1]) for i in rows_all]
         for rows, weight in micro_batches(self.cfg.train, rows_all, widths, pad_row=r0):
             idx = torch.tensor(rows, device=rollout.mask.device)
             # at the micro-batch's own widths (Rollout.trimmed; student and teacher share the

@@ -298,10 +298,9 @@ def _optimizer_step(data: StepData, learners: Learners, guard, cfg, stats: Updat
         learners.value_optimizer.zero_grad(set_to_none=True)
     # `weight` is 0 only for the padding passes that give every rank the same number of
     # forward/backward passes (distributed.micro_batches).
-    mine_rows = mine.tolist()
-    widths = rollout.widths() if cfg.train.max_tokens_per_micro_batch else None
+    mine_rows, widths = mine.tolist(), rollout.widths()
     for row_list, weight in micro_batches(
-        cfg.train, mine_rows, [widths[i] for i in mine_rows] if widths else None, pad_row=0
+        cfg.train, mine_rows, [widths[i] for i in mine_rows], pad_row=0
     ):
         rows = torch.tensor(row_list, dtype=torch.long, device=device)
         micro = rollout.select(rows)
@@ -440,9 +439,8 @@ def _by_micro_batch(rollout, cfg, fn) -> torch.Tensor:
     rows in this rank's micro-batches (`common.micro_batches`: fixed size or the token budget,
     as many passes as every other rank), each written back to its rows."""
     n = rollout.mask.size(0)
-    widths = rollout.widths() if cfg.train.max_tokens_per_micro_batch else None
     out = None
-    for rows, weight in micro_batches(cfg.train, list(range(n)), widths, pad_row=0):
+    for rows, weight in micro_batches(cfg.train, list(range(n)), rollout.widths(), pad_row=0):
         idx = torch.tensor(rows, dtype=torch.long, device=rollout.mask.device)
         value = fn(rollout.select(idx))
         if weight:
