@@ -22,9 +22,14 @@ tokens / cells, for the padded layouts):
                   (`train.max_tokens_per_micro_batch`, `distributed.token_budget_split`), B =
                   the largest own-width fixed micro-batch's grid of the step (the same peak
                   activation memory)
-    packed        the CPU's padding-free layout of each fixed micro-batch
-                  (`rlhflab.models.packing.packed_layout`: shared prompts written once; the
+    packed        the CPU's padding-free layout of each fixed micro-batch (the tree layout of
+                  `rlhflab.models.packing.packed_layout`: shared prompts written once; the
                   padded own-width layout where packing would save < 15%)
+    varlen        the varlen layout of each fixed micro-batch (FSDP2 ranks, GPUs with sdpa or
+                  eager: every sequence whole, in rows of 1, 1.5 or 2× the longest, whichever
+                  grid is smallest; own-width padded where it would save < 15%)
+    varlen_flash  the same in one row (flash attention's varlen kernel): no padding at all, packed
+                  wherever that saves anything
 
 The micro-batch size (`--micro`, rows; a DPO row is a pair) is a GPU-like value; the quickstart
 itself runs one micro-batch of 128 rows on CPU. bench/make_hh_fixture.py's rows and the
@@ -56,7 +61,8 @@ def _cells_own(widths, parts) -> int:
     return sum(padded_cells(widths, rows) for rows in parts)
 
 
-def _cells_packed(ro, parts) -> int:
+def _cells_packed(ro, parts, **layout) -> int:
+    """Every micro-batch in `packed_layout(..., **layout)` (own widths where it returns None)."""
     import torch
 
     from rlhflab.models.packing import packed_layout
@@ -64,7 +70,7 @@ def _cells_packed(ro, parts) -> int:
     total = 0
     for rows in parts:
         micro = ro.select(torch.tensor(rows)).trimmed()
-        lay = packed_layout(micro)
+        lay = packed_layout(micro, **layout)
         total += lay.input_ids.numel() if lay is not None else micro.input_ids.numel()
     return total
 
@@ -97,6 +103,8 @@ def layouts(ro, micro: int, seqs_per_row: int = 1) -> dict:
         "own_width": _cells_own(widths, fixed),
         "token_budget": _cells_own(widths, budgeted),
         "packed": _cells_packed(ro, fixed),
+        "varlen": _cells_packed(ro, fixed, share_prompts=False),
+        "varlen_flash": _cells_packed(ro, fixed, share_prompts=False, one_row=True),
     }
 
 
@@ -133,10 +141,10 @@ def _sum(steps: list[dict]) -> dict:
            "budget_max": max(s["budget"] for s in steps),
            "passes_fixed": sum(s["passes_fixed"] for s in steps),
            "passes_budget": sum(s["passes_budget"] for s in steps)}  # fmt: skip
-    for k in ("step_width", "own_width", "token_budget", "packed"):
+    for k in ("step_width", "own_width", "token_budget", "packed", "varlen", "varlen_flash"):
         cells = sum(s[k] for s in steps)
         out[k] = {"cells": cells, "cells_per_token": round(cells / real, 4)}
-        if k != "packed":
+        if k not in ("packed",):  # the tree layout writes shared prompts once: not a fraction
             out[k]["padded_frac"] = round(1 - real / cells, 4)
     return out
 

@@ -157,25 +157,35 @@ def _logps_and_grads(model, ro, temperature):
     return lp.detach(), ent, grads
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_sharded_path_fused_in_the_models_forward_equals_the_plain_path(
-    tiny_model64, monkeypatch, temperature
+    tiny_model64, monkeypatch, temperature, packed
 ):
     """An FSDP2-sharded model is scored through its own forward with the fused head in place of
-    the LM head (`sampler._fused_in_forward`). Taken here on one process (is_sharded patched):
-    the same log-probs, entropies and gradients as the padded path with whole logits; the
-    head's forward is the class's again afterwards. tests/distributed runs it under FSDP2."""
+    the LM head (`sampler._fused_in_forward`), padded or (rows of very uneven length) in the
+    varlen packed layout. Taken here on one process (is_sharded patched): the same log-probs,
+    entropies and gradients as the padded path with whole logits; the head's forward is the
+    class's again afterwards. tests/distributed runs it under FSDP2."""
     import rlhflab.rollout.sampler as sampler
     from rlhflab.rollout.sampler import pack
 
-    ro = pack([[5, 6, 7], [8, 9], [10]], [[11, 12, 13, 14], [15], [16, 17]], 0)
+    if packed:
+        ro = pack([[5, 6, 7], [8, 9], [10], [12, 13, 14, 15, 16, 17]],
+                  [[11, 12, 13, 14, 15, 16, 17, 18, 19], [15], [16, 17], [18]], 0)  # fmt: skip
+    else:
+        ro = pack([[5, 6, 7], [8, 9], [10]], [[11, 12, 13, 14], [15], [16, 17]], 0)
     lp0, e0, g0 = _plain_logps_and_grads(tiny_model64, ro, temperature, monkeypatch)
     calls = []
     real = sampler._fused_in_forward
     monkeypatch.setattr(sampler.distributed, "is_sharded", lambda model: True)
-    monkeypatch.setattr(sampler, "_fused_in_forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(sampler, "_fused_in_forward", lambda *a: calls.append(a[3]) or real(*a))
+    if not packed:
+        monkeypatch.setattr(sampler, "layout_for", lambda *a, **k: None)
     lp1, e1, g1 = _logps_and_grads(tiny_model64, ro, temperature)
-    assert calls == [1]
+    assert len(calls) == 1
+    assert (calls[0] is not None) == packed  # the layout: varlen (no 4-D mask) when packed
+    assert calls[0] is None or calls[0].attention_mask is None
     _close64(lp1, lp0)
     _close64(e1, e0)
     assert (lp1 * (1 - ro.mask)).abs().max() == 0
@@ -190,7 +200,7 @@ def test_fused_path_is_taken_under_autocast(tiny_model, monkeypatch):
     import rlhflab.rollout.sampler as sampler
     from rlhflab.rollout.sampler import completion_logps, pack
 
-    monkeypatch.setattr(sampler, "packed_layout", lambda r: None)  # the padded fused path
+    monkeypatch.setattr(sampler, "layout_for", lambda *a, **k: None)  # the padded fused path
     ro = pack([[5, 6, 7], [8, 9]], [[11, 12, 13], [15]], 0)
     head = tiny_model.get_output_embeddings()
     called = []

@@ -768,3 +768,207 @@ def test_half_weights_rollout_never_gathers_the_fsdp2_policy(base_model, tmp_pat
         ro = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(n=2, max_new_tokens=5),
                              generator=torch.Generator().manual_seed(rank))  # fmt: skip
         assert got["completion_ids"] == ro.completion_ids.tolist()
+
+
+VARLEN_WORKER = """
+import json, random, sys
+import torch
+from rlhflab import distributed
+from rlhflab.config import ParallelConfig
+from rlhflab.models.loading import load_model
+from rlhflab.models.reward import reward_head, reward_model_from_causal_lm, score_rollout
+import rlhflab.models.packing as packing
+import rlhflab.rollout.sampler as sampler
+
+path, out = sys.argv[1], sys.argv[2]
+distributed.setup("fsdp2", timeout_s=120)
+rank = distributed.rank()
+layouts = []
+real = packing.packed_layout
+packing.packed_layout = lambda *a, **k: (lambda lay: layouts.append(lay) or lay)(real(*a, **k))
+rng = random.Random(rank)  # each rank its own rows of very uneven lengths
+prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 10))] for _ in range(6)]
+comps = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 16))] for _ in range(6)]
+ro = sampler.pack(prompts, comps, 0)
+lm = load_model(path, dtype="float64")
+rm = reward_model_from_causal_lm(load_model(path, dtype="float64"), num_labels=1, seed=0,
+                                 pad_token_id=0)
+policy = distributed.wrap(lm, ParallelConfig(strategy="fsdp2"))
+lp, ent = sampler.completion_logps(policy, ro, with_entropy=True)
+(lp.sum() + (lp * lp).sum()).backward()
+rm = distributed.wrap(rm, ParallelConfig(strategy="fsdp2"), roots=[rm.base_model, reward_head(rm)])
+scores = score_rollout(rm, ro)
+(scores * scores).sum().backward()
+grads = {f"policy.{n}": p.grad.full_tensor().tolist() for n, p in policy.named_parameters()}
+grads.update({f"rm.{n}": p.grad.full_tensor().tolist() for n, p in rm.named_parameters()})
+result = {
+    "prompts": prompts, "completions": comps, "logp": lp.tolist(), "entropy": ent.tolist(),
+    "scores": scores.tolist(), "grads": grads if rank == 0 else {},
+    "varlen": [lay is not None and lay.attention_mask is None for lay in layouts],
+}
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+distributed.teardown()
+"""
+
+
+def test_fsdp2_ranks_pack_varlen_and_equal_one_padded_process(base_model, tmp_path):
+    """Under FSDP2 the policy's log-probs (through its own forward, fused head) and a sharded
+    reward model's scores are computed in the varlen packed layout (sequences whole in shared
+    rows, boundaries in the position ids, transformers' mask); against one process in the padded
+    layout, in float64: each rank's log-probs, entropies and scores, and the summed gradients of
+    both models."""
+    import rlhflab.rollout.sampler as sampler
+    from rlhflab.models.loading import load_model
+    from rlhflab.models.reward import reward_model_from_causal_lm, score_rollout
+
+    script = tmp_path / "worker.py"
+    script.write_text(VARLEN_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    res = subprocess.run([*cmd, str(script), base_model, str(tmp_path)], env=_env(),
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    lm = load_model(base_model, dtype="float64")
+    rm = reward_model_from_causal_lm(load_model(base_model, dtype="float64"), num_labels=1,
+                                     seed=0, pad_token_id=0)  # fmt: skip
+    real = sampler.layout_for
+    sampler.layout_for = lambda *a, **k: None
+    import rlhflab.models.packing as packing
+
+    real_rm = packing.layout_for
+    packing.layout_for = lambda *a, **k: None
+    try:
+        for got in ranks:
+            assert got["varlen"] and all(got["varlen"]), got["varlen"]  # both models packed
+            ro = sampler.pack(got["prompts"], got["completions"], 0)
+            lp, ent = sampler.completion_logps(lm, ro, with_entropy=True)
+            (lp.sum() + (lp * lp).sum()).backward()
+            scores = score_rollout(rm, ro)
+            (scores * scores).sum().backward()
+            for name, want in (("logp", lp), ("entropy", ent), ("scores", scores)):
+                torch.testing.assert_close(torch.tensor(got[name], dtype=torch.float64),
+                                           want.detach(), rtol=RTOL, atol=RTOL, msg=name)  # fmt: skip
+    finally:
+        sampler.layout_for, packing.layout_for = real, real_rm
+    want = {f"policy.{n}": p.grad for n, p in lm.named_parameters()}
+    want.update({f"rm.{n}": p.grad for n, p in rm.named_parameters()})
+    assert ranks[0]["grads"].keys() == want.keys()
+    for name, g in want.items():
+        got = torch.tensor(ranks[0]["grads"][name], dtype=torch.float64)
+        torch.testing.assert_close(got, g, rtol=0, atol=RTOL * g.abs().max().item(), msg=name)
+
+
+# `rlhflab` with the packed layouts counted (each process appends one line per packed pass to
+# PACK_LOG.<pid>: "tree" or "varlen"), with packing off (PACKING=off: no layout saves enough) or
+# wherever a layout exists (PACKING=always: however little it saves).
+COUNTING_MAIN = """
+import os, runpy, sys
+import rlhflab.models.packing as packing
+
+packing.MIN_SAVING = {"off": 1.0, "always": float("-inf")}.get(os.environ.get("PACKING"), 0.15)
+real = packing.packed_layout
+
+
+def counted(*args, **kwargs):
+    lay = real(*args, **kwargs)
+    if lay is not None:
+        with open(f"{os.environ['PACK_LOG']}.{os.getpid()}", "a") as f:
+            f.write("tree\\n" if lay.attention_mask is not None else "varlen\\n")
+    return lay
+
+
+packing.packed_layout = counted
+sys.argv = ["rlhflab", *sys.argv[1:]]
+runpy.run_module("rlhflab", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def uneven_files(tmp_path_factory) -> Path:
+    """Rows of very different lengths: `sft.jsonl` (1 to 30 completion characters) and
+    `pairs.jsonl` (1 to 12 characters a side)."""
+    d = tmp_path_factory.mktemp("uneven")
+    sft = [{"prompt": f"Say {i}.", "completion": "y" * (1 + (7 * i) % 30)} for i in range(24)]
+    (d / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
+    pairs = [
+        {"prompt": f"What is {i} + {i % 3}?", "chosen": str(i) * (1 + i % 4),
+         "rejected": "x" * (1 + (5 * i) % 12)}
+        for i in range(24)
+    ]  # fmt: skip
+    (d / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs))
+    return d
+
+
+@pytest.fixture(scope="module")
+def teacher_model(base_model) -> str:
+    """A model with the base's tokenizer and other weights (its SFT continued 20 steps), to
+    distil from."""
+    root = Path(base_model).parent.parent / "teacher"
+    raw = {"trainer": "sft", "model": {"name_or_path": base_model}, **COMMON,
+           "train": {"steps": 20, "batch_size": 16, "micro_batch_size": 16, "max_len": 48},
+           "optim": {"lr": 3e-3}, "eval": {"n": 0}, "checkpoint": {"every": 0},
+           "run": {"name": "teacher", "root": str(root)}}  # fmt: skip
+    return run_config(config_from_dict(raw))["model_dir"]
+
+
+def _distill(base, teacher) -> dict:
+    """GKD (full-distribution generalized JSD; student and teacher batches), one completion a
+    prompt."""
+    return {
+        "trainer": "distill", "model": {"name_or_path": base, "dtype": "float64"}, **COMMON,
+        "teacher": {"source": "model", "name_or_path": teacher, "dtype": "float64"},
+        "rollout": {"prompts_per_step": 8, "group_size": 1, "max_new_tokens": 8},
+        "loss": {"divergence": "generalized_jsd", "divergence_args": {"beta": 0.5}, "lmbda": 0.5},
+        "train": {"steps": 3, "micro_batch_size": 4}, "optim": {"lr": 1e-3},
+        "eval": {"n": 4, "max_new_tokens": 6}, "run": {"name": "distill"},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["sft", "rm", "dpo", "grpo", "distill"])
+def test_fsdp2_packed_equals_one_padded_process(family, base_model, uneven_files, tmp_path,
+                                                request):  # fmt: skip
+    """Per trainer, on rows of very different lengths: 2 FSDP2 ranks whose micro-batches are
+    scored in the varlen packed layout (counted: every rank packs, never in the tree layout;
+    packing wherever a layout exists, however little it saves) against one process with packing
+    off: every step's gradients and metrics and the weights after 3 steps agree in float64.
+    (SFT, RM and DPO read files of uneven rows; GRPO's and distillation's completions stop at
+    different lengths; distillation scores the full distribution, student and teacher.)"""
+    micro = {"micro_batch_size": 4}
+    sft_data = {"source": "dataset", "path": str(uneven_files / "sft.jsonl")}
+    dpo_data = {"source": "file", "format": "pairs", "path": str(uneven_files / "pairs.jsonl"),
+                "heldout_pairs": 4}  # fmt: skip
+    raw = {
+        "sft": lambda: {**_sft(base_model), "data": sft_data},
+        "rm": lambda: _rm(base_model, uneven_files / "pairs.jsonl"),
+        "dpo": lambda: {**_dpo(base_model), "data": dpo_data},
+        "grpo": lambda: _grpo(base_model),
+        "distill": lambda: _distill(base_model, request.getfixturevalue("teacher_model")),
+    }[family]()
+    raw["train"] = {**raw["train"], **micro, "steps": 3}
+    if family == "dpo":
+        raw.pop("verifiable")
+        raw["eval"] = {"n": 4, "max_new_tokens": 6}
+    main = tmp_path / "counting_main.py"
+    main.write_text(COUNTING_MAIN)
+    runs = {}
+    for arm, nproc, strategy in (("padded", 1, "none"), ("packed", 2, "fsdp2")):
+        root = tmp_path / arm
+        root.mkdir()
+        cfg = _write_cfg(tmp_path / f"{arm}.yaml", raw)
+        cmd = [sys.executable, str(main)] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(main)]  # fmt: skip
+        res = subprocess.run(
+            [*cmd, "train", str(cfg), f"run.root={root / 'runs'}", f"parallel.strategy={strategy}"],
+            env=_env(RLHFLAB_GRAD_DUMP=str(root / "grads"), PACK_LOG=str(root / "packs"),
+                     PACKING="off" if arm == "padded" else "always"),
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[arm] = _run_dir(root / "runs")
+    assert not list((tmp_path / "padded").glob("packs.*")), "the padded arm packed"
+    logs = [p.read_text().split() for p in (tmp_path / "packed").glob("packs.*")]
+    assert len(logs) == 2 and all(logs), "each FSDP2 rank must pack"
+    assert {kind for log in logs for kind in log} == {"varlen"}
+    _assert_same_run(runs["padded"], runs["packed"])

@@ -74,22 +74,40 @@ def preset(name: str, root, models, **sections) -> dict:
     return raw
 
 
-def test_forward_head_hidden_states_give_the_trained_log_probs(tiny_model64):
-    # The divergence is taken from the hidden states `_forward_head` captures; here they are
-    # checked against `completion_logps` (the log-probs every other trainer trains): a shift by
-    # one position, the padding or the position ids would break the equality.
+@pytest.mark.parametrize("layout", ["padded", "tree", "varlen"])
+def test_forward_head_hidden_states_give_the_trained_log_probs(tiny_model64, monkeypatch, layout):
+    # The divergence is taken from the hidden states `_forward_head` selects; here they are
+    # checked against `completion_logps` (the log-probs every other trainer trains), in the
+    # padded layout and packed (rows of very different lengths; a scored token inside left out
+    # of the selection): a shift by one position, the padding, the position ids, a packed row's
+    # boundaries or the selection order would break the equality.
+    import rlhflab.models.packing as packing
+    import rlhflab.trainers.distill as distill
     from rlhflab.rollout.sampler import completion_logps, pack
-    from rlhflab.trainers.distill import _forward_head
 
-    prompts = [[5, 6, 7, 8], [9, 10]]
-    completions = [[11, 12, 13], [14, 15, 16, 17, 18]]
+    prompts = [[5, 6, 7, 8], [9, 10], [12], [13, 14, 15, 16, 17, 18]]
+    completions = [[11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22], [23], [24, 25]]
     rollout = pack(prompts, completions, pad_token_id=0)
+    sel = rollout.mask > 0
+    sel[1, 4] = False
     want, _ = completion_logps(tiny_model64, rollout)
-    hidden = _forward_head(tiny_model64, rollout, contextlib.nullcontext(), lambda h: h)
+    chosen = []
+
+    def layout_for(model, ro, *, sharded):
+        if layout == "padded":
+            return None
+        lay = packing.packed_layout(ro, share_prompts=layout == "tree")
+        chosen.append(lay)
+        return lay
+
+    monkeypatch.setattr(distill, "layout_for", layout_for)
+    hidden = distill._forward_head(tiny_model64, rollout, contextlib.nullcontext(), lambda h: h,
+                                   sel)  # fmt: skip
+    assert all(lay is not None for lay in chosen) and len(chosen) == (layout != "padded")
     head = tiny_model64.get_output_embeddings()
-    logp = torch.log_softmax(head(hidden[:, :-1]), -1)
-    got = logp.gather(-1, rollout.completion_ids[..., None])[..., 0] * rollout.mask
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    logp = torch.log_softmax(head(hidden), -1)  # (N, V)
+    got = logp.gather(-1, rollout.completion_ids[sel][:, None])[:, 0]
+    torch.testing.assert_close(got, want[sel], rtol=1e-12, atol=1e-12)
 
 
 def _metrics(run_dir) -> list[dict]:

@@ -3,9 +3,12 @@ in shared rows, a GRPO group's or a pair's prompt written once) against the padd
 trainer: the same gradients at every step and the same weights after 3 steps, in float64.
 
 The padded arm turns packing off (`MIN_SAVING` 1.0: no layout saves enough); the packed arm must
-actually pack (counted). One process here; one process against 2 FSDP2 ranks, which never pack,
-is tests/distributed (test_two_ranks_equal_one_process). A mask that let a token see another
-sequence's tokens would change that token's log-prob and every gradient: these comparisons fail.
+actually pack (counted). One process here (the tree layout). Under FSDP2 ranks pack in the
+varlen layout: one process against 2 FSDP2 ranks is tests/distributed
+(test_two_ranks_equal_one_process per trainer, and test_fsdp2_ranks_pack_varlen_and_equal_one_
+padded_process for the log-prob and reward paths, checked to pack). A mask that let a token see
+another sequence's tokens would change that token's log-prob and every gradient: these
+comparisons fail.
 """
 
 from __future__ import annotations
@@ -14,11 +17,10 @@ import json
 
 import pytest
 import torch
-from factories import tiny_dpo, tiny_pg, tiny_sft
+from factories import tiny_dpo, tiny_pg, tiny_sft, tiny_task
 from safetensors.torch import load_file
 
 import rlhflab.models.packing as packing
-import rlhflab.rollout.sampler as sampler
 from rlhflab.config import config_from_dict
 from rlhflab.trainers import run_config
 
@@ -29,6 +31,14 @@ EPS = torch.finfo(torch.float64).eps
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed_base")
     sft = tiny_sft(root, train={"steps": 30, "batch_size": 8, "micro_batch_size": 8, "max_len": 48})
+    return run_config(config_from_dict(sft))["model_dir"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A stronger model with the base's tokenizer (SFT 60 steps), for distillation."""
+    root = tmp_path_factory.mktemp("packed_teacher")
+    sft = tiny_sft(root, train={"steps": 60, "batch_size": 8, "micro_batch_size": 8, "max_len": 48})
     return run_config(config_from_dict(sft))["model_dir"]
 
 
@@ -48,8 +58,19 @@ def pairs(tmp_path_factory):
     return path
 
 
-def _raw(family: str, root, base, pairs) -> dict:
+def _raw(family: str, root, base, pairs, teacher=None) -> dict:
     f64 = {"name_or_path": base, "dtype": "float64"}
+    if family == "distill":  # GKD: full-distribution generalized JSD, student and teacher samples
+        return {
+            "trainer": "distill", "model": f64, "task": tiny_task(),
+            "teacher": {"source": "model", "name_or_path": teacher, "dtype": "float64"},
+            "rollout": {"prompts_per_step": 8, "group_size": 1, "max_new_tokens": 8},
+            "loss": {"divergence": "generalized_jsd", "divergence_args": {"beta": 0.5},
+                     "lmbda": 0.5},
+            "train": {"steps": 3, "micro_batch_size": 8}, "optim": {"lr": 1e-3},
+            "eval": {"n": 0}, "tracking": {"console": False},
+            "run": {"name": "distill", "root": str(root)},
+        }  # fmt: skip
     if family == "sft":  # prompt-completion rows of 1 to 30 completion characters
         data = {"source": "dataset", "path": str(pairs.parent / "sft.jsonl")}
         return tiny_sft(root, model=f64, data=data,
@@ -72,8 +93,9 @@ def _raw(family: str, root, base, pairs) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["sft", "grpo", "dpo", "rm"])
-def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["sft", "grpo", "dpo", "rm", "distill"])
+def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, request):
+    teacher = request.getfixturevalue("teacher") if family == "distill" else None
     packed_calls = []
     real = packing.packed_layout
 
@@ -82,14 +104,15 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch):
         packed_calls.append(lay is not None)
         return lay
 
-    monkeypatch.setattr(packing, "packed_layout", counted)
-    monkeypatch.setattr(sampler, "packed_layout", counted)
+    monkeypatch.setattr(packing, "packed_layout", counted)  # what layout_for calls
     runs = {}
     for arm in ("packed", "padded"):
-        if arm == "padded":
-            monkeypatch.setattr(packing, "MIN_SAVING", 1.0)
+        # distillation's rows (one completion a prompt) pack wherever a layout exists
+        saving = {"padded": 1.0, "packed": float("-inf") if family == "distill" else 0.15}[arm]
+        monkeypatch.setattr(packing, "MIN_SAVING", saving)
         monkeypatch.setenv("RLHFLAB_GRAD_DUMP", str(tmp_path / f"grads-{arm}"))
-        runs[arm] = run_config(config_from_dict(_raw(family, tmp_path / arm, base, pairs)))
+        raw = _raw(family, tmp_path / arm, base, pairs, teacher)
+        runs[arm] = run_config(config_from_dict(raw))
         if arm == "packed":
             assert any(packed_calls), "the packed arm never packed"
             packed_calls.clear()

@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -193,6 +194,8 @@ class GPTModel(GPTPreTrainedModel):
         input_ids: torch.Tensor,  # (B, L) long
         attention_mask: torch.Tensor | None = None,  # (B, K) 0/1 padding, or (B, 1, L, K) bool
         position_ids: torch.Tensor | None = None,  # (B, L) long; default: past + 0..L-1
+        # With no mask and no cache, position ids that restart (0..a-1, 0..b-1, ...) mark packed
+        # sequences, which attend within themselves only, as transformers' models do.
         cache: Cache | None = None,  # transformers' KV cache, filled in place
         use_cache: bool | None = None,
         **kwargs,
@@ -203,9 +206,14 @@ class GPTModel(GPTPreTrainedModel):
             cache = DynamicCache(config=self.config)
         cache = cache if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
+        packed = None
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device).expand(b, n)
+        elif attention_mask is None and cache is None:
+            packed = find_packed_sequence_indices(position_ids.expand(b, n))  # (B, L) or None
         mask = _attention_mask(attention_mask, b, n, past, input_ids.device)  # (B, 1, L, K)
+        if packed is not None:  # block-diagonal: a query sees keys of its own sequence only
+            mask = mask & (packed[:, None, :, None] == packed[:, None, None, :])
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, L, C)
         for block in self.h:
             x = block(x, mask, cache)

@@ -234,14 +234,15 @@ def final_token_scores(
 def score_rollout(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Tensor:
     """Scalar reward of each [prompt; completion] of a `Rollout` at its last real token (B,).
 
-    On CPU, rows of uneven length are packed padding-free (`rlhflab.models.packing`): the same
-    scores up to float rounding, without computing the padding."""
+    Rows of uneven length are packed padding-free (`rlhflab.models.packing.layout_for`: prompts
+    shared on CPU, varlen rows under FSDP2, whose RM is sharded as a backbone and a head, each
+    called on its own): the same scores up to float rounding, without computing the padding."""
     from rlhflab import distributed
-    from rlhflab.models.packing import can_pack, packed_hidden, packed_layout
+    from rlhflab.models.packing import can_pack, layout_for, packed_hidden
 
     device = rollout.prompt_ids.device
-    if device.type == "cpu" and can_pack(model) and not distributed.is_sharded(model):
-        layout = packed_layout(rollout)
+    if can_pack(model):
+        layout = layout_for(model, rollout, sharded=distributed.is_sharded(model))
         if layout is not None:
             autocast = torch.autocast(
                 device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None

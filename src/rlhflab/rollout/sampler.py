@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from rlhflab import distributed
-from rlhflab.models.packing import can_pack, packed_hidden, packed_layout
+from rlhflab.models.packing import PackedLayout, can_pack, layout_for, packed_hidden
 from rlhflab.ops import (
     entropy_from_logits,
     linear_selective_log_softmax,
@@ -694,16 +694,18 @@ def _completion_logps(model, rollout: Rollout, *, temperature, with_entropy, aut
     # A model with a plain linear LM head (rlhflab.models.packing.can_pack): the head and the
     # log-softmax are fused in row-chunks (ops.linear_selective_log_softmax; the head's matmul in
     # the autocast dtype, the log-softmax in float32), so no (B, T, V) logits exist, on any
-    # device. On CPU, rows of uneven length are also packed padding-free when that removes enough
-    # padding. An FSDP2-sharded model is only called through its own forward (its hooks gather
-    # the parameters): the fused head then runs inside that forward, in place of the LM head
+    # device. Rows of uneven length are also packed padding-free when that removes enough
+    # padding (`layout_for`: prompts shared on CPU, varlen rows when sharded or elsewhere). An
+    # FSDP2-sharded model is only called through its own forward (its hooks gather the
+    # parameters): the fused head then runs inside that forward, in place of the LM head
     # (`_fused_in_forward`). Anything else: the padded layout with `logits_to_keep`.
     head = model.get_output_embeddings() if can_pack(model) else None
     fused = isinstance(head, torch.nn.Linear)
-    if fused and distributed.is_sharded(model):
-        return _fused_in_forward(model, head, rollout, temperature, with_entropy, autocast)
-    if head is not None and not distributed.is_sharded(model):
-        layout = packed_layout(rollout) if input_ids.device.type == "cpu" else None
+    sharded = distributed.is_sharded(model)
+    layout = layout_for(model, rollout, sharded=sharded) if head is not None else None
+    if fused and sharded:
+        return _fused_in_forward(model, head, rollout, layout, temperature, with_entropy, autocast)
+    if head is not None and not sharded:
         if layout is not None:
             hidden = packed_hidden(model, layout, autocast)[layout.pred_rows, layout.pred_cols]
             tokens = rollout.completion_ids[layout.out_rows, layout.out_cols]  # (N,)
@@ -762,43 +764,57 @@ def _completion_logps(model, rollout: Rollout, *, temperature, with_entropy, aut
     return logp, entropy
 
 
-def forward_through_head(model, head: torch.nn.Module, head_fn, rollout: Rollout, autocast):
-    """`model`'s own forward on the rollout's [prompt; completion] (T+1 kept positions: the last
-    prompt token and every completion token) with `head.forward` replaced for the call by
-    `head_fn` (hidden (B, T+1, H) → any tensor), so FSDP2's hooks gather the head and see the
-    result as the forward's output, as in an ordinary forward. Returns what `head_fn` returned
-    (the model output's `logits`). `autocast` is a context manager (a no-op one for none)."""
-    attn, width = rollout.attention_mask, rollout.completion_ids.size(1)
+def forward_through_head(
+    model, head: torch.nn.Module, head_fn, rollout: Rollout, autocast,
+    layout: PackedLayout | None = None,
+):  # fmt: skip
+    """`model`'s own forward with `head.forward` replaced for the call by `head_fn`, so FSDP2's
+    hooks gather the head and see the result as the forward's output, as in an ordinary
+    forward. Returns what `head_fn` returned (the model output's `logits`). `autocast` is a
+    context manager (a no-op one for none).
+
+    Without `layout`: the rollout's padded [prompt; completion], T+1 kept positions (the last
+    prompt token and every completion token), `head_fn` gets hidden (B, T+1, H). With a
+    `layout` (`models.packing.layout_for`: its 4-D mask, or None for varlen rows): its packed
+    rows, every position kept, `head_fn` gets hidden (R, W, H) and picks the positions it needs
+    from the layout (`pred_rows`/`pred_cols`, `prediction_index`)."""
+    if layout is not None:
+        inputs = {"input_ids": layout.input_ids, "attention_mask": layout.attention_mask,
+                  "position_ids": layout.position_ids, "logits_to_keep": 0}  # fmt: skip
+    else:
+        attn, width = rollout.attention_mask, rollout.completion_ids.size(1)
+        inputs = {"input_ids": rollout.input_ids, "attention_mask": attn,
+                  "position_ids": position_ids_from_mask(attn), "logits_to_keep": width + 1}  # fmt: skip
     head.forward = head_fn
     try:
         with autocast:
-            out = model(
-                input_ids=rollout.input_ids,
-                attention_mask=attn,
-                position_ids=position_ids_from_mask(attn),
-                use_cache=False,
-                logits_to_keep=width + 1,
-            )
+            out = model(**inputs, use_cache=False)
     finally:
         del head.forward
     return out.logits
 
 
-def _fused_in_forward(model, head, rollout: Rollout, temperature, with_entropy, autocast):
+def _fused_in_forward(model, head, rollout: Rollout, layout, temperature, with_entropy, autocast):
     """`completion_logps` of an FSDP2-sharded model: its own forward, with the LM head's forward
     replaced for the call by the fused, row-chunked log-softmax of the chosen tokens.
 
     The model's forward computes `logits = lm_head(hidden)` for the kept positions and returns
-    them untouched (the architectures of `can_pack`); here lm_head returns the (B, T+1) log-probs
-    instead. FSDP2's hooks are those of an ordinary forward: the root's pre-forward hook has
+    them untouched (the architectures of `can_pack`); here lm_head returns the log-probs
+    instead: (B, T+1) in the padded layout, (N,) at the layout's predictions in a varlen packed
+    one. FSDP2's hooks are those of an ordinary forward: the root's pre-forward hook has
     unsharded `head.weight` (read inside the call, as nn.Linear.forward reads it), the backward
     of the fused op accumulates the head's gradient into that unsharded parameter, which FSDP2
     reduce-scatters after the backward as it does for the plain head, and the pre-backward hook
     sits on the returned log-probs. Returns what `completion_logps` returns."""
-    index = torch.nn.functional.pad(rollout.completion_ids, (0, 1))  # (B, T+1); last is a dummy
+    if layout is not None:  # the predictions' positions in the packed rows, their tokens
+        index = rollout.completion_ids[layout.out_rows, layout.out_cols]  # (N,)
+    else:
+        index = torch.nn.functional.pad(rollout.completion_ids, (0, 1))  # (B, T+1); last dummy
     entropy: list[Tensor | None] = []
 
-    def fused_head(hidden: Tensor) -> Tensor:  # (B, T+1, H) -> (B, T+1) log-probs
+    def fused_head(hidden: Tensor) -> Tensor:  # (B, T+1, H) -> (B, T+1); (R, W, H) -> (N,)
+        if layout is not None:
+            hidden = hidden[layout.pred_rows, layout.pred_cols]  # (N, H)
         lp, ent = linear_selective_log_softmax(
             hidden, head.weight, index, bias=head.bias, temperature=temperature,
             with_entropy=with_entropy,
@@ -806,14 +822,19 @@ def _fused_in_forward(model, head, rollout: Rollout, temperature, with_entropy, 
         entropy.append(ent)
         return lp
 
-    out = forward_through_head(model, head, fused_head, rollout, autocast)  # (B, T+1)
+    out = forward_through_head(model, head, fused_head, rollout, autocast, layout)
     if len(entropy) != 1 or out.shape != index.shape:
         raise RuntimeError(
             f"completion_logps: {type(model).__name__}'s forward did not call its LM head once "
             "on the kept positions; it cannot be scored with the fused head"
         )
-    logp = out[:, :-1] * rollout.mask
     ent = entropy[0]
+    if layout is not None:  # back to the (B, T) grid
+        at = (layout.out_rows, layout.out_cols)
+        grid = torch.zeros(rollout.mask.shape, dtype=out.dtype, device=out.device)
+        logp = grid.index_put(at, out) * rollout.mask
+        return logp, (grid.index_put(at, ent.detach()) * rollout.mask if ent is not None else None)
+    logp = out[:, :-1] * rollout.mask
     return logp, (ent[:, :-1].detach() * rollout.mask if ent is not None else None)
 
 

@@ -52,6 +52,7 @@ from rlhflab.experience import PromptSet, Sampler, VerifierOnly
 from rlhflab.losses.distill import DIVERGENCES, chunked_divergence
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import apply_lora
+from rlhflab.models.packing import layout_for
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch
 from rlhflab.rollout.sampler import Rollout, completion_logps, forward_through_head, left_pad
@@ -154,10 +155,12 @@ def same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
     return True
 
 
-def _forward_head(model, rollout: Rollout, autocast, head_fn):
+def _forward_head(model, rollout: Rollout, autocast, head_fn, sel: torch.Tensor):
     """`model`'s own forward on [prompt; completion] with its LM head's forward replaced for the
-    call by `head_fn` (hidden (B, T+1, H) of the kept positions → a tensor), so FSDP2's hooks
-    gather the head (`rollout.sampler.forward_through_head`). Returns what `head_fn` returned.
+    call by `head_fn` ((N, H) hidden states that predict the completion tokens where the (B, T)
+    bool `sel` is True, in `sel.nonzero()` order → a tensor), so FSDP2's hooks gather the head
+    (`rollout.sampler.forward_through_head`). Rows of uneven length are packed as
+    `completion_logps` packs them (`models.packing.layout_for`). Returns what `head_fn` returned.
     Raises ConfigError for a model without a linear LM head."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
@@ -165,7 +168,13 @@ def _forward_head(model, rollout: Rollout, autocast, head_fn):
             f"loss.divergence: {type(model).__name__} has no linear LM head; full-distribution "
             "divergences need one (use loss.divergence reverse_kl_sampled)"
         )
-    return forward_through_head(model, head, head_fn, rollout, autocast)
+    layout = layout_for(model, rollout, sharded=distributed.is_sharded(model))
+    if layout is None:
+        select = lambda hidden: head_fn(hidden[:, :-1][sel])  # noqa: E731  (B, T+1, H)
+    else:
+        at = layout.prediction_index(sel)
+        select = lambda hidden: head_fn(hidden[at])  # noqa: E731  (R, W, H)
+    return forward_through_head(model, head, select, rollout, autocast, layout)
 
 
 class Distill(Trainer):
@@ -523,9 +532,10 @@ class Distill(Trainer):
         return out
 
     def token_terms(self, s: Rollout, t: Rollout, mask: torch.Tensor):
-        """For one micro-batch: the divergence per token (b, T+1) or (b, T), 0 off the scored
-        tokens (`mask` > 0), with gradient; and detached the per-token KL(student ‖ teacher) (exact; the k1 estimate for the sampled
-        estimator) and the argmax agreement (N,) (empty for the sampled estimator)."""
+        """For one micro-batch: the divergence per token (b, T), 0 off the scored tokens
+        (`mask` > 0), with gradient; and detached the per-token KL(student ‖ teacher) (exact; the
+        k1 estimate for the sampled estimator) and the argmax agreement (N,) (empty for the
+        sampled estimator)."""
         cfg, dev = self.cfg, mask.device
         autocast = torch.autocast(dev.type, dtype=self.autocast_dtype,
                                   enabled=self.autocast_dtype is not None)  # fmt: skip
@@ -544,22 +554,22 @@ class Distill(Trainer):
             loss_tok, k1 = self.divergence(logp, logp_t)
             return loss_tok * sel, k1[sel], k1.new_zeros(0)
         with torch.no_grad(), gather:
-            h_t = _forward_head(teacher, t, autocast, lambda h: h.detach())[:, :-1][sel]
+            h_t = _forward_head(teacher, t, autocast, lambda h: h.detach(), sel)  # (N, H)
         args, extra = cfg.loss.divergence_args, {}
         t_head = teacher.get_output_embeddings()
 
-        def head_fn(hidden):  # (b, T+1, H): the student's kept positions -> (b, T+1)
+        def head_fn(hidden):  # (N, H): the student's predictions of the scored tokens -> (N,)
             head = self.model.get_output_embeddings()
             div, extra["kl"], extra["agree"] = chunked_divergence(
-                hidden[:, :-1][sel], head.weight, h_t, t_head.weight, self.divergence.fn,
+                hidden, head.weight, h_t, t_head.weight, self.divergence.fn,
                 bias_s=head.bias, bias_t=t_head.bias, temperature=cfg.rollout.temperature,
                 chunk_size=cfg.loss.chunk_size, **args,
             )  # fmt: skip
-            grid = torch.zeros(hidden.shape[:2], dtype=div.dtype, device=div.device)
-            return grid.index_put(sel.nonzero(as_tuple=True), div)  # 0 off the scored tokens
+            return div
 
-        div = _forward_head(self.model, s, autocast, head_fn)
-        return div, extra["kl"], extra["agree"]
+        div = _forward_head(self.model, s, autocast, head_fn, sel)  # (N,)
+        grid = torch.zeros(sel.shape, dtype=div.dtype, device=div.device)
+        return grid.index_put(sel.nonzero(as_tuple=True), div), extra["kl"], extra["agree"]
 
     # -- The end -------------------------------------------------------------------------------
     def finish(self, step: int) -> None:
