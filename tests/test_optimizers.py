@@ -158,3 +158,70 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, monkeypa
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dtype"), [("adamw_8bit", "float32"),
+                                             ("adamw_bf16", "bfloat16")])  # fmt: skip
+def test_sharded_adamw_state_resumes_bitwise_at_the_same_world_size(tmp_path, name, dtype):
+    """Under FSDP2 on 2 ranks (torchrun, gloo): a 4-step run checkpointed at every step, resumed
+    from step 2 on 2 ranks, ends with the same metrics and bitwise-identical weights. adamw_8bit's
+    m and v are quantized in blocks of each rank's shard, so the checkpoint keeps each rank's
+    codes and scales as they are (`...@rank<r>.codes`), and a resume on another number of
+    processes is refused in one line instead of re-quantizing."""
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+    from factories import worker_env
+
+    raw = sft_raw(tmp_path / "runs", "sft", name, dtype, steps=4)
+    raw["checkpoint"] = {"every": 1, "keep_last": None}
+    raw["parallel"] = {"strategy": "fsdp2", "timeout_s": 120}
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+
+    def train(nproc, root, *extra):
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd = [sys.executable, *(launch if nproc > 1 else []), "-m", "rlhflab", "train",
+               str(cfg), f"run.root={root}", *extra]  # fmt: skip
+        return subprocess.run(cmd, env=worker_env(), capture_output=True, text=True,
+                              timeout=600, check=False)  # fmt: skip
+
+    res = train(2, tmp_path / "runs")
+    assert res.returncode == 0, res.stderr[-3000:]
+    [run] = sorted((tmp_path / "runs").glob("sft-*"))
+    step2 = "checkpoints/step-00000002"
+    index = json.loads((run / step2 / "optimizer.shards.json").read_text())["tensors"]
+    codes = [k for k in index if k.endswith(".codes")]
+    if name == "adamw_8bit":  # both ranks' own 8-bit states, each whole in its own file
+        assert {k.split("@")[1].split(".")[0] for k in codes} == {"rank00000", "rank00001"}
+        assert all(len(index[k]["shards"]) == 1 for k in codes)
+    else:
+        assert not codes and not any("@rank" in k for k in index)
+    copy = tmp_path / "resumed" / run.name
+    shutil.copytree(run, copy)
+    res = train(2, tmp_path / "resumed", "--resume", str(copy / step2))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def rows(d):
+        lines = (Path(d) / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("perf/")
+                 and k != "time_s"} for x in lines]  # fmt: skip
+
+    assert rows(run) == rows(copy)
+    wa, wb = (load_file(str(d / "model/model.safetensors")) for d in (run, copy))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    if name == "adamw_8bit":
+        other = tmp_path / "one" / run.name
+        shutil.copytree(run, other)
+        res = train(1, tmp_path / "one", "--nproc", "1", "--resume", str(other / step2))
+        assert res.returncode == 2
+        last = res.stderr.strip().splitlines()[-1]
+        assert last == (
+            "error: this checkpoint's optimizer state was quantized per rank by 2 "
+            "ranks (adamw_8bit under fsdp2); resume it with 2 processes, not 1"
+        ), last

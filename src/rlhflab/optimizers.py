@@ -24,6 +24,11 @@
                  The random bits come from torch's default generator of the parameter's device
                  (a checkpoint saves and restores it, so a resumed run draws the same bits).
 
+Under FSDP2 torchao quantizes each rank's shard of m and v in blocks of that shard (`_new_buffer`),
+so the 8-bit state is not a slice of a global tensor: sharded checkpoints keep it per rank, as it
+is (`rank_local_state`, `rlhflab.checkpoint.sharded.optimizer_pieces`), and it resumes exactly at
+the same world size only.
+
 torchao is an optional dependency (`pip install "rlhflab[lowmem]"`); its optimizer step is
 compiled by torch.compile (on the CPU this needs a C++ compiler, and the first step of each
 parameter shape compiles for seconds). Kahan-compensated bfloat16 AdamW is not offered: no
@@ -91,6 +96,21 @@ def build(name: str, params: list[torch.nn.Parameter], *, lr: float, betas, eps:
     if name == "adamw_8bit":
         return tao.AdamW8bit(params, **kw, block_size=BLOCK_SIZE_8BIT)
     return tao._AdamW(params, **kw, bf16_stochastic_round=True)
+
+
+#: Suffix of a rank-local optimizer state key in a sharded checkpoint: `<idx>.<name>@rank00001`.
+RANK_LOCAL = "@rank"
+
+
+def rank_local_state(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` keeps state that is not laid out like its parameters under FSDP2 (torchao's
+    block-quantized optimizers, adamw_8bit: each rank quantizes its own shard), so that a
+    sharded checkpoint must store each rank's state as it is instead of slices of global
+    tensors."""
+    cls = type(opt)
+    return cls.__module__.startswith("torchao.") and cls.__name__ in (
+        "AdamW8bit", "Adam8bit", "AdamW4bit", "Adam4bit", "AdamWFp8", "AdamFp8",
+    )  # fmt: skip
 
 
 def state_bytes(name: str, numels: Iterable[int], param_bytes: int) -> int:
@@ -219,10 +239,12 @@ def unflatten_state(key: str, tensors: dict[str, torch.Tensor], meta: dict) -> t
 
 __all__ = [
     "OPTIMIZERS",
+    "RANK_LOCAL",
     "build",
     "bytes_per_param",
     "flatten_state",
     "measured_state_bytes",
+    "rank_local_state",
     "state_bytes",
     "unflatten_state",
 ]

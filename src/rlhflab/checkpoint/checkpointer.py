@@ -228,6 +228,10 @@ class Checkpointer:
             i, msg = failed[0]
             raise CheckpointError(f"checkpoint {final}: rank {i} failed writing its shards: {msg}")
         shards = {name: (report[name][0], [o[1][name][1] for o in outcomes]) for name in report}
+        for name, (meta, _) in shards.items():  # rank-local state: every rank's description
+            if meta is not None and "rank_local" in meta:
+                meta["quantized"] = {k: v for o in outcomes for k, v in
+                                     o[1][name][0]["quantized"].items()}  # fmt: skip
         return tmp, shards
 
     def _save_main(

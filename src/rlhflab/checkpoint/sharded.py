@@ -397,16 +397,35 @@ def optimizer_pieces(opt: torch.optim.Optimizer) -> tuple[dict[str, Piece | None
     """This rank's pieces of an optimizer's state, keyed `<param index>.<name>` as in the full
     file (`rlhflab.checkpoint.state`), and its JSON part (param groups, non-tensor values):
     AdamW's exp_avg / exp_avg_sq are sharded like their parameter, its scalar `step` is
-    rank 0's."""
+    rank 0's.
+
+    An optimizer with rank-local state (`optimizers.rank_local_state`: adamw_8bit, whose m and v
+    are quantized in blocks of each rank's shard) saves each rank's m and v as they are, whole,
+    under `<param index>.<name>@rank<r>` (a quantized state as its inner tensors,
+    `optimizers.flatten_state`, described in the JSON's "quantized"; "rank_local" holds the
+    world size): it is restored exactly by the same world size only."""
+    from rlhflab.optimizers import RANK_LOCAL, flatten_state, rank_local_state
+
+    per_rank = rank_local_state(opt)
+    suffix = f"{RANK_LOCAL}{distributed.rank():05d}"
     sd = opt.state_dict()
-    pieces, scalars = {}, {}
+    pieces, scalars, quantized = {}, {}, {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
-            if torch.is_tensor(v):
-                pieces[f"{idx}.{k}"] = distributed.local_piece(v)
-            else:
+            if not torch.is_tensor(v):
                 scalars[f"{idx}.{k}"] = v
-    return pieces, {"param_groups": encode_tensors(sd["param_groups"]), "scalars": scalars}
+            elif per_rank and distributed.is_shard(v):
+                flat, qmeta = flatten_state(f"{idx}.{k}{suffix}", v.to_local())
+                pieces.update({n: (t, tuple(t.shape), (0,) * t.dim()) for n, t in flat.items()})
+                if qmeta is not None:
+                    quantized[f"{idx}.{k}{suffix}"] = qmeta
+            else:
+                pieces[f"{idx}.{k}"] = distributed.local_piece(v)
+    meta = {"param_groups": encode_tensors(sd["param_groups"]), "scalars": scalars}
+    if per_rank:
+        meta["rank_local"] = {"world_size": distributed.world_size()}
+        meta["quantized"] = quantized  # this rank's; the checkpointer merges every rank's
+    return pieces, meta
 
 
 def load_module(module: torch.nn.Module, reader: TensorReader) -> None:
@@ -441,20 +460,29 @@ def load_module(module: torch.nn.Module, reader: TensorReader) -> None:
 def optimizer_tensors(opt: torch.optim.Optimizer, reader: TensorReader) -> dict[str, torch.Tensor]:
     """The saved optimizer tensors (`<param index>.<name>`) laid out like `opt`'s parameters:
     a tensor shaped like its parameter is read as the slice of this rank's shard (a DTensor
-    like the parameter under FSDP2), anything else (AdamW's `step`) whole. Feed the result to
-    `rlhflab.checkpoint.state._load_optimizer_state` without a module.
+    like the parameter under FSDP2), anything else (AdamW's `step`) whole; this rank's
+    rank-local tensors (`optimizer_pieces`: `...@rank<r>`, whole) as saved, other ranks' not at
+    all. Feed the result to `rlhflab.checkpoint.state._load_optimizer_state` without a module.
 
     Raises:
         KeyError / IndexError / ValueError: a key that names no parameter of `opt`.
     """
+    from rlhflab.optimizers import RANK_LOCAL
+
+    own = f"{RANK_LOCAL}{distributed.rank():05d}"
     params = [p for g in opt.param_groups for p in g["params"]]
     out = {}
     for key in reader.names():
+        _, local, rest = key.partition(RANK_LOCAL)
+        if local:
+            if f"{local}{rest}".startswith(own):
+                out[key] = reader.read(key)
+            continue
         idx, _, _ = key.partition(".")
         p = params[int(idx)]
         if reader.shape(key) == tuple(p.shape):
-            _, offset, local = distributed.shard_region(p)
-            out[key] = distributed.from_local_like(reader.read(key, offset, local), p)
+            _, offset, local_shape = distributed.shard_region(p)
+            out[key] = distributed.from_local_like(reader.read(key, offset, local_shape), p)
         else:
             out[key] = reader.read(key)
     return out

@@ -56,14 +56,27 @@ def _load_optimizer_state(
 ) -> None:
     """Inverse of `_optimizer_state`; `module` is the model the optimizer trains (needed when it
     is sharded: the full state is scattered to this rank's shards)."""
-    from rlhflab.optimizers import unflatten_state
+    from rlhflab.optimizers import RANK_LOCAL, unflatten_state
 
     state: dict[int, dict] = {}
     tensors = dict(tensors)
+    rank_local = meta.get("rank_local")
+    if rank_local is not None and rank_local["world_size"] != distributed.world_size():
+        raise CheckpointError(
+            f"this checkpoint's optimizer state was quantized per rank by "
+            f"{rank_local['world_size']} ranks (adamw_8bit under fsdp2); resume it with "
+            f"{rank_local['world_size']} processes, not {distributed.world_size()}"
+        )
+    own = f"{RANK_LOCAL}{distributed.rank():05d}"
     for key, qmeta in meta.get("quantized", {}).items():
-        tensors[key] = unflatten_state(key, tensors, qmeta)
+        if RANK_LOCAL not in key or key.endswith(own):  # another rank's: not read
+            tensors[key] = unflatten_state(key, tensors, qmeta)
+    params = [p for g in opt.param_groups for p in g["params"]]
     for key, v in tensors.items():
-        idx, k = key.split(".", 1)
+        base, local, _ = key.partition(RANK_LOCAL)
+        idx, k = base.split(".", 1)
+        if local:  # this rank's own shard of the state, as it was: a DTensor like its parameter
+            v = distributed.from_local_like(v, params[int(idx)])
         state.setdefault(int(idx), {})[k] = v
     for key, v in meta["scalars"].items():
         idx, k = key.split(".", 1)

@@ -421,12 +421,6 @@ class TrainerConfig(Strict):
                 raise ValueError(
                     f"{field}.name: {optim.name} needs torchao (pip install 'rlhflab[lowmem]')"
                 )
-            if optim.name == "adamw_8bit" and self.parallel.strategy == "fsdp2":
-                raise ValueError(
-                    f"{field}.name: adamw_8bit under parallel.strategy: fsdp2 is not supported "
-                    "yet (its block-quantized state is not written to sharded checkpoints); use "
-                    "adamw_bf16, or parallel.strategy: ddp"
-                )
             if optim.name == "adamw_bf16" and (
                 self.model.dtype != "bfloat16" or self.model.lora is not None
             ):

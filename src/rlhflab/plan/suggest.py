@@ -72,8 +72,8 @@ MAX_GPUS = 1024
 
 
 def _accepted(setting, change: Change) -> bool:
-    """Whether the run's config accepts `change`'s overrides (e.g. `adamw_8bit` is refused under
-    FSDP2, `adamw_bf16` with LoRA: `config.sections.TrainerConfig._optimizer_fits`); a change it
+    """Whether the run's config accepts `change`'s overrides (e.g. `adamw_bf16` is refused with
+    LoRA or float32 weights: `config.sections.TrainerConfig._optimizer_fits`); a change it
     refuses is not suggested."""
     from rlhflab.errors import ConfigError
 
