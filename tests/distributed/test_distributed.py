@@ -129,6 +129,18 @@ def _train(tmp: Path, name: str, raw: dict, nproc: int, strategy: str = "auto") 
     return _run_dir(root / "runs")
 
 
+def _worker_results(worker: str, tmp: Path, *args: str) -> list[dict]:
+    """Run the script `worker` on 2 ranks under torchrun as `worker.py *args tmp`; each rank
+    writes `tmp/rank<r>.json`: those, in rank order."""
+    script = tmp / "worker.py"
+    script.write_text(worker)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    res = subprocess.run([*cmd, str(script), *args, str(tmp)], env=_env(), capture_output=True,
+                         text=True, timeout=300, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 # The exactness runs train in float64 (`model.dtype: float64`; AdamW's state follows the
 # parameters). In float32, one process and 2 ranks x micro-batches add the same terms in other
 # orders, and so do the CPU kernels torch picks (AVX-512, AVX2, scalar: ATEN_CPU_CAPABILITY):
@@ -681,15 +693,7 @@ def test_reward_model_component_fsdp2_rank1_holds_no_full_copy(base_model, rm_di
     from rlhflab.rewards.reward_model import RewardModelScorer
 
     paths = {"seq_cls": rm_dir, "causal_lm": base_model}
-    script = tmp_path / "worker.py"
-    script.write_text(RM_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    res = subprocess.run(
-        [*cmd, str(script), json.dumps(paths), str(tmp_path)],
-        env=_env(), capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = _worker_results(RM_WORKER, tmp_path, json.dumps(paths))
     # rank 0 loads each scorer once (the rowless round's is a third); rank 1 never
     assert sorted(ranks[0]["loads"]) == sorted([*paths.values(), rm_dir])
     assert ranks[1]["loads"] == []
@@ -753,16 +757,10 @@ def test_half_weights_rollout_never_gathers_the_fsdp2_policy(base_model, tmp_pat
     from rlhflab.rollout.engines.base import SamplingParams
     from rlhflab.rollout.engines.hf import HFEngine
 
-    script = tmp_path / "worker.py"
-    script.write_text(HALF_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    res = subprocess.run([*cmd, str(script), base_model, str(tmp_path)], env=_env(),
-                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = _worker_results(HALF_WORKER, tmp_path, base_model)
     engine = HFEngine(load_model(base_model).eval(), pad_token_id=0, stop_token_ids=(1,),
                       autocast_dtype=torch.bfloat16, half_weights=True)  # fmt: skip
-    for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, got in enumerate(ranks):
         assert got["gathers"] == 0 and got["sharded_while_sampling"], got
         assert got["copy_is_the_policy"]
         ro = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(n=2, max_new_tokens=5),
@@ -822,13 +820,7 @@ def test_fsdp2_ranks_pack_varlen_and_equal_one_padded_process(base_model, tmp_pa
     from rlhflab.models.loading import load_model
     from rlhflab.models.reward import reward_model_from_causal_lm, score_rollout
 
-    script = tmp_path / "worker.py"
-    script.write_text(VARLEN_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    res = subprocess.run([*cmd, str(script), base_model, str(tmp_path)], env=_env(),
-                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = _worker_results(VARLEN_WORKER, tmp_path, base_model)
     lm = load_model(base_model, dtype="float64")
     rm = reward_model_from_causal_lm(load_model(base_model, dtype="float64"), num_labels=1,
                                      seed=0, pad_token_id=0)  # fmt: skip
