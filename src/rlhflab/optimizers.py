@@ -76,6 +76,7 @@ def build(name: str, params: list[torch.nn.Parameter], *, lr: float, betas, eps:
 
     Raises:
         ValueError: an unknown name, or adamw_bf16 over parameters that are not bfloat16.
+        ConfigError: adamw_8bit over FSDP2 shards of unequal sizes (`_refuse_uneven_shards`).
         ImportError: torchao is missing (one line saying what to install).
     """
     import torch
@@ -94,8 +95,33 @@ def build(name: str, params: list[torch.nn.Parameter], *, lr: float, betas, eps:
             )
     tao = _torchao_optim()
     if name == "adamw_8bit":
+        _refuse_uneven_shards(params)
         return tao.AdamW8bit(params, **kw, block_size=BLOCK_SIZE_8BIT)
     return tao._AdamW(params, **kw, bf16_stochastic_round=True)
+
+
+def _refuse_uneven_shards(params) -> None:
+    """adamw_8bit over FSDP2 shards of unequal sizes fails inside torchao's compiled step (seen
+    with torch 2.13 and torchao 0.18: a graph compiled for one rank-local shape is run on
+    another, "expected size 159==160"); refuse it in one line first.
+
+    Raises:
+        ConfigError: a sharded parameter whose first dimension the ranks do not divide evenly.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from rlhflab.errors import ConfigError
+
+    for p in params:
+        if isinstance(p, DTensor):
+            n = p.device_mesh.size()
+            if p.dim() and p.shape[0] % n:
+                raise ConfigError(
+                    f"optim.name: adamw_8bit under fsdp2 needs every parameter's first dimension "
+                    f"divisible by the {n} ranks; one of shape {list(p.shape)} is not (torchao's "
+                    "8-bit step fails on uneven shards): use adamw_bf16, adamw, or a number of "
+                    "ranks that divides it"
+                )
 
 
 #: Suffix of a rank-local optimizer state key in a sharded checkpoint: `<idx>.<name>@rank00001`.
@@ -167,11 +193,13 @@ def measured_state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def _tensor_bytes(v: torch.Tensor) -> int:
+    import torch
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if is_traceable_wrapper_subclass(v):  # a quantized state, or a DTensor (its local shard)
         names, _ = v.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(v, n)) for n in names)
+        inner = [getattr(v, n) for n in names]  # DTensor also names its (non-tensor) device mesh
+        return sum(_tensor_bytes(t) for t in inner if isinstance(t, torch.Tensor))
     return v.numel() * v.element_size()
 
 
