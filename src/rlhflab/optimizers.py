@@ -108,13 +108,12 @@ def _refuse_uneven_shards(params) -> None:
     Raises:
         ConfigError: a sharded parameter whose first dimension the ranks do not divide evenly.
     """
-    from torch.distributed.tensor import DTensor
-
     from rlhflab.errors import ConfigError
 
     for p in params:
-        if isinstance(p, DTensor):
-            n = p.device_mesh.size()
+        mesh = getattr(p, "device_mesh", None)  # an FSDP2 shard (a DTensor); this module sits
+        if mesh is not None:  # below rlhflab.distributed, so it does not import it
+            n = mesh.size()
             if p.dim() and p.shape[0] % n:
                 raise ConfigError(
                     f"optim.name: adamw_8bit under fsdp2 needs every parameter's first dimension "
