@@ -63,11 +63,45 @@ def _hump_checks(beta: float) -> tuple[Check, Check]:
                                                                 below=0.0)  # fmt: skip
 
 
+#: The fourth design's criterion (pre-registered 2026-12-06, before the run on seeds 5-7): the
+#: paper's Fig. 1 axis, gold against the KL budget, every (β, checkpoint) of the design a point.
 CRITERION = Criterion(
     claim=(
-        "Rafailov et al. 2024 (arXiv 2406.02900), abstract and Fig. 1: as a direct alignment algorithm "
-        "moves the policy away from the reference (KL grows), gold quality first rises and then "
-        "falls (over-optimisation), and a lower β reaches a larger KL."
+        "Rafailov et al. 2024 (arXiv 2406.02900), abstract and Fig. 1: across KL budgets (β) and "
+        "training checkpoints, a direct alignment algorithm's gold quality first rises as the "
+        "policy moves away from the reference and then falls at larger KL (over-optimisation, as "
+        "with a proxy reward model in RLHF), and a lower β reaches a larger KL."
+    ),
+    checks=(
+        Check(
+            "budget_rise",
+            "gold at the best checkpoint of any β − gold at step 0 (fraction of samples correct; "
+            "the best (β, step) chosen on the even half of the held-out problems from the mean "
+            "over seeds, measured on the odd half; one difference per seed, t interval)",
+            above=0.0,
+        ),
+        Check(
+            "budget_fall",
+            "gold at the largest KL budget (the lowest β's last checkpoint) − gold at that best "
+            "checkpoint (odd half; one difference per seed, t interval)",
+            below=0.0,
+        ),
+        Check(
+            "kl_order",
+            "Spearman rank correlation between β and KL(π‖π_ref) at the last checkpoint, over "
+            "the design's βs (one per seed, t interval)",
+            below=0.0,
+        ),
+    ),
+)
+
+#: The third design's criterion, judged beside the verdict (`secondary`): a rise-then-fall within
+#: each of the lowest βs' own runs, and the KL gap between the lowest and the highest β.
+HUMP_CRITERION = Criterion(
+    claim=(
+        "Read per β (the third design's criterion): at each of the lower βs, gold first rises "
+        "and then falls along that β's own training run, and β = "
+        f"{LOW_BETAS[0]:g} ends at a larger KL than β = {HIGH_BETA:g}."
     ),
     checks=(
         *(check for b in LOW_BETAS for check in _hump_checks(b)),
