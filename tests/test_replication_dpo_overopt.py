@@ -12,11 +12,14 @@ import pytest
 
 from rlhflab.replications.dpo_overopt import (
     CRITERION,
+    HUMP_CRITERION,
+    budget_hump,
     cells,
     estimates,
     measured_steps,
     per_seed_rows,
     rise_and_fall,
+    spearman,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +73,8 @@ def test_estimates_give_every_criterion_key_and_the_kl_gap_paired_over_seeds():
             results[f"beta{beta:g}-seed{seed}"] = _cell(
                 beta, seed, kl, [0.1, 0.3 + 0.01 * seed, 0.2]
             )
-    est, per_beta = estimates(results)
-    assert {c.key for c in CRITERION.checks} <= set(est)
+    est, per_beta, _ = estimates(results)
+    assert {c.key for c in (*CRITERION.checks, *HUMP_CRITERION.checks)} <= set(est)
     # peak at index 1 (even half 0.5); rise = 0.3 + 0.01 s - 0.1, fall = 0.2 - (0.3 + 0.01 s)
     assert est["rise_beta_0.01"][0] == pytest.approx(0.21, abs=1e-12)
     assert est["fall_beta_0.01"][0] == pytest.approx(-0.11, abs=1e-12)
@@ -86,6 +89,48 @@ def test_estimates_give_every_criterion_key_and_the_kl_gap_paired_over_seeds():
     del results["beta1-seed0"], results["beta1-seed1"], results["beta1-seed2"]
     with pytest.raises(ValueError, match=r"needs β \[1.0\]"):
         estimates(results)
+
+
+def test_spearman_is_the_correlation_of_ranks_with_tied_values_sharing_their_mean_rank():
+    assert spearman([0.01, 0.1, 1.0], [9.0, 4.0, 1.0]) == pytest.approx(-1.0, abs=1e-12)
+    assert spearman([1, 2, 3, 4, 5], [2.0, 1.0, 4.0, 3.0, 5.0]) == pytest.approx(0.8, abs=1e-12)
+    # 1 - 6 Σd²/(n(n²-1)) with d = (1, -1, 1, -1, 0): 1 - 24/120 = 0.8 (no ties)
+    # ties: ys ranks (1.5, 1.5, 3, 4); xs ranks (1, 2, 3, 4): centred (-1.5, -.5, .5, 1.5) and
+    # (-1, -1, .5, 1.5) → Σxy = 1.5 + .5 + .25 + 2.25 = 4.5, Σx² = 5, Σy² = 4.5 → 4.5/sqrt(22.5)
+    assert spearman([1, 2, 3, 4], [7.0, 7.0, 8.0, 9.0]) == pytest.approx(4.5 / math.sqrt(22.5))
+    with pytest.raises(ValueError, match="constant"):
+        spearman([1, 2, 3], [5.0, 5.0, 5.0])
+    with pytest.raises(ValueError, match="one length"):
+        spearman([1, 2], [1.0])
+
+
+def test_budget_hump_picks_the_best_point_over_every_beta_on_the_even_half():
+    # Two seeds, βs 0.01 and 1, three checkpoints each. Even half, mean over seeds:
+    #   β = 0.01: 0.2, 0.3, 0.1   β = 1: 0.2, 0.25, 0.6 → best point: β = 1, index 2 (step 8).
+    # The odd half's own maximum (β = 0.01, index 1: 0.9) must not be chosen.
+    def cell(beta, seed, evens, odds, kls):
+        pts = [{"step": 4 * i, "gold_even": e, "gold_odd": o, "kl": k}
+               for i, (e, o, k) in enumerate(zip(evens, odds, kls, strict=True))]  # fmt: skip
+        return {"beta": beta, "seed": seed, "points": pts}
+
+    by_beta = {
+        0.01: [cell(0.01, 3, [0.2, 0.3, 0.1], [0.10, 0.90, 0.05], [0, 2, 6]),
+               cell(0.01, 4, [0.2, 0.3, 0.1], [0.20, 0.90, 0.10], [0, 3, 5])],
+        1.0: [cell(1.0, 3, [0.2, 0.2, 0.7], [0.10, 0.30, 0.40], [0, 1, 2]),
+              cell(1.0, 4, [0.2, 0.3, 0.5], [0.20, 0.30, 0.50], [0, 1, 7])],
+    }  # fmt: skip
+    got = budget_hump(by_beta)
+    assert got["best"] == (1.0, 8)
+    # rise per seed: 0.40 - 0.10, 0.50 - 0.20; fall: lowest β's last (0.05, 0.10) - best (0.4, 0.5)
+    assert got["rises"] == pytest.approx([0.30, 0.30], abs=1e-12)
+    assert got["falls"] == pytest.approx([-0.35, -0.40], abs=1e-12)
+    # ρ(β, last KL): seed 3 (6 vs 2) → -1; seed 4 (5 vs 7) → +1
+    assert got["rhos"] == pytest.approx([-1.0, 1.0], abs=1e-12)
+    m, lo, hi = got["fall"]
+    assert m == pytest.approx(-0.375, abs=1e-12) and lo < m < hi
+    del by_beta[1.0][1]
+    with pytest.raises(ValueError, match="same seeds"):
+        budget_hump(by_beta)
 
 
 def test_measured_steps_are_dense_then_sparse_and_always_end_at_the_last_step():
@@ -154,6 +199,7 @@ def test_tiny_replication_runs_through_the_cell_runner(tmp_path, monkeypatch):
     verdict = json.loads((out / "verdict.json").read_text())
     assert set(verdict) >= {"name", "claim", "criterion", "estimate", "ci95", "seeds", "reproduced"}
     assert verdict["seeds"] == [0, 1] and len(verdict["checks"]) == len(CRITERION.checks)
+    assert len(verdict["secondary"]["checks"]) == len(HUMP_CRITERION.checks)
     cell = json.loads((out / "cells" / "beta0.01-seed1.json").read_text())
     # every 2 steps up to step 2, then multiples of 3, and the last step
     assert [p["step"] for p in cell["points"]] == [0, 2, 3, 4]

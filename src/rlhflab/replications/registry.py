@@ -28,7 +28,7 @@ DESCRIPTIONS = {
     "trained on 4 data sizes and GRPO against the largest; gold vs √KL with d(α − βd) and "
     "d(α − β log d) fits and a pre-registered verdict",
     "dpo-overopt": "DPO over-optimisation (Rafailov et al. 2024): one run per β and seed, "
-    "measured every few steps; gold against √KL(π‖π_ref) per β",
+    "measured every few steps; gold against √KL(π‖π_ref) over every β and checkpoint",
     "prm-orm": "PRM vs ORM (Lightman et al. 2023) on chained arithmetic with exact step labels; "
     "best-of-N selection accuracy against N up to 64, 3 seeds",
 }
