@@ -917,7 +917,7 @@ def _distill(base, teacher) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["sft", "rm", "dpo", "grpo", "distill"])
+@pytest.mark.parametrize("family", ["sft", "rm", "dpo", "grpo", "grpo_entropy", "ppo", "distill"])
 def test_fsdp2_packed_equals_one_padded_process(family, base_model, uneven_files, tmp_path,
                                                 request):  # fmt: skip
     """Per trainer, on rows of very different lengths: 2 FSDP2 ranks whose micro-batches are
@@ -925,7 +925,11 @@ def test_fsdp2_packed_equals_one_padded_process(family, base_model, uneven_files
     packing wherever a layout exists, however little it saves) against one process with packing
     off: every step's gradients and metrics and the weights after 3 steps agree in float64.
     (SFT, RM and DPO read files of uneven rows; GRPO's and distillation's completions stop at
-    different lengths; distillation scores the full distribution, student and teacher.)"""
+    different lengths; distillation scores the full distribution, student and teacher; GRPO
+    with an entropy bonus holds the scored tokens' logits with gradients; PPO's critic is a
+    sharded backbone scored packed.)"""
+    gae = {"advantage": "gae", "advantage_args": {"gamma": 1.0, "lam": 0.95},
+           "surrogate": "ppo_clip", "aggregation": "token_mean"}  # fmt: skip
     micro = {"micro_batch_size": 4}
     sft_data = {"source": "dataset", "path": str(uneven_files / "sft.jsonl")}
     dpo_data = {"source": "file", "format": "pairs", "path": str(uneven_files / "pairs.jsonl"),
@@ -935,8 +939,12 @@ def test_fsdp2_packed_equals_one_padded_process(family, base_model, uneven_files
         "rm": lambda: _rm(base_model, uneven_files / "pairs.jsonl"),
         "dpo": lambda: {**_dpo(base_model), "data": dpo_data},
         "grpo": lambda: _grpo(base_model),
+        "grpo_entropy": lambda: _grpo(base_model, loss={**_grpo(base_model)["loss"],
+                                                        "entropy_coef": 0.05}),
+        "ppo": lambda: _grpo(base_model, loss=gae,
+                             value={"clip_range": 0.2, "optim": {"lr": 1e-3}}),
         "distill": lambda: _distill(base_model, request.getfixturevalue("teacher_model")),
-    }[family]()
+    }[family]()  # fmt: skip
     raw["train"] = {**raw["train"], **micro, "steps": 3}
     if family == "dpo":
         raw.pop("verifiable")

@@ -100,7 +100,9 @@ def test_forward_head_hidden_states_give_the_trained_log_probs(tiny_model64, mon
         chosen.append(lay)
         return lay
 
-    monkeypatch.setattr(distill, "layout_for", layout_for)
+    import rlhflab.rollout.sampler as sampler
+
+    monkeypatch.setattr(sampler, "layout_for", layout_for)  # completion_head's
     hidden = distill._forward_head(tiny_model64, rollout, contextlib.nullcontext(), lambda h: h,
                                    sel)  # fmt: skip
     assert all(lay is not None for lay in chosen) and len(chosen) == (layout != "padded")

@@ -75,12 +75,22 @@ def _raw(family: str, root, base, pairs, teacher=None) -> dict:
         data = {"source": "dataset", "path": str(pairs.parent / "sft.jsonl")}
         return tiny_sft(root, model=f64, data=data,
                         train={"steps": 3, "batch_size": 8, "micro_batch_size": 8, "max_len": 64})  # fmt: skip
-    if family == "grpo":
+    if family.startswith("grpo") or family == "ppo":
         # a length term beside correctness, so that every group's rewards vary
         reward = {"components": [{"name": "correctness", "weight": 1.0},
                                  {"name": "length", "weight": 0.5}]}  # fmt: skip
+        more = {
+            "grpo": {},
+            # the entropy bonus: its (N, V) logits pass with gradients
+            "grpo_entropy": {"loss": {"entropy_coef": 0.05}},
+            # OTB: Σπ² of every completion position, a no-grad logits pass
+            "grpo_otb": {"loss": {"advantage": "optimal_token_baseline"}},
+            # PPO: the critic's values and their gradients
+            "ppo": {"loss": {"advantage": "gae", "advantage_args": {"gamma": 1.0, "lam": 0.95}},
+                    "value": {"clip_range": 0.2, "optim": {"lr": 1e-3}}},
+        }[family]  # fmt: skip
         return tiny_pg(root, base, model=f64, reward=reward,
-                       train={"steps": 3, "micro_batch_size": 8})  # fmt: skip
+                       train={"steps": 3, "micro_batch_size": 8}, **more)  # fmt: skip
     if family == "dpo":
         return tiny_dpo(root, base, model=f64,
                         train={"steps": 3, "batch_size": 4, "micro_batch_size": 2})  # fmt: skip
@@ -93,7 +103,9 @@ def _raw(family: str, root, base, pairs, teacher=None) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["sft", "grpo", "dpo", "rm", "distill"])
+@pytest.mark.parametrize(
+    "family", ["sft", "grpo", "grpo_entropy", "grpo_otb", "ppo", "dpo", "rm", "distill"]
+)
 def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, request):
     teacher = request.getfixturevalue("teacher") if family == "distill" else None
     packed_calls = []
@@ -105,6 +117,28 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, reques
         return lay
 
     monkeypatch.setattr(packing, "packed_layout", counted)  # what layout_for calls
+    # the pass this family adds must itself pack, not only the log-prob passes beside it
+    own_pass = {"grpo_entropy": "entropy", "grpo_otb": "entropy", "ppo": "critic"}.get(family)
+    own_packed = []
+    if own_pass == "entropy":  # logps_with_entropy / no_grad_sum_pi_squared → completion_head
+        import rlhflab.trainers.pg_phases as pg_phases
+
+        real_head = pg_phases.completion_head
+
+        def head_spy(model, rollout, *args, **kwargs):
+            own_packed.append(packing.layout_for(model, rollout, sharded=False) is not None)
+            return real_head(model, rollout, *args, **kwargs)
+
+        monkeypatch.setattr(pg_phases, "completion_head", head_spy)
+    elif own_pass == "critic":  # ValueModel.forward reads packing.backbone_layout at call time
+        real_backbone = packing.backbone_layout
+
+        def backbone_spy(*args, **kwargs):
+            lay = real_backbone(*args, **kwargs)
+            own_packed.append(lay is not None)
+            return lay
+
+        monkeypatch.setattr(packing, "backbone_layout", backbone_spy)
     runs = {}
     for arm in ("packed", "padded"):
         # distillation's rows (one completion a prompt) pack wherever a layout exists
@@ -115,8 +149,11 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, reques
         runs[arm] = run_config(config_from_dict(raw))
         if arm == "packed":
             assert any(packed_calls), "the packed arm never packed"
+            assert own_pass is None or any(own_packed), f"the {own_pass} pass never packed"
             packed_calls.clear()
+            own_packed.clear()
     assert not any(packed_calls), "the padded arm packed"
+    assert own_pass is None or (own_packed and not any(own_packed)), "padded arm: own pass"
 
     def step_of(path):  # grads-<n>.safetensors, n counted per process (not per run)
         return int(path.stem.split("-")[1])
@@ -126,7 +163,8 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, reques
               sorted((tmp_path / f"grads-{arm}").glob("*.safetensors"), key=step_of)]
         for arm in runs
     }  # fmt: skip
-    assert len(dumps["packed"]) == len(dumps["padded"]) == 3
+    # one dump per optimizer step (PPO: the policy's and the critic's)
+    assert len(dumps["packed"]) == len(dumps["padded"]) == (6 if family == "ppo" else 3)
     g_max = []
     for ga, gb in zip(dumps["packed"], dumps["padded"], strict=True):
         g_max.append(max(g.abs().max().item() for g in gb.values()))

@@ -81,12 +81,17 @@ class PackedLayout:
         return self.pred_rows[k], self.pred_cols[k]
 
 
-def can_pack(model) -> bool:
-    """True for models of a PACKABLE architecture with a separate backbone (`base_model`)."""
-    cfg = getattr(model, "config", None)
+def _packable_config(cfg) -> bool:
     return (
         getattr(cfg, "model_type", None) in PACKABLE
         and getattr(cfg, "final_logit_softcapping", None) is None
+    )
+
+
+def can_pack(model) -> bool:
+    """True for models of a PACKABLE architecture with a separate backbone (`base_model`)."""
+    return (
+        _packable_config(getattr(model, "config", None))
         and getattr(model, "base_model", model) is not model
     )
 
@@ -107,6 +112,18 @@ def layout_for(model, rollout, *, sharded: bool) -> PackedLayout | None:
     row under flash attention. None when it saves less than MIN_SAVING (one row: nothing)."""
     if not can_pack(model):
         return None
+    return _choose_layout(model, rollout, sharded)
+
+
+def backbone_layout(backbone, rollout, *, sharded: bool) -> PackedLayout | None:
+    """`layout_for` of a bare backbone (a transformers base model of a PACKABLE architecture,
+    called directly: PPO's critic, `rlhflab.models.value`), or None for the padded layout."""
+    if not _packable_config(getattr(backbone, "config", None)):
+        return None
+    return _choose_layout(backbone, rollout, sharded)
+
+
+def _choose_layout(model, rollout, sharded: bool) -> PackedLayout | None:
     impl = attention_implementation(model)
     if impl not in PACKED_ATTENTION:
         return None

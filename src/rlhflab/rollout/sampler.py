@@ -794,6 +794,30 @@ def forward_through_head(
     return out.logits
 
 
+def completion_head(model, rollout: Rollout, head_fn, sel: Tensor, autocast):
+    """`head_fn` applied to the hidden states that predict the completion tokens where the
+    (B, T) bool `sel` is True: (N, H), N = sel.sum(), in `sel.nonzero()` (row-major) order.
+
+    `model`'s own forward on [prompt; completion] with its LM head's forward replaced for the
+    call by the selection and `head_fn` (`forward_through_head`), so FSDP2's hooks gather the
+    head and see the result as the forward's output; `head_fn` must therefore not call the head
+    module itself (use `torch.nn.functional.linear(h, head.weight, head.bias)`). Rows of uneven
+    length are packed as `completion_logps` packs them (`models.packing.layout_for`: prompts
+    shared on CPU, varlen rows when sharded or elsewhere), so the padding is never computed.
+    `autocast` is a context manager (a no-op one for none). Returns what `head_fn` returned.
+    Raises ValueError for a model without a linear LM head (`get_output_embeddings`)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"completion_head: {type(model).__name__} has no linear LM head")
+    layout = layout_for(model, rollout, sharded=distributed.is_sharded(model))
+    if layout is None:
+        select = lambda hidden: head_fn(hidden[:, :-1][sel])  # noqa: E731  (B, T+1, H)
+    else:
+        at = layout.prediction_index(sel)
+        select = lambda hidden: head_fn(hidden[at])  # noqa: E731  (R, W, H)
+    return forward_through_head(model, head, select, rollout, autocast, layout)
+
+
 def _fused_in_forward(model, head, rollout: Rollout, layout, temperature, with_entropy, autocast):
     """`completion_logps` of an FSDP2-sharded model: its own forward, with the LM head's forward
     replaced for the call by the fused, row-chunked log-softmax of the chosen tokens.

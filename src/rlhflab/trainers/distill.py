@@ -52,10 +52,9 @@ from rlhflab.experience import PromptSet, Sampler, VerifierOnly
 from rlhflab.losses.distill import DIVERGENCES, chunked_divergence
 from rlhflab.models.loading import context_length
 from rlhflab.models.lora import apply_lora
-from rlhflab.models.packing import layout_for
 from rlhflab.rewards.verifier import Verifier
 from rlhflab.rollout.dynamic import ScoredBatch
-from rlhflab.rollout.sampler import Rollout, completion_logps, forward_through_head, left_pad
+from rlhflab.rollout.sampler import Rollout, completion_head, completion_logps, left_pad
 from rlhflab.trainers.common import (
     grad_norm_and_clip,
     heldout_eval,
@@ -156,25 +155,16 @@ def same_weights(student: torch.nn.Module, teacher: torch.nn.Module) -> bool:
 
 
 def _forward_head(model, rollout: Rollout, autocast, head_fn, sel: torch.Tensor):
-    """`model`'s own forward on [prompt; completion] with its LM head's forward replaced for the
-    call by `head_fn` ((N, H) hidden states that predict the completion tokens where the (B, T)
-    bool `sel` is True, in `sel.nonzero()` order → a tensor), so FSDP2's hooks gather the head
-    (`rollout.sampler.forward_through_head`). Rows of uneven length are packed as
-    `completion_logps` packs them (`models.packing.layout_for`). Returns what `head_fn` returned.
-    Raises ConfigError for a model without a linear LM head."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
+    """`rollout.sampler.completion_head`: `head_fn` on the (N, H) hidden states that predict the
+    completion tokens where the (B, T) bool `sel` is True, through `model`'s own forward (FSDP2's
+    hooks gather the head), packed padding-free where rows are uneven. Raises ConfigError for a
+    model without a linear LM head."""
+    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         raise ConfigError(
             f"loss.divergence: {type(model).__name__} has no linear LM head; full-distribution "
             "divergences need one (use loss.divergence reverse_kl_sampled)"
         )
-    layout = layout_for(model, rollout, sharded=distributed.is_sharded(model))
-    if layout is None:
-        select = lambda hidden: head_fn(hidden[:, :-1][sel])  # noqa: E731  (B, T+1, H)
-    else:
-        at = layout.prediction_index(sel)
-        select = lambda hidden: head_fn(hidden[at])  # noqa: E731  (R, W, H)
-    return forward_through_head(model, head, select, rollout, autocast, layout)
+    return completion_head(model, rollout, head_fn, sel, autocast)
 
 
 class Distill(Trainer):

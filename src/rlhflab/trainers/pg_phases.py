@@ -32,9 +32,10 @@ from rlhflab.losses.correction import (
 )
 from rlhflab.losses.kl import kl_in_reward, kl_penalty
 from rlhflab.losses.value import clipped_value_loss, explained_variance
+from rlhflab.models.packing import can_pack
 from rlhflab.ops import entropy_from_logits, position_ids_from_mask, selective_log_softmax, upcast
 from rlhflab.rollout.dynamic import ScoredBatch
-from rlhflab.rollout.sampler import completion_logps
+from rlhflab.rollout.sampler import completion_head, completion_logps
 from rlhflab.trainers.common import grad_norm_and_clip, micro_batches
 
 
@@ -473,26 +474,59 @@ def _logits(model, rollout, temperature, autocast_dtype) -> torch.Tensor:
     return logits / temperature if temperature != 1.0 else logits
 
 
+def completion_logits_map(model, rollout, temperature, autocast_dtype, fn) -> torch.Tensor:
+    """`fn` of the completion logits, back on the rollout's (B, T) grid: `fn` gets the (N, V)
+    float logits / τ at the N scored tokens (`rollout.mask` > 0, row-major) and their (N,) ids
+    and returns (N,) or (N, k) values; the result is (B, T) or (B, T, k), 0 on padding, with
+    gradients when `fn`'s have them.
+
+    A model with a linear LM head (`models.packing.can_pack`) is run through its own forward
+    with the head applied to those N hidden states only (`rollout.sampler.completion_head`:
+    packed padding-free where rows are uneven, FSDP2-safe), so neither the padding nor the
+    (B, T, V) logits are computed; any other model through `_logits` (padded, (B, T, V))."""
+    sel = rollout.mask > 0
+    tokens = rollout.completion_ids[sel]  # (N,)
+    head = model.get_output_embeddings() if can_pack(model) else None
+    if isinstance(head, torch.nn.Linear):
+
+        def head_fn(hidden):  # (N, H), inside the model's forward (and its autocast)
+            logits = upcast(torch.nn.functional.linear(hidden, head.weight, head.bias))
+            return fn(logits / temperature if temperature != 1.0 else logits, tokens)
+
+        autocast = torch.autocast(rollout.input_ids.device.type, dtype=autocast_dtype,
+                                  enabled=autocast_dtype is not None)  # fmt: skip
+        values = completion_head(model, rollout, head_fn, sel, autocast)
+    else:
+        values = fn(_logits(model, rollout, temperature, autocast_dtype)[sel], tokens)
+    grid = values.new_zeros((*sel.shape, *values.shape[1:]))
+    return grid.index_put(tuple(sel.nonzero().unbind(1)), values)
+
+
 def logps_with_entropy(model, rollout, temperature, autocast_dtype):
     """(B, T) log-probs of the completion tokens and (B, T) entropy of π_θ(·|o_<t), both with
-    gradients (for the entropy bonus), 0 at padding. One unfused forward: the (B, T, V) logits
-    are held, unlike `completion_logps`' fused head."""
-    logits = _logits(model, rollout, temperature, autocast_dtype)
-    b, t, v = logits.shape
-    logp = selective_log_softmax(logits.reshape(b * t, v), rollout.completion_ids.reshape(-1))
-    ent = entropy_from_logits(logits.reshape(b * t, v))
-    return logp.reshape(b, t) * rollout.mask, ent.reshape(b, t) * rollout.mask
+    gradients (for the entropy bonus), 0 at padding. The logits of the scored tokens only,
+    packed padding-free where rows are uneven (`completion_logits_map`); the (N, V) logits of
+    those tokens are held (the fused head of `completion_logps` has no entropy gradient)."""
+
+    def both(logits, tokens):  # (N, V), (N,) -> (N, 2)
+        return torch.stack([selective_log_softmax(logits, tokens),
+                            entropy_from_logits(logits)], dim=-1)  # fmt: skip
+
+    out = completion_logits_map(model, rollout, temperature, autocast_dtype, both)
+    return out[..., 0], out[..., 1]
 
 
 @torch.no_grad()
 def no_grad_sum_pi_squared(model, rollout, cfg, autocast_dtype) -> torch.Tensor:
     """(B, T) Σ_v π(v | o_<t)² of the tempered policy at each completion position (OTB's
-    realised energy), in micro-batches, 0 at padding."""
+    realised energy), in micro-batches, 0 at padding (`completion_logits_map`: packed
+    padding-free where rows are uneven)."""
     return _by_micro_batch(
         rollout, cfg,
-        lambda micro: sum_pi_squared(
-            _logits(model, micro, cfg.rollout.temperature, autocast_dtype)
-        ) * micro.mask,
+        lambda micro: completion_logits_map(
+            model, micro, cfg.rollout.temperature, autocast_dtype,
+            lambda logits, tokens: sum_pi_squared(logits),
+        ),
     )  # fmt: skip
 
 
