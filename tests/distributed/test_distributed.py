@@ -889,6 +889,14 @@ def uneven_files(tmp_path_factory) -> Path:
         for i in range(24)
     ]  # fmt: skip
     (d / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs))
+    steps = []  # step-labelled solutions of 1 to 4 steps of uneven length (a PRM's data)
+    for i in range(24):
+        n = 1 + i % 4
+        lines = [f"{i}+{k} = {i + k}" + "z" * ((3 * i + k) % 7) for k in range(n)]
+        ratings = [1 if (i + k) % 3 else -1 for k in range(n)]
+        steps.append({"prompt": f"Add up {i}.", "steps": lines, "ratings": ratings,
+                      "final": f"<answer>{i}</answer>", "outcome": int(all(r > 0 for r in ratings))})  # fmt: skip
+    (d / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in steps))
     return d
 
 
@@ -917,14 +925,16 @@ def _distill(base, teacher) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["sft", "rm", "dpo", "grpo", "grpo_entropy", "ppo", "distill"])
+@pytest.mark.parametrize(
+    "family", ["sft", "rm", "prm", "dpo", "grpo", "grpo_entropy", "ppo", "distill"]
+)
 def test_fsdp2_packed_equals_one_padded_process(family, base_model, uneven_files, tmp_path,
                                                 request):  # fmt: skip
     """Per trainer, on rows of very different lengths: 2 FSDP2 ranks whose micro-batches are
     scored in the varlen packed layout (counted: every rank packs, never in the tree layout;
     packing wherever a layout exists, however little it saves) against one process with packing
     off: every step's gradients and metrics and the weights after 3 steps agree in float64.
-    (SFT, RM and DPO read files of uneven rows; GRPO's and distillation's completions stop at
+    (SFT, RM, PRM and DPO read files of uneven rows; GRPO's and distillation's completions stop at
     different lengths; distillation scores the full distribution, student and teacher; GRPO
     with an entropy bonus holds the scored tokens' logits with gradients; PPO's critic is a
     sharded backbone scored packed.)"""
@@ -937,6 +947,10 @@ def test_fsdp2_packed_equals_one_padded_process(family, base_model, uneven_files
     raw = {
         "sft": lambda: {**_sft(base_model), "data": sft_data},
         "rm": lambda: _rm(base_model, uneven_files / "pairs.jsonl"),
+        "prm": lambda: {**_rm(base_model, uneven_files / "pairs.jsonl"), "kind": "prm",
+                        "loss": {"num_classes": 2}, "eval": {},
+                        "data": {"source": "step_labelled", "heldout_frac": 0.25, "max_len": 96,
+                                 "path": str(uneven_files / "steps.jsonl")}},
         "dpo": lambda: {**_dpo(base_model), "data": dpo_data},
         "grpo": lambda: _grpo(base_model),
         "grpo_entropy": lambda: _grpo(base_model, loss={**_grpo(base_model)["loss"],

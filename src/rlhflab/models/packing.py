@@ -88,6 +88,23 @@ def _packable_config(cfg) -> bool:
     )
 
 
+def token_positions(layout: PackedLayout, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Packed (rows, cols) of each scored completion token itself — where its own hidden state
+    is, not the one that predicts it — in `layout.out_rows`/`out_cols` order. `shape`: the
+    rollout's (B, T) completion grid. Token t of a sequence sits where token t+1 is predicted
+    from; its last token at (`last_rows`, `last_cols`)."""
+    B, T = shape
+    n = len(layout.out_rows)
+    at = torch.full((B, T + 1), -1, dtype=torch.long, device=layout.out_rows.device)
+    at[layout.out_rows, layout.out_cols] = torch.arange(n, device=at.device)
+    j = at[layout.out_rows, layout.out_cols + 1]  # the next token's index, -1: none
+    has_next = j >= 0
+    j = j.clamp(min=0)
+    rows = torch.where(has_next, layout.pred_rows[j], layout.last_rows[layout.out_rows])
+    cols = torch.where(has_next, layout.pred_cols[j], layout.last_cols[layout.out_rows])
+    return rows, cols
+
+
 def can_pack(model) -> bool:
     """True for models of a PACKABLE architecture with a separate backbone (`base_model`)."""
     return (

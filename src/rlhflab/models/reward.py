@@ -257,10 +257,28 @@ def score_rollout(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Te
 
 
 def completion_token_logits(model: PreTrainedModel, rollout, *, autocast_dtype=None) -> Tensor:
-    """Head logits at the rollout's completion positions: (B, T, C), T = completion width.
+    """Head logits at the rollout's completion positions: (B, T, C) float32, T = completion
+    width; read only where the completion is real (padding: 0 when packed, else the padded
+    forward's values).
 
     Position P + t holds the prediction after reading completion token t (so a separator token's
-    logit is read *at* the separator)."""
+    logit is read *at* the separator). Rows of uneven length are packed padding-free as
+    `score_rollout` packs them (`models.packing.token_positions`): the same values up to float
+    rounding."""
+    from rlhflab import distributed
+    from rlhflab.models.packing import can_pack, layout_for, packed_hidden, token_positions
+
+    if can_pack(model):
+        layout = layout_for(model, rollout, sharded=distributed.is_sharded(model))
+        if layout is not None:
+            autocast = torch.autocast(rollout.prompt_ids.device.type, dtype=autocast_dtype,
+                                      enabled=autocast_dtype is not None)  # fmt: skip
+            at = token_positions(layout, tuple(rollout.completion_ids.shape))
+            hidden = packed_hidden(model, layout, autocast)[at]  # (N, H)
+            with autocast:
+                out = upcast(reward_head(model)(hidden))  # (N, C)
+            grid = out.new_zeros((*rollout.completion_ids.shape, out.size(-1)))
+            return grid.index_put((layout.out_rows, layout.out_cols), out)
     logits = token_logits(
         model, rollout.input_ids, rollout.attention_mask, autocast_dtype=autocast_dtype
     )
