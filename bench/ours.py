@@ -156,6 +156,19 @@ def rm_config(model_dir, root, pairs_file, *, steps: int, batch: int, lr: float)
     return raw
 
 
+def sft_config(model_dir, root, data_file, *, steps: int, batch: int, lr: float) -> dict:
+    """`trainer: sft` on `data_file` (prompt/completion rows; the prompt is rendered with the chat
+    template, the completion followed by eos is trained), `batch` rows per step in one
+    micro-batch (scored padding-free where that removes padding: its default)."""
+    raw = _base("sft", model_dir, root, steps=steps, lr=lr, name="bench_sft")
+    raw.update(
+        data={"source": "dataset", "path": str(data_file)},
+        train={"steps": steps, "batch_size": batch, "micro_batch_size": batch, "max_len": 1024},
+        eval={"n": 0},
+    )
+    return raw
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     """`rows` as a JSON-lines file (the rows' data file); returns `path`."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -176,11 +189,13 @@ class OursRun:
         from rlhflab.trainers.loop import Run
         from rlhflab.trainers.policy_gradient import PolicyGradient
         from rlhflab.trainers.reward_model import RewardModelTrainer
+        from rlhflab.trainers.sft import SFT
 
         trainers = {
             "policy_gradient": PolicyGradient,
             "direct_alignment": DirectAlignment,
             "reward_model": RewardModelTrainer,
+            "sft": SFT,
         }
         self.cfg = config_from_dict(raw)
         self.session = Run(self.cfg, trainers[self.cfg.trainer])

@@ -34,6 +34,8 @@ BENCHMARKS = [
     "dpo_ref_tiny",
     "dpo_cached_tiny",
     "rm_tiny",
+    "sft_tiny",
+    "sft_padding_free_tiny",
     "generation_tiny",
     "generation_eos_sft",
     "generation_groups_tiny",
@@ -120,6 +122,8 @@ def run_one(name: str, *, warmup: int, reps: int, quick: bool) -> Pair:
         return steps.dpo(scale, precompute="cached" in name, warmup=warmup, reps=smol_reps)
     if name.startswith("rm_"):
         return steps.reward_model(scale, warmup=warmup, reps=smol_reps)
+    if name.startswith("sft_"):
+        return steps.sft(scale, padding_free="padding_free" in name, warmup=warmup, reps=smol_reps)
     if name == "generation_eos_sft":
         return steps.generation_eos(warmup=warmup, reps=reps)
     if name.startswith("generation_groups_"):

@@ -1,4 +1,4 @@
-"""Benchmarks 1-4: GRPO, DPO and reward-model steps against TRL; generation against `generate`.
+"""Benchmarks 1-4: GRPO, DPO, reward-model and SFT steps against TRL; generation against `generate`.
 
 rlhflab's side of the step rows is the trainer itself, stepped through the run harness
 (`bench/ours.py`, `OursRun`); TRL's side is its trainer's own `train()` (`bench/trl_driver.py`,
@@ -14,7 +14,7 @@ import torch
 
 from bench import common
 from bench.common import Pair, vowel_reward
-from bench.ours import OursRun, dpo_config, grpo_config, rm_config, write_jsonl
+from bench.ours import OursRun, dpo_config, grpo_config, rm_config, sft_config, write_jsonl
 from bench.trl_driver import Alternate, common_args, grpo_args
 
 LR = 1e-5
@@ -258,6 +258,71 @@ def reward_model(scale: str, *, warmup: int, reps: int) -> Pair:
         "s/step",
         target=0.8,
         note=f"Bradley-Terry, {B} pairs, chosen and rejected in one forward on both sides",
+        extra=_phase_means(ours, warmup),
+    )
+
+
+def sft(scale: str, *, padding_free: bool, warmup: int, reps: int) -> Pair:
+    """SFT on prompt/completion rows of uneven length (the DPO rows' chosen completions): our
+    trainer (padding-free packing, its default) against TRL's SFTTrainer, padded (its default)
+    or `padding_free=True` (one flattened row, boundaries from position ids)."""
+    B = SETTINGS[scale]["pairs"]
+    path = common.model_dir(scale)
+    tok, _ = common.load(path)
+    rows = _pairs(tok, B * (warmup + reps), scale, seed=7)
+    kind = "padding_free" if padding_free else "padded"
+    name = f"sft_step_{kind}_{scale}"
+    with tempfile.TemporaryDirectory() as tmp:
+        data = write_jsonl(Path(tmp) / "sft.jsonl", [{"prompt": r["question"],
+                                                      "completion": r["chosen"]} for r in rows])  # fmt: skip
+        ours = OursRun(sft_config(path, f"{tmp}/runs", data, steps=warmup + reps, batch=B, lr=LR))
+        if not common.have_trl():
+            return _ours_only(name, ours, warmup=warmup, reps=reps)
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        alt = Alternate(ours.step, ours.model)
+        # SFTConfig has no `disable_dropout` (the models' dropout probabilities are 0 anyway)
+        shared = {k: v for k, v in common_args(f"{tmp}/trl", steps=warmup + reps, lr=LR).items()
+                  if k != "disable_dropout"}  # fmt: skip
+        args = SFTConfig(
+            **shared,
+            per_device_train_batch_size=B,
+            max_length=None,
+            packing=False,
+            padding_free=padding_free,
+            completion_only_loss=True,  # rlhflab trains the completion (and its eos) only
+            assistant_only_loss=False,
+            loss_type="nll",
+            shuffle_dataset=False,
+            activation_offloading=False,
+            remove_unused_columns=True,
+        )
+        # TRL leaves a standard prompt unrendered: it gets the text rlhflab's trainer renders
+        trainer = SFTTrainer(
+            model=str(path),
+            args=args,
+            train_dataset=Dataset.from_dict(
+                {"prompt": [r["prompt"] for r in rows], "completion": [r["chosen"] for r in rows]}
+            ),
+            processing_class=tok,
+            callbacks=[alt],
+        )
+        trainer.train()
+        ours.finish()
+    toks = sum(len(tok(r["prompt"] + r["chosen"], add_special_tokens=False)["input_ids"])
+               for r in rows[:B])  # fmt: skip
+    return Pair(
+        name,
+        alt.our_times[warmup:],
+        alt.trl_times[warmup:],
+        "s/step",
+        target=0.6,
+        note=(
+            f"{B} prompt/completion rows, ~{toks // B} tokens each, completion-only NLL; TRL: "
+            + ("padding_free=True" if padding_free else "padded batches (its default)")
+            + "; rlhflab: packed padding-free (its default)"
+        ),
         extra=_phase_means(ours, warmup),
     )
 

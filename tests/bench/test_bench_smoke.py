@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HAVE_TRL = importlib.util.find_spec("trl") is not None
 # Rows whose "theirs" side is TRL; the others compare with transformers' `generate` (generation)
 # or a naive log-softmax (memory), which run everywhere.
-TRL_ROWS = ("grpo_", "dpo_", "rm_", "learning")
+TRL_ROWS = ("grpo_", "dpo_", "rm_", "sft_", "learning")
 
 
 def _env(**extra) -> dict:
