@@ -39,7 +39,7 @@ TRAINER_SHARED = {"rlhflab.trainers", "rlhflab.trainers.common", "rlhflab.traine
 # The layers of docs/architecture.md, lowest first: a module may import modules of its own unit
 # (top-level module or subpackage) and of lower layers only. Keep this table and the doc's equal.
 LAYERS: list[set[str]] = [
-    {"errors", "fingerprint", "plots", "presets", "serialize"},  # leaves: no rlhflab imports
+    {"errors", "fingerprint", "plots", "presets", "serialize", "stats"},  # leaves
     {"distributed", "rundir", "health", "ops", "optimizers"},
     {"faults", "tracking", "losses", "runs"},
     {"models"},

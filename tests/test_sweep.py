@@ -245,3 +245,59 @@ def test_sweep_shares_run_together_but_not_beside_a_whole_sweep(tmp_path):
             pass
     with lock(None):  # released: taken again
         pass
+
+
+T975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom (tables)
+
+
+def test_every_point_is_compared_with_the_baseline_paired_by_seed(tmp_path):
+    # kl.coef=0 (baseline) and 0.1, three seeds each; seed effects shared by both points
+    slug = "paired"
+    out = tmp_path / f"2026-01-01-{slug}"
+    points = grid_points({"kl.coef": ["0", "0.1"]})
+    base, arm = [0.50, 0.70, 0.60], [0.56, 0.74, 0.68]  # differences 0.06, 0.04, 0.08
+    for s in range(3):
+        _fake_run(out / "runs", cell_name(0, points[0], s), base[s], 0.4, [0.0], 5.0)
+        _fake_run(out / "runs", cell_name(1, points[1], s), arm[s], 0.4, [0.1], 5.0)
+    kw = {"grid_items": ["kl.coef=0,0.1"], "seeds": 3, "root": str(tmp_path), "slug": slug,
+          "report_only": True, "print_fn": lambda _: None}  # fmt: skip
+    res = run_sweep(GRPO, **kw, question="Does a KL term change held-out accuracy?")
+    (c,) = res["comparisons"]
+    # by hand: mean 0.06, s = 0.02 (deviations 0, −0.02, 0.02: Σ = 0.0008, /2), t_{.975,2}·s/√3
+    half = T975_DF2 * 0.02 / math.sqrt(3)
+    assert (c["mean"], c["lo"], c["hi"]) == pytest.approx((0.06, 0.06 - half, 0.06 + half),
+                                                         abs=1e-9)  # fmt: skip
+    assert c["seeds"] == [0, 1, 2] and res["baseline"] == "kl.coef=0"
+    # the unpaired interval of the same numbers is wider: the seeds' shared effect stays in it
+    assert c["unpaired_hi"] - c["unpaired_lo"] > 3 * (c["hi"] - c["lo"]) and c["width_ratio"] < 0.33
+    assert res["conclusion"].startswith("At 95% (paired by seed): kl.coef=0.1 is higher than "
+                                        "kl.coef=0 (+0.060 [")  # fmt: skip
+    readme = (out / "README.md").read_text()
+    assert "Question: Does a KL term change held-out accuracy?" in readme
+    assert "## Against kl.coef=0, paired by seed" in readme and res["conclusion"] in readme
+    # the other point as the baseline: the same difference with its sign turned
+    other = run_sweep(GRPO, **kw, baseline="kl.coef=0.1")
+    assert other["comparisons"][0]["mean"] == pytest.approx(-0.06, abs=1e-12)
+    assert "kl.coef=0 is lower than kl.coef=0.1" in other["conclusion"]
+    with pytest.raises(ConfigError, match=r"--baseline 'kl.coef=1' is not a grid point; the "
+                                          r"points are 'kl.coef=0', 'kl.coef=0.1'"):  # fmt: skip
+        run_sweep(GRPO, **kw, baseline="kl.coef=1")
+
+
+@pytest.mark.slow
+def test_identical_arms_differ_by_exactly_zero_and_seeds_can_be_added(tmp_path):
+    # Two grid points that change nothing a run computes (the console switch), two seeds: every
+    # paired difference is exactly 0. Then --until-ci-width adds a third seed to the campaign.
+    config = _tiny_config(tmp_path)
+    kw = {"grid_items": ["tracking.console=false,true"], "root": str(tmp_path / "exp"),
+          "slug": "same", "metric": "final_loss", "print_fn": lambda _: None}  # fmt: skip
+    res = run_sweep(config, seeds=2, **kw)
+    (c,) = res["comparisons"]
+    assert c["seeds"] == [0, 1] and c["mean"] == 0.0 and (c["lo"], c["hi"]) == (0.0, 0.0)
+    assert "not told apart from tracking.console=false" in res["conclusion"]
+    # two learning rates do differ: no interval is 1e-9 wide, so seeds are added up to the cap
+    kw.update(grid_items=["optim.lr=1e-3,2e-3"], slug="lr")
+    first = run_sweep(config, seeds=2, until_ci_width=1e-9, max_seeds=3, **kw)
+    assert first["until"] == {"ci_width": 1e-9, "max_seeds": 3, "seeds": 3, "reached": False}
+    assert first["comparisons"][0]["seeds"] == [0, 1, 2] and first["comparisons"][0]["sd"] > 0
+    assert first["cells"] == 6

@@ -255,6 +255,8 @@ def sweep_lines(r: dict) -> list[str]:
             else:
                 shown = f"{m['mean']:.3f} ± {m['se']:.3f} ({m['n']} seeds)"
             lines.append(f"  {pt.get('label')}: {shown}")
+    if r.get("conclusion"):
+        lines.append(r["conclusion"])
     if r.get("readme"):
         lines.append(f"report: {r['readme']} (table, plots; every number in results.json)")
     return lines

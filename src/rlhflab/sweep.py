@@ -11,13 +11,15 @@ harness (`rlhflab.trainers.run_config`). Writes `<root>/YYYY-MM-DD-<slug>/`:
                    the resolved config of the first cell (so a changed config is detected)
     runs/<cell>-<timestamp>/   every run, complete (config, metrics, checkpoints, model: not for git;
                    the folder's `.gitignore` keeps them out, and the lock files)
-    README.md      the question (a placeholder line), the command and the exact overrides, one row
+    README.md      the question (`--question`, else a placeholder line), the command and the exact overrides, one row
                    per grid point with mean ± standard error over seeds of the headline held-out
                    metric (default: final_results.json's named `headline`, e.g. "correctness (task
                    verifier)"; runs from before it existed: `heldout_accuracy`; or any key of
                    final_results.json), its value before training, the KL to the reference
                    (`policy/kl_ref` when the run logged it, else `policy/kl`), the rollout reward
-                   and the wall-clock; plots; a "Conclusion:" line left for the user
+                   and the wall-clock; every point against the baseline point paired by seed
+                   (`paired_comparisons`: difference, paired and unpaired 95% intervals, seeds
+                   for 80% power); plots; a "Conclusion:" line computed from the paired intervals
     results.json   the same numbers, per run and per grid point
     metric_vs_grid.png   the headline metric against the (first) grid value, error bars ± s.e.
     curves.png     held-out metric, rollout reward and KL against step, mean ± s.e. over seeds
@@ -26,8 +28,8 @@ Resuming: run the same command again (`--resume` too: it refuses when there is n
 continue). A cell whose run finished (`final_results.json` with `status: complete`) is skipped; a
 cell interrupted mid-way continues from its newest committed checkpoint (`run.resume=auto`, the
 harness's own resume). The campaign folder is found again by its slug (`<root>/*-<slug>`, any
-date); a different config, override list, grid, seed count or metric refuses with one line naming
-the difference.
+date); a different config, override list, grid or metric, or fewer seeds, refuses with one line
+naming the difference; more seeds add runs to the campaign.
 
 One sweep at a time: a sweep locks its campaign folder (`.lock`, the run directory's lock,
 `rlhflab.rundir.take_lock`) for as long as it runs, so a second sweep into the same folder is
@@ -213,6 +215,12 @@ def check_manifest(out: Path, manifest: dict) -> None:
             f"sweep: {path} is unreadable ({exc}); move it away to start over"
         ) from None
     for field in (*_FIXED, "resolved_config"):
+        if (
+            field == "seeds"
+            and isinstance(old.get("seeds"), int)
+            and old["seeds"] <= manifest["seeds"]
+        ):
+            continue  # more seeds continue a campaign: its finished runs are kept
         d = _first_difference(old.get(field), manifest.get(field))
         if d:
             where = "" if field == "resolved_config" else f"{field}."
@@ -261,11 +269,21 @@ def run_sweep(
     only: str | None = None,
     report_only: bool = False,
     resume: bool = False,
+    baseline: str | None = None,
+    question: str | None = None,
+    until_ci_width: float | None = None,
+    max_seeds: int | None = None,
     print_fn=None,
 ) -> dict:
     """Run (or continue, or only report) a sweep; see the module doc. The same arguments
     continue a campaign; `resume=True` (`--resume`) says so explicitly: it refuses when there is
-    no campaign of this slug to continue, instead of starting one.
+    no campaign of this slug to continue, instead of starting one. More `seeds` than a campaign
+    was started with add seeds to it (its finished runs are kept).
+
+    `baseline`: the grid point (its label, e.g. "kl.coef=0") every other point is compared with,
+    paired by seed (`paired_comparisons`); default the first. `question`: the README's question
+    line. `until_ci_width` W with `max_seeds` K: after the `seeds` runs, add one seed at a time
+    until every paired difference's 95% interval is narrower than W, or K seeds have run.
 
     Returns:
         {"out_dir", "ran", "skipped", "cells", "readme" (None with --only)}; with the report
@@ -283,6 +301,42 @@ def run_sweep(
         print_fn = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if seeds < 1:
         raise ConfigError(f"sweep: --seeds must be >= 1 (got {seeds})")
+    if (until_ci_width is None) != (max_seeds is None):
+        raise ConfigError("sweep: --until-ci-width and --max-seeds go together")
+    if until_ci_width is not None:
+        if not until_ci_width > 0 or max_seeds < max(seeds, 2):
+            raise ConfigError(
+                f"sweep: --until-ci-width must be > 0 and --max-seeds >= max(--seeds, 2) (got "
+                f"{until_ci_width}, {max_seeds})"
+            )
+        if only is not None or report_only:
+            raise ConfigError(
+                "sweep: --until-ci-width runs seeds until done; not with --only/--report"
+            )
+        kw = dict(grid_items=grid_items, overrides=overrides, root=root, slug=slug, metric=metric,
+                  resume=resume, baseline=baseline, question=question, print_fn=print_fn)  # fmt: skip
+        n = seeds
+        while True:
+            summary = run_sweep(config, seeds=n, **kw)
+            widths = [c["hi"] - c["lo"] for c in summary["comparisons"] if c["lo"] is not None]
+            done = (
+                n >= 2
+                and len(widths) == len(summary["comparisons"])
+                and all(w < until_ci_width for w in widths)
+            )
+            if done or n >= max_seeds:
+                summary["until"] = {"ci_width": until_ci_width, "max_seeds": max_seeds,
+                                    "seeds": n, "reached": done}  # fmt: skip
+                (print_fn or (lambda line: print(line, file=sys.stderr)))(
+                    f"sweep --until-ci-width {until_ci_width}: {n} seeds; every paired interval "
+                    + (
+                        "narrower"
+                        if done
+                        else f"NOT yet narrower (--max-seeds {max_seeds} reached)"
+                    )
+                )
+                return summary
+            n += 1
     overrides = list(overrides or [])
     grid = parse_grid(grid_items, config)
     share = parse_only(only)
@@ -339,14 +393,17 @@ def run_sweep(
         summary: dict = {"out_dir": str(out), "ran": ran, "skipped": skipped, "cells": len(cells),
                          "readme": None}  # fmt: skip
         if share is None:
-            results = gather(out, manifest, cells)
+            results = gather(out, manifest, cells, baseline=baseline)
+            results["question"] = question
             write_json_atomic(out / "results.json", results)
             plot_sweep(results, out)
             readme = out / "README.md"
             write_text_atomic(readme, render_readme(results, out))
             summary.update(readme=str(readme), metric=metric, metric_name=results["metric_name"],
                            points=[{"label": pt["label"], "metric": pt["metric"]}
-                                   for pt in results["points"]])  # fmt: skip
+                                   for pt in results["points"]],
+                           baseline=results["baseline"], comparisons=results["comparisons"],
+                           conclusion=results["conclusion"])  # fmt: skip
         else:
             print_fn(f"sweep: share {only} done; gather with the same command and --report")
         return summary
@@ -412,9 +469,14 @@ def _eval_key(rows_per_seed: list[list[dict]], metric: str) -> str:
     return "eval/accuracy"
 
 
-def gather(out: Path, manifest: dict, cells: list) -> dict:
+def gather(out: Path, manifest: dict, cells: list, *, baseline: str | None = None) -> dict:
     """Per run and per grid point: the headline metric (final and before training), KL and
-    rollout reward over the last logged steps, wall-clock; curves over steps (mean ± s.e.)."""
+    rollout reward over the last logged steps, wall-clock; curves over steps (mean ± s.e.); and
+    every point against the `baseline` point (its label; default the first), paired by seed
+    (`paired_comparisons`), with the conclusion line they support.
+
+    Raises:
+        ConfigError: `baseline` is not a grid point's label (names the labels)."""
     metric = manifest["metric"]
     points: list[dict] = []
     by_point: dict[int, list] = {}
@@ -462,6 +524,12 @@ def gather(out: Path, manifest: dict, cells: list) -> dict:
                 "kl": _curve(rows_all, _KL_REF if _KL_REF in kl_keys else _KL),
             },
         })  # fmt: skip
+    labels = [pt["label"] for pt in points]
+    if baseline is not None and baseline not in labels:
+        raise ConfigError(f"sweep: --baseline {baseline!r} is not a grid point; the points are "
+                          f"{', '.join(repr(x) for x in labels)}")  # fmt: skip
+    base = labels.index(baseline) if baseline is not None else 0
+    comparisons = paired_comparisons(points, base)
     return {
         "config": manifest["config"],
         "overrides": manifest["overrides"],
@@ -471,7 +539,89 @@ def gather(out: Path, manifest: dict, cells: list) -> dict:
         "metric_name": metric_name,
         "kl_key": _KL_REF if _KL_REF in kl_keys else _KL,
         "points": points,
+        "baseline": labels[base] if labels else None,
+        "comparisons": comparisons,
+        "conclusion": conclusion_line(comparisons, labels[base] if labels else None),
     }
+
+
+def paired_comparisons(points: list[dict], base: int) -> list[dict]:
+    """Every grid point against point `base`, paired by seed: for the seeds both finished, the
+    per-seed differences of the metric (arm − baseline) with their 95% t interval
+    (`stats.paired_difference`), beside the unpaired (Welch) interval of the same runs'
+    means, the ratio of the two widths, and the paired seeds needed for 80% power at the
+    observed difference and paired s.d. (`stats.seeds_needed`; None when it cannot be said).
+
+    Returns [{"label", "seeds", "mean", "lo", "hi", "sd", "unpaired_lo", "unpaired_hi",
+    "width_ratio", "seeds_for_80_power"}] (intervals None below 2 paired seeds)."""
+    from rlhflab.stats import paired_difference, seeds_needed, welch_interval
+
+    def by_seed(pt):
+        return {r["seed"]: r["metric"] for r in pt["runs"]
+                if isinstance(r["metric"], int | float) and math.isfinite(r["metric"])}  # fmt: skip
+
+    ref = by_seed(points[base]) if points else {}
+    out = []
+    for i, pt in enumerate(points):
+        if i == base:
+            continue
+        mine = by_seed(pt)
+        seeds = sorted(set(ref) & set(mine))
+        row = {"label": pt["label"], "seeds": seeds, "mean": None, "lo": None, "hi": None,
+               "sd": None, "unpaired_lo": None, "unpaired_hi": None, "width_ratio": None,
+               "seeds_for_80_power": None}  # fmt: skip
+        if seeds:
+            arm, b = [mine[s] for s in seeds], [ref[s] for s in seeds]
+            d = paired_difference(arm, b)
+            _, ulo, uhi = welch_interval(arm, b)
+            row.update(mean=d["mean"], lo=d["lo"], hi=d["hi"], sd=d["sd"], unpaired_lo=ulo,
+                       unpaired_hi=uhi)  # fmt: skip
+            if d["lo"] is not None and ulo is not None and uhi > ulo:
+                row["width_ratio"] = (d["hi"] - d["lo"]) / (uhi - ulo)
+            if d["sd"]:
+                row["seeds_for_80_power"] = seeds_needed(d["sd"], d["mean"])
+        out.append(row)
+    return out
+
+
+def conclusion_line(comparisons: list[dict], baseline: str | None) -> str:
+    """The conclusion the paired intervals support, computed: which points differ from the
+    baseline at 95% (interval excluding 0), and which cannot be told apart from it."""
+    if not comparisons:
+        return "One grid point: nothing to compare."
+    differ = [c for c in comparisons if c["lo"] is not None and (c["lo"] > 0 or c["hi"] < 0)]
+    same = [c for c in comparisons if c not in differ]
+    parts = []
+    for c in differ:
+        word = "higher" if c["lo"] > 0 else "lower"
+        parts.append(f"{c['label']} is {word} than {baseline} ({_ci_text(c)})")
+    if same:
+        told = ", ".join(f"{c['label']} ({_ci_text(c)})" for c in same)
+        parts.append(f"not told apart from {baseline}: {told}")
+    return "At 95% (paired by seed): " + "; ".join(parts) + "."
+
+
+def _ci_text(c: dict) -> str:
+    if c["mean"] is None:
+        return "no paired seed"
+    if c["lo"] is None:
+        return f"{c['mean']:+.3f}, one paired seed, no interval"
+    return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+
+
+def comparison_table(results: dict) -> str:
+    """The markdown table of `paired_comparisons` against the baseline point."""
+    head = ("| grid point − " + str(results["baseline"]) + " | paired seeds | difference, paired "
+            "95% CI | unpaired (Welch) 95% CI | width paired / unpaired | seeds for 80% power |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|"]
+    for c in results["comparisons"]:
+        unpaired = ("–" if c["unpaired_lo"] is None
+                    else f"[{c['unpaired_lo']:+.3f}, {c['unpaired_hi']:+.3f}]")  # fmt: skip
+        ratio = "–" if c["width_ratio"] is None else f"{c['width_ratio']:.2f}"
+        power = "–" if c["seeds_for_80_power"] is None else str(c["seeds_for_80_power"])
+        lines.append(f"| {c['label']} | {len(c['seeds'])} | {_ci_text(c)} | {unpaired} | "
+                     f"{ratio} | {power} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def fmt_stat(stat: dict, digits: int = 3) -> str:
@@ -534,7 +684,7 @@ def render_readme(results: dict, out: Path) -> str:
     return "\n".join([
         f"# Sweep {out.name}",
         "",
-        "Question: _(write the question this campaign answers)_",
+        "Question: " + (results.get("question") or "_(write the question this campaign answers)_"),
         "",
         "## Configs",
         "",
@@ -555,9 +705,19 @@ def render_readme(results: dict, out: Path) -> str:
         "",
         "![curves over steps](curves.png)",
         "",
+        f"## Against {results['baseline']}, paired by seed",
+        "",
+        comparison_table(results),
+        "Each grid point's runs minus the baseline's, seed by seed (seed i of every point sees "
+        "the same data order, initial weights and sampling noise): the mean difference with its "
+        "95% Student t interval over the paired seeds; beside it the unpaired (Welch) interval "
+        "of the same runs' means, as if the seeds were unrelated, and the ratio of the two "
+        "widths; the paired seeds a difference of the observed size needs to be resolved 80% of "
+        "the time at the observed paired s.d. (`rlhflab.stats`).",
+        "",
         "Numbers per run and per grid point: `results.json`.",
         "",
-        "Conclusion: _(left for the user)_",
+        f"Conclusion: {results['conclusion']} (Computed from the paired intervals above.)",
         "",
     ])  # fmt: skip
 

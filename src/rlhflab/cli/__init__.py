@@ -342,6 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the campaign (as the same command without it does), refusing "
                         "when there is none of this slug")  # fmt: skip
+    p.add_argument("--baseline", default=None, metavar="LABEL",
+                   help="the grid point every other is compared with, paired by seed, e.g. "
+                        "kl.coef=0 (default: the first)")  # fmt: skip
+    p.add_argument("--question", default=None, help="the question the README states")
+    p.add_argument("--until-ci-width", type=float, default=None, metavar="W",
+                   help="add seeds one at a time until every paired difference's 95%% interval "
+                        "is narrower than W (with --max-seeds)")  # fmt: skip
+    p.add_argument("--max-seeds", type=_positive_int, default=None, metavar="K",
+                   help="the most seeds --until-ci-width may run")  # fmt: skip
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_sweep)
 

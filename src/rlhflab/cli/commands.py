@@ -294,6 +294,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         only=args.only,
         report_only=args.report,
         resume=args.resume,
+        baseline=args.baseline,
+        question=args.question,
+        until_ci_width=args.until_ci_width,
+        max_seeds=args.max_seeds,
         print_fn=lambda line: print(line, file=sys.stderr),
     )
     _emit(args, results, sweep_lines(results))

@@ -23,15 +23,13 @@ headline) and `checks` holds every one.
 
 from __future__ import annotations
 
-import functools
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-#: An estimate and its 95% interval: (estimate, low, high); low/high None when no interval exists.
-Interval = tuple[float, float | None, float | None]
+# The t statistics live in rlhflab.stats (shared with `rlhflab sweep`); re-exported here.
+from rlhflab.stats import Interval, t_cdf, t_interval, t_quantile  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -84,80 +82,6 @@ class Criterion:
     def text(self) -> str:
         """The criterion in words: every check and its rule, joined by "; and "."""
         return "; and ".join(f"{c.what}: {c.rule}" for c in self.checks)
-
-
-@functools.lru_cache(maxsize=256)
-def t_quantile(q: float, df: int) -> float:
-    """Quantile `q` (0.5 < q < 1) of Student's t with `df` degrees of freedom, by bisection on the
-    CDF (regularised incomplete beta, continued fraction as Numerical Recipes §6.4)."""
-    if not (0.5 < q < 1) or df < 1:
-        raise ValueError(f"t_quantile: need 0.5 < q < 1 and df >= 1 (got q={q}, df={df})")
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < q:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
-    return (lo + hi) / 2
-
-
-def t_cdf(t: float, df: int) -> float:
-    """P(T ≤ t) for Student's t with `df` degrees of freedom."""
-    x = df / (df + t * t)
-    tail = 0.5 * _betainc(df / 2, 0.5, x)
-    return 1 - tail if t > 0 else tail
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    if x <= 0:
-        return 0.0
-    if x >= 1:
-        return 1.0
-    front = math.exp(
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x < (a + 1) / (a + b + 2):
-        return front * _betacf(a, b, x) / a
-    return 1 - front * _betacf(b, a, 1 - x) / b
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    tiny = 1e-300
-    c, d = 1.0, 1 - (a + b) * x / (a + 1)
-    d = 1 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        for num in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1 + num * d
-            d = 1 / (d if abs(d) > tiny else tiny)
-            c = 1 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return h
-
-
-def t_interval(values: Sequence[float]) -> Interval:
-    """Mean of `values` (e.g. one paired difference per seed) with its two-sided 95% Student t
-    interval, mean ± t_{0.975, n−1} · s / √n; no interval (None, None) for one value.
-
-    Raises:
-        ValueError: no values, or a non-finite one.
-    """
-    xs = [float(v) for v in values]
-    if not xs or not all(math.isfinite(v) for v in xs):
-        raise ValueError(f"t_interval: need finite values (got {xs})")
-    n = len(xs)
-    mean = math.fsum(xs) / n
-    if n == 1:
-        return mean, None, None
-    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in xs) / (n - 1))
-    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
 
 
 def bootstrap_interval(
