@@ -9,7 +9,9 @@ Writes `<root>/compare-<timestamp>/`:
                                 against wall-clock, mean over seeds with a min-max band
     comparison.md               one row per preset: composition, budget, accuracy beside the
                                 majority-answer baseline, signal, time (mean ± s.e. over seeds)
-                                (direct alignment adds held-out preference accuracy)
+                                (direct alignment adds held-out preference accuracy); then every
+                                preset against the first, paired by seed (difference, paired and
+                                unpaired 95% intervals) and a conclusion line computed from them
     results.json                the same numbers, plus every run's directory
 
 The same overrides go to every preset (task, model, steps, ...), and seed i of every preset uses
@@ -24,6 +26,7 @@ own training signal (reward or DPO margin, named in the row).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from pathlib import Path
@@ -152,7 +155,8 @@ def run_compare(
     Returns:
         {"out_dir", "wall_s", "table" (comparison.md), "seeds", "presets": {name:
         {"headline_name", "heldout_accuracy_before", "heldout_accuracy" (per seed), "heldout",
-        "heldout_before" (`mean_se` over seeds)}}}; every number is in results.json."""
+        "heldout_before" (`mean_se` over seeds)}}, "paired" (`paired_comparisons` of the held-out
+        headline against the first preset), "conclusion"}; every number is in results.json."""
     from rlhflab.trainers import run_config
 
     if not presets:
@@ -232,6 +236,13 @@ def run_compare(
             },
         }
     results["wall_s"] = round(time.perf_counter() - t0, 1)
+    # every preset against the first, paired by seed (seed i of each: the same prompts order and
+    # initial model)
+    arms = {n: dict(enumerate(r["heldout_accuracy"])) for n, r in results["presets"].items()}
+    first = next(iter(results["presets"]))
+    results["baseline"] = first
+    results["paired"] = paired_comparisons(arms, first)
+    results["conclusion"] = conclusion_line(results["paired"], first)
     write_json_atomic(out / "results.json", results)
     write_text_atomic(out / "comparison.md", comparison_table(results))
     plot_comparison(results, out / "comparison.png")
@@ -248,7 +259,89 @@ def run_compare(
         "table": str(out / "comparison.md"),
         "seeds": seeds,
         "presets": presets,
+        "paired": results["paired"],
+        "conclusion": results["conclusion"],
     }
+
+
+def paired_comparisons(arms: dict[str, dict[int, float | None]], baseline: str) -> list[dict]:
+    """Every arm against arm `baseline`, paired by seed. `arms`: {label: {seed: metric}} (a
+    missing or non-finite metric leaves its seed out). For the seeds both arms have: the
+    per-seed differences (arm − baseline) with their 95% t interval
+    (`stats.paired_difference`), beside the unpaired (Welch) interval of the same runs' means,
+    the ratio of the two widths, and the paired seeds needed for 80% power at the observed
+    difference and paired s.d. (`stats.seeds_needed`; None when it cannot be said).
+
+    Returns [{"label", "seeds", "mean", "lo", "hi", "sd", "unpaired_lo", "unpaired_hi",
+    "width_ratio", "seeds_for_80_power"}] in `arms` order, the baseline left out (intervals None
+    below 2 paired seeds)."""
+    from rlhflab.stats import paired_difference, seeds_needed, welch_interval
+
+    def finite(values: dict) -> dict:
+        return {s: v for s, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
+
+    ref = finite(arms[baseline])
+    out = []
+    for label, values in arms.items():
+        if label == baseline:
+            continue
+        mine = finite(values)
+        seeds = sorted(set(ref) & set(mine))
+        row = {"label": label, "seeds": seeds, "mean": None, "lo": None, "hi": None, "sd": None,
+               "unpaired_lo": None, "unpaired_hi": None, "width_ratio": None,
+               "seeds_for_80_power": None}  # fmt: skip
+        if seeds:
+            arm, b = [mine[s] for s in seeds], [ref[s] for s in seeds]
+            d = paired_difference(arm, b)
+            _, ulo, uhi = welch_interval(arm, b)
+            row.update(mean=d["mean"], lo=d["lo"], hi=d["hi"], sd=d["sd"], unpaired_lo=ulo,
+                       unpaired_hi=uhi)  # fmt: skip
+            if d["lo"] is not None and ulo is not None and uhi > ulo:
+                row["width_ratio"] = (d["hi"] - d["lo"]) / (uhi - ulo)
+            if d["sd"]:
+                row["seeds_for_80_power"] = seeds_needed(d["sd"], d["mean"])
+        out.append(row)
+    return out
+
+
+def conclusion_line(comparisons: list[dict], baseline: str | None) -> str:
+    """The conclusion the paired intervals support, computed: which points differ from the
+    baseline at 95% (interval excluding 0), and which cannot be told apart from it."""
+    if not comparisons:
+        return "Only the baseline: nothing to compare with it."
+    differ = [c for c in comparisons if c["lo"] is not None and (c["lo"] > 0 or c["hi"] < 0)]
+    same = [c for c in comparisons if c not in differ]
+    parts = []
+    for c in differ:
+        word = "higher" if c["lo"] > 0 else "lower"
+        parts.append(f"{c['label']} is {word} than {baseline} ({_ci_text(c)})")
+    if same:
+        told = ", ".join(f"{c['label']} ({_ci_text(c)})" for c in same)
+        parts.append(f"not told apart from {baseline}: {told}")
+    return "At 95% (paired by seed): " + "; ".join(parts) + "."
+
+
+def _ci_text(c: dict) -> str:
+    if c["mean"] is None:
+        return "no paired seed"
+    if c["lo"] is None:
+        return f"{c['mean']:+.3f}, one paired seed, no interval"
+    return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+
+
+def paired_table(comparisons: list[dict], baseline: str, what: str = "arm") -> str:
+    """The markdown table of `paired_comparisons` against `baseline` (`what`: the arms' noun)."""
+    head = (f"| {what} − {baseline} | paired seeds | difference, paired 95% CI | unpaired (Welch) "
+            "95% CI | width paired / unpaired | seeds for 80% power |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|"]
+    for c in comparisons:
+        unpaired = ("–" if c["unpaired_lo"] is None
+                    else f"[{c['unpaired_lo']:+.3f}, {c['unpaired_hi']:+.3f}]")  # fmt: skip
+        ratio = "–" if c["width_ratio"] is None else f"{c['width_ratio']:.2f}"
+        power = "–" if c["seeds_for_80_power"] is None else str(c["seeds_for_80_power"])
+        lines.append(f"| {c['label']} | {len(c['seeds'])} | {_ci_text(c)} | {unpaired} | "
+                     f"{ratio} | {power} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def _headline(result: dict) -> tuple[str, float | None, float | None]:
@@ -316,6 +409,17 @@ def comparison_table(results: dict) -> str:
         "training answer. Overrides (each to the presets that have its key): "
         f"`{' '.join(results['overrides']) or 'none'}`."
     )
+    if results.get("paired"):
+        lines += [
+            "",
+            f"Held-out {acc}, every preset against {results['baseline']}, paired by seed (seed i of "
+            "each: the same prompts order and initial model): the mean difference with its 95% t "
+            "interval, beside the unpaired (Welch) interval of the same runs:",
+            "",
+            paired_table(results["paired"], results["baseline"], "preset").rstrip("\n"),
+            "",
+            f"Conclusion: {results['conclusion']}",
+        ]
     return "\n".join(lines) + "\n"
 
 

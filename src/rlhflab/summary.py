@@ -282,6 +282,8 @@ def compare_lines(r: dict) -> list[str]:
         if _num(before.get("mean")) is not None:
             shown += f" (before {before['mean']:.3f})"
         lines.append(f"  {name}: {shown}")
+    if r.get("conclusion"):
+        lines.append(r["conclusion"])
     lines.append(f"table: {r.get('table')} (comparison.png, results.json beside it)")
     return lines
 

@@ -57,7 +57,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhflab.compare import metric_series
+from rlhflab.compare import conclusion_line, metric_series, paired_comparisons, paired_table
 from rlhflab.errors import ConfigError
 from rlhflab.eval.accuracy import mean_and_stderr
 from rlhflab.rundir import LOCK, newest_complete_run, take_lock
@@ -529,7 +529,7 @@ def gather(out: Path, manifest: dict, cells: list, *, baseline: str | None = Non
         raise ConfigError(f"sweep: --baseline {baseline!r} is not a grid point; the points are "
                           f"{', '.join(repr(x) for x in labels)}")  # fmt: skip
     base = labels.index(baseline) if baseline is not None else 0
-    comparisons = paired_comparisons(points, base)
+    comparisons = _sweep_comparisons(points, base)
     return {
         "config": manifest["config"],
         "overrides": manifest["overrides"],
@@ -545,83 +545,10 @@ def gather(out: Path, manifest: dict, cells: list, *, baseline: str | None = Non
     }
 
 
-def paired_comparisons(points: list[dict], base: int) -> list[dict]:
-    """Every grid point against point `base`, paired by seed: for the seeds both finished, the
-    per-seed differences of the metric (arm − baseline) with their 95% t interval
-    (`stats.paired_difference`), beside the unpaired (Welch) interval of the same runs'
-    means, the ratio of the two widths, and the paired seeds needed for 80% power at the
-    observed difference and paired s.d. (`stats.seeds_needed`; None when it cannot be said).
-
-    Returns [{"label", "seeds", "mean", "lo", "hi", "sd", "unpaired_lo", "unpaired_hi",
-    "width_ratio", "seeds_for_80_power"}] (intervals None below 2 paired seeds)."""
-    from rlhflab.stats import paired_difference, seeds_needed, welch_interval
-
-    def by_seed(pt):
-        return {r["seed"]: r["metric"] for r in pt["runs"]
-                if isinstance(r["metric"], int | float) and math.isfinite(r["metric"])}  # fmt: skip
-
-    ref = by_seed(points[base]) if points else {}
-    out = []
-    for i, pt in enumerate(points):
-        if i == base:
-            continue
-        mine = by_seed(pt)
-        seeds = sorted(set(ref) & set(mine))
-        row = {"label": pt["label"], "seeds": seeds, "mean": None, "lo": None, "hi": None,
-               "sd": None, "unpaired_lo": None, "unpaired_hi": None, "width_ratio": None,
-               "seeds_for_80_power": None}  # fmt: skip
-        if seeds:
-            arm, b = [mine[s] for s in seeds], [ref[s] for s in seeds]
-            d = paired_difference(arm, b)
-            _, ulo, uhi = welch_interval(arm, b)
-            row.update(mean=d["mean"], lo=d["lo"], hi=d["hi"], sd=d["sd"], unpaired_lo=ulo,
-                       unpaired_hi=uhi)  # fmt: skip
-            if d["lo"] is not None and ulo is not None and uhi > ulo:
-                row["width_ratio"] = (d["hi"] - d["lo"]) / (uhi - ulo)
-            if d["sd"]:
-                row["seeds_for_80_power"] = seeds_needed(d["sd"], d["mean"])
-        out.append(row)
-    return out
-
-
-def conclusion_line(comparisons: list[dict], baseline: str | None) -> str:
-    """The conclusion the paired intervals support, computed: which points differ from the
-    baseline at 95% (interval excluding 0), and which cannot be told apart from it."""
-    if not comparisons:
-        return "One grid point: nothing to compare."
-    differ = [c for c in comparisons if c["lo"] is not None and (c["lo"] > 0 or c["hi"] < 0)]
-    same = [c for c in comparisons if c not in differ]
-    parts = []
-    for c in differ:
-        word = "higher" if c["lo"] > 0 else "lower"
-        parts.append(f"{c['label']} is {word} than {baseline} ({_ci_text(c)})")
-    if same:
-        told = ", ".join(f"{c['label']} ({_ci_text(c)})" for c in same)
-        parts.append(f"not told apart from {baseline}: {told}")
-    return "At 95% (paired by seed): " + "; ".join(parts) + "."
-
-
-def _ci_text(c: dict) -> str:
-    if c["mean"] is None:
-        return "no paired seed"
-    if c["lo"] is None:
-        return f"{c['mean']:+.3f}, one paired seed, no interval"
-    return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
-
-
-def comparison_table(results: dict) -> str:
-    """The markdown table of `paired_comparisons` against the baseline point."""
-    head = ("| grid point − " + str(results["baseline"]) + " | paired seeds | difference, paired "
-            "95% CI | unpaired (Welch) 95% CI | width paired / unpaired | seeds for 80% power |")  # fmt: skip
-    lines = [head, "|---|---|---|---|---|---|"]
-    for c in results["comparisons"]:
-        unpaired = ("–" if c["unpaired_lo"] is None
-                    else f"[{c['unpaired_lo']:+.3f}, {c['unpaired_hi']:+.3f}]")  # fmt: skip
-        ratio = "–" if c["width_ratio"] is None else f"{c['width_ratio']:.2f}"
-        power = "–" if c["seeds_for_80_power"] is None else str(c["seeds_for_80_power"])
-        lines.append(f"| {c['label']} | {len(c['seeds'])} | {_ci_text(c)} | {unpaired} | "
-                     f"{ratio} | {power} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+def _sweep_comparisons(points: list[dict], base: int) -> list[dict]:
+    """`compare.paired_comparisons` of the grid points' per-seed metrics against point `base`."""
+    arms = {pt["label"]: {r["seed"]: r["metric"] for r in pt["runs"]} for pt in points}
+    return paired_comparisons(arms, points[base]["label"]) if points else []
 
 
 def fmt_stat(stat: dict, digits: int = 3) -> str:
@@ -707,7 +634,7 @@ def render_readme(results: dict, out: Path) -> str:
         "",
         f"## Against {results['baseline']}, paired by seed",
         "",
-        comparison_table(results),
+        paired_table(results["comparisons"], results["baseline"], "grid point"),
         "Each grid point's runs minus the baseline's, seed by seed (seed i of every point sees "
         "the same data order, initial weights and sampling noise): the mean difference with its "
         "95% Student t interval over the paired seeds; beside it the unpaired (Welch) interval "

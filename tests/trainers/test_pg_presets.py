@@ -135,6 +135,19 @@ def test_compare_writes_plot_table_and_results(sft_model, tmp_path):
     table = (out / "comparison.md").read_text()
     assert "| majority baseline |" in table
     assert "| grpo | group_zscore / ppo_clip / seq_mean_token_mean / none |" in table
+    assert results["paired"] == [] and "nothing to compare" in results["conclusion"]
+    # two presets: the second against the first, paired by seed, in the table and its conclusion
+    two = run_compare(presets, seeds=2, overrides=overrides, root=str(tmp_path / "two"))
+    (row,) = two["paired"]
+    acc = {n: p["heldout_accuracy"] for n, p in two["presets"].items()}
+    assert row["label"] == "reinforce" and row["seeds"] == [0, 1]
+    assert row["mean"] == pytest.approx(
+        sum(a - b for a, b in zip(acc["reinforce"], acc["grpo"], strict=True)) / 2, abs=1e-12
+    )
+    table = (Path(two["out_dir"]) / "comparison.md").read_text()
+    assert (
+        "| preset − grpo | paired seeds |" in table and f"Conclusion: {two['conclusion']}" in table
+    )
 
 
 # Issue #29's parts that no preset uses, swapped into the GRPO preset (one process; their
