@@ -70,6 +70,9 @@ def plot_run(
     stage_plot = plot_stage_split(rows, out_dir, stages) if stages else None
     if stage_plot is not None:
         written.append(stage_plot)
+    frontier = plot_frontier(rows, out_dir)
+    if frontier is not None:
+        written.append(frontier)
     return written
 
 
@@ -153,3 +156,35 @@ def _expand(keys: list[str], rows: list[dict]) -> list[str]:
             names = {k for k in names if not k.endswith("_stderr")}
         out.extend(sorted(names))
     return out
+
+
+def plot_frontier(rows: list[dict], out_dir: Path) -> Path | None:
+    """plots/frontier.png: gold and proxy against √KL(π‖π_init) through the run's evaluations
+    (`frontier/*` rows of metrics.jsonl, `rlhflab.eval.frontier`, in step order), each point
+    labelled by its step; None (nothing written) below two points."""
+    pts = [r for r in rows if isinstance(r.get("frontier/sqrt_kl"), int | float)]
+    if len(pts) < 2:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["frontier/sqrt_kl"] for r in pts]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(x, [r["frontier/gold"] for r in pts], marker="o", label="gold (verifier)")
+    ax.plot(x, [r["frontier/proxy"] for r in pts], marker="s", label="proxy (training reward)")
+    for r, xi in zip(pts, x, strict=True):
+        ax.annotate(str(r["step"]), (xi, r["frontier/gold"]), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))  # fmt: skip
+    ax.set_xlabel("√KL(π‖π_init) (nats^½ per completion), held-out samples")
+    ax.set_ylabel("mean score")
+    ax.set_title("gold vs proxy as the run trains (points: eval steps)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out_dir) / "frontier.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -407,9 +407,15 @@ class EvalSetConfig(Strict):
 
 
 class PGEvalConfig(EvalConfig):
-    """`eval` of a policy-gradient run: `EvalConfig` plus `sets`, further held-out sets."""
+    """`eval` of a policy-gradient run: `EvalConfig` plus `sets`, further held-out sets, and the
+    gold-vs-proxy frontier (`rlhflab.eval.frontier`)."""
 
     sets: list[EvalSetConfig] = Field(default_factory=list)
+    # At every evaluation, on `frontier_n` held-out problems: the training reward (proxy), the
+    # verifier (gold) and KL(π‖π_init) of one sample each (frontier/*, plots/frontier.png).
+    # None: on when the reward has a reward_model component and the task a verifier.
+    frontier: bool | None = None
+    frontier_n: int = Field(128, ge=1)
 
 
 class PGConfig(TrainerConfig):

@@ -124,6 +124,10 @@ class RewardModelScorer:
         row rendered with the RM's chat template (`rlhflab.data.prompts.render_row`), the
         completion encoded with eos appended unless it was truncated. For RMs whose tokenizer
         differs from the policy's (third-party RMs). Needs `from_pretrained` (the tokenizer)."""
+        return self.score_rollout(self.texts_rollout(rows, texts, truncated))
+
+    def texts_rollout(self, rows: list, texts: list[str], truncated: list[bool]):
+        """The Rollout `score_texts` scores: prompts and completions re-tokenised (its doc)."""
         from rlhflab.data.formatting import encode_prompt
         from rlhflab.data.prompts import render_row
 
@@ -134,7 +138,7 @@ class RewardModelScorer:
             + ([] if cut else [tok.eos_token_id])
             for t, cut in zip(texts, truncated, strict=True)
         ]
-        return self.score(prompts, completions)
+        return pack(prompts, completions, self.pad_token_id)
 
     @torch.no_grad()
     def raw_scores_rollout(self, rollout) -> Tensor:
@@ -378,10 +382,13 @@ def reward_model_component(
     retokenize: bool = False,
     dtype: str = "float32",
     parallel=None,
+    raw_scores: bool = False,
 ) -> Tensor:
     """Reward component "reward_model": the RM's score of each completion of the rollout (B,) on
     the CPU, float32. The RM at `path` is loaded once per process (on the rollout's device) and
-    reused; with normalize "running" its statistics persist across steps.
+    reused; with normalize "running" its statistics persist across steps. `raw_scores` (supplied
+    by a caller that measures rather than trains, e.g. the gold-vs-proxy frontier): the RM's
+    unnormalised scores, leaving the running statistics untouched.
 
     retokenize False: the RM shares the policy's tokenizer and scores the sampled token ids as
     they are. True: the decoded completions and their prompt rows are re-tokenised with the RM's
@@ -409,6 +416,7 @@ def reward_model_component(
     if _state_key(key) in _PENDING:
         scorer.load_running_state(_PENDING.pop(_state_key(key)))
     if retokenize:
-        raw = scorer.score_texts(problems, texts, rollout.truncated.tolist())
-        return raw.cpu()
+        rollout = scorer.texts_rollout(problems, texts, rollout.truncated.tolist())
+    if raw_scores:
+        return scorer.raw_scores_rollout(rollout).cpu()
     return scorer.score_rollout(rollout).cpu()

@@ -11,6 +11,8 @@ these it accepts (SUPPLIED_ARGS):
     max_new_tokens   int               the generation budget L_max
     rollout          Rollout           the sampled token ids (for reward models)
     parallel         ParallelConfig    the run's `parallel` section (reward models under FSDP2)
+    raw_scores       bool              True when measuring, not training (the gold-vs-proxy
+                                       frontier): reward models return unnormalised scores
 
 and the preset gives the others (`reward.components[i].args`, checked against the signature when
 the config loads). Each returns a (B,) float32 tensor, logged as `rollout/reward/<name>_mean`
@@ -50,6 +52,7 @@ SUPPLIED_ARGS = {
     "max_new_tokens",
     "rollout",
     "parallel",
+    "raw_scores",
 }
 
 

@@ -71,6 +71,26 @@ def train(cfg: PGConfig) -> dict:
     return run(cfg, PolicyGradient)
 
 
+def frontier_enabled(cfg) -> bool:
+    """Whether a run measures the gold-vs-proxy frontier (`eval.frontier`; None: when the reward
+    has a `reward_model` component and the task a verifier). One process only: under data
+    parallelism it is not measured (said once in `describe`).
+
+    Raises:
+        ConfigError: `eval.frontier: true` without a task verifier, or in an episode run."""
+    from rlhflab.errors import ConfigError
+
+    learned = any(c.name == "reward_model" for c in cfg.reward.components)
+    wanted = cfg.eval.frontier if cfg.eval.frontier is not None else learned
+    if not wanted or cfg.eval.n == 0:  # no held-out evaluation: nothing to measure it on
+        return False
+    if cfg.data.source != "task" or cfg.env is not None:
+        if cfg.eval.frontier:
+            raise ConfigError("eval.frontier needs a task with a verifier (the gold) and no env")
+        return False
+    return distributed.world_size() == 1
+
+
 class PolicyGradient(Trainer):
     """Policy-gradient RL under the run harness (rlhflab.trainers.loop)."""
 
@@ -123,8 +143,11 @@ class PolicyGradient(Trainer):
         # With β = 0, the initial policy, to measure the distance travelled (policy/kl_ref)
         # without entering the loss or the reward: by default for LoRA (its adapters disabled: no
         # second copy), for a full fine-tune only when asked (kl.track_initial: a frozen copy).
+        # The gold-vs-proxy frontier (eval.frontier; default: a reward model scored against a
+        # task's verifier) measures KL to the initial policy too: it keeps one when β = 0.
+        self.frontier = frontier_enabled(cfg)
         wanted = cfg.kl.track_initial if cfg.kl.track_initial is not None else is_lora(model)
-        track = cfg.kl.coef == 0 and wanted
+        track = cfg.kl.coef == 0 and (wanted or self.frontier)
         self.initial_policy = Reference(model, cfg.parallel) if track else None
         # β of the KL term: cfg.kl.coef, moved after every step by the adaptive controller
         self.kl = KLController(
@@ -180,10 +203,19 @@ class PolicyGradient(Trainer):
                                autocast_dtype=env.autocast_dtype, context=context_length(model))  # fmt: skip
 
     def describe(self) -> str:
-        return (
+        text = (
             f"train prompts {len(self.prompts.ids)}, held-out {len(self.heldout)}, held-out dropped "
             f"as seen in training: {self.splits.n_heldout_overlap_dropped}"
         )
+        if self.frontier:
+            text += f"; gold-vs-proxy frontier on {min(self.cfg.eval.frontier_n, len(self.heldout))} held-out problems"
+        elif (
+            self.cfg.eval.frontier is not False
+            and distributed.world_size() > 1
+            and any(c.name == "reward_model" for c in self.cfg.reward.components)
+        ):
+            text += "; gold-vs-proxy frontier not measured with several processes"
+        return text
 
     def checkpointed(self) -> Checkpointed:
         # Both models, optimizers and schedules, every RNG stream and the prompt stream's
@@ -223,9 +255,28 @@ class PolicyGradient(Trainer):
                     step, self.autocast_dtype, system=s["system"], instruction=s["instruction"],
                     engine=engine, prefix=f"eval/{s['name']}",
                 )  # fmt: skip
+        if self.frontier and self.heldout:
+            point = self._frontier_point(step)
+            self.tracker.log(step, {f"frontier/{k}": v for k, v in point.items()})
+            res = {**res, "frontier": point}
         if res:
             self.health.observe_eval(step, res)
         return res
+
+    def _frontier_point(self, step: int) -> dict:
+        """`eval.frontier.frontier_point` on the first `eval.frontier_n` held-out problems
+        (module doc of rlhflab.eval.frontier), against the reference or the initial policy."""
+        from rlhflab.eval.frontier import frontier_point
+
+        initial = self.reference if self.reference is not None else self.initial_policy
+        cfg, prompts = self.cfg, self.prompts
+        with self.sampler.evaluating() as engine, initial.scoring() as init_module:
+            return frontier_point(
+                self.model, init_module, self.tokenizer, self.heldout[: cfg.eval.frontier_n],
+                self.sampler.scorer, self.verifier, engine=engine, system=prompts.system,
+                instruction=prompts.instruction, max_new_tokens=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature, seed=cfg.seed,
+            )  # fmt: skip
 
     def begin(self) -> None:
         load_running_norm_state({})

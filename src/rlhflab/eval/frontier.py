@@ -1,0 +1,74 @@
+"""The gold-vs-proxy frontier of an RL run, measured as it trains (Gao et al. 2022, §3, Fig. 1:
+gold and proxy reward against d = √KL(π‖π_init)).
+
+A run whose reward includes a learned component (a reward model: the proxy) on a task with a
+verifier (the gold) logs, at every evaluation, on the same held-out problems:
+
+    frontier/proxy    mean training reward (Σ weight · component, as in training, but each reward
+                      model's score unnormalised: `raw_scores`) of the samples
+    frontier/gold     mean verifier score of the same samples
+    frontier/kl       mean over the samples of Σ_t log π(o_t | ·) − log π_init(o_t | ·): the
+                      Monte-Carlo (k1) estimate of KL(π‖π_init), nats per completion
+    frontier/sqrt_kl  √max(kl, 0), Gao et al.'s d
+
+with one sample per problem at the rollout temperature, drawn from a generator seeded by the run's
+seed (the same draws at every evaluation until the policy moves). `rlhflab.plots.plot_frontier`
+draws gold and proxy against √KL from `metrics.jsonl` (plots/frontier.png): over-optimisation
+shows as the gold turning down while the proxy keeps rising.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KEYS = ("proxy", "gold", "kl", "sqrt_kl", "n")
+
+
+@torch.no_grad()
+def frontier_point(policy, initial, tokenizer, problems: list, reward, verifier, *, engine,
+                   system, instruction: str, max_new_tokens: int, temperature: float,
+                   seed: int, batch: int = 64) -> dict:  # fmt: skip
+    """One point of the frontier on held-out `problems` (task Problems).
+
+    Args:
+        policy: the trained policy (its own forward; sharded models too).
+        initial: the module computing π_init (the reference or the run's initial policy).
+        reward: the run's reward (`score(texts, rollout, problems, where=..., raw_scores=True)`
+            → (total (B,), components)): the proxy, reward models unnormalised (a running
+            normalisation's statistics are not moved by the measurement).
+        verifier: the task's verifier (`score_batch(texts, problems)`): the gold.
+        engine: the rollout engine to sample with.
+    Returns:
+        {"proxy", "gold", "kl", "sqrt_kl", "n"}: means over the n sampled completions (one per
+        problem); kl in nats per completion.
+    Raises:
+        ValueError: no problems.
+    """
+    from rlhflab.data.formatting import encode_prompt
+    from rlhflab.data.prompts import render_row
+    from rlhflab.rollout.engines import SamplingParams, sample_chunks
+    from rlhflab.rollout.sampler import completion_logps
+
+    if not problems:
+        raise ValueError("frontier_point: no held-out problems")
+    device = next(policy.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature)
+    proxy, gold, kls = [], [], []
+    for s in range(0, len(problems), batch):
+        chunk = problems[s : s + batch]
+        ids = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system,
+                                                   instruction=instruction)) for p in chunk]  # fmt: skip
+        [(_, ro, texts)] = sample_chunks(policy, engine, tokenizer, ids, params, generator=gen)
+        total, _ = reward.score(texts, ro, chunk, where="frontier", raw_scores=True)
+        proxy += total.tolist()
+        gold += [float(x) for x in verifier.score_batch(texts, chunk)]
+        lp, _ = completion_logps(policy, ro)
+        li, _ = completion_logps(initial, ro)
+        kls += ((lp - li).double() * ro.mask).sum(dim=1).tolist()
+    n = len(kls)
+    kl = math.fsum(kls) / n
+    return {"proxy": math.fsum(proxy) / n, "gold": math.fsum(gold) / n, "kl": kl,
+            "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n}  # fmt: skip
