@@ -189,11 +189,13 @@ def campaign_dir(root: str | Path, slug: str) -> Path:
     return found[-1] if found else root / f"{time.strftime('%Y-%m-%d')}-{slug}"
 
 
-def _first_difference(old, new, prefix: str = "") -> str | None:
-    """The first dotted key where two JSON values differ, with both values."""
+def _first_difference(old, new, prefix: str = "", *, added_ok: bool = False) -> str | None:
+    """The first dotted key where two JSON values differ, with both values. `added_ok`: a key
+    the old value lacks is no difference (a config key a newer rlhflab added, at its default)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for k in sorted(set(old) | set(new), key=str):
-            d = _first_difference(old.get(k), new.get(k), f"{prefix}{k}.")
+        keys = set(old) if added_ok else set(old) | set(new)
+        for k in sorted(keys, key=str):
+            d = _first_difference(old.get(k), new.get(k), f"{prefix}{k}.", added_ok=added_ok)
             if d:
                 return d
         return None
@@ -221,7 +223,10 @@ def check_manifest(out: Path, manifest: dict) -> None:
             and old["seeds"] <= manifest["seeds"]
         ):
             continue  # more seeds continue a campaign: its finished runs are kept
-        d = _first_difference(old.get(field), manifest.get(field))
+        # keys added to the config schema since the campaign began (at their defaults) are no
+        # difference: an upgrade of rlhflab does not orphan a campaign
+        d = _first_difference(old.get(field), manifest.get(field),
+                              added_ok=field == "resolved_config")  # fmt: skip
         if d:
             where = "" if field == "resolved_config" else f"{field}."
             raise ConfigError(
