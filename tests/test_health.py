@@ -297,3 +297,21 @@ def test_summary_counts_only_the_checks_that_had_inputs():
     again = _monitor([], window=3)
     again.load(h.state())
     assert again.summary()["checked"] == s["checked"]
+
+
+def test_reward_hacking_reads_the_frontiers_held_out_proxy():
+    # The held-out proxy of the gold-vs-proxy frontier, not the training signal's window mean,
+    # is the proxy compared: here the training signal is flat while the held-out proxy rises.
+    h = _monitor([], window=2, hacking_drop=0.05)
+    h.observe_eval(0, {"accuracy": 0.6, "accuracy_stderr": 0.01, "frontier": {"proxy": 0.1}})
+    for s in (1, 2):
+        h.check(s, {"rollout/reward_mean": 0.3})
+    h.observe_eval(2, {"accuracy": 0.3, "accuracy_stderr": 0.01, "frontier": {"proxy": 0.6}})
+    assert h.check(3, {"rollout/reward_mean": 0.3})["health/reward_hacking"] == 1.0
+    # the same evaluations with a falling held-out proxy: a drop, but no hacking
+    g = _monitor([], window=2, hacking_drop=0.05)
+    g.observe_eval(0, {"accuracy": 0.6, "accuracy_stderr": 0.01, "frontier": {"proxy": 0.6}})
+    for s in (1, 2):
+        g.check(s, {"rollout/reward_mean": 0.9})
+    g.observe_eval(2, {"accuracy": 0.3, "accuracy_stderr": 0.01, "frontier": {"proxy": 0.1}})
+    assert g.check(3, {"rollout/reward_mean": 0.9})["health/reward_hacking"] == 0.0

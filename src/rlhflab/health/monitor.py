@@ -63,10 +63,17 @@ class HealthMonitor:
         """Record a held-out evaluation for `reward_hacking`, with the mean `training_signal` of
         the last `window` steps: its correctness (`accuracy`, `accuracy_stderr`: the task
         verifier, or a prompt dataset's verifier-like reward), else its `headline` (a gold
-        reward the run does not optimise, e.g. a weighted reward of other components)."""
+        reward the run does not optimise, e.g. a weighted reward of other components). With the
+        gold-vs-proxy frontier (`result["frontier"]`, rlhflab.eval.frontier) the proxy compared
+        is its held-out proxy at this evaluation (step 0 included) instead of the training
+        signal's recent mean."""
         key = "accuracy" if result.get("accuracy") is not None else "headline"
         if result.get(key) is not None:
-            reward = sum(self.signal) / len(self.signal) if self.signal else None
+            frontier = result.get("frontier")
+            if isinstance(frontier, dict) and frontier.get("proxy") is not None:
+                reward = float(frontier["proxy"])
+            else:
+                reward = sum(self.signal) / len(self.signal) if self.signal else None
             self.evals.append((step, result[key], result.get(f"{key}_stderr") or 0.0, reward))
 
     def _heldout_drop(self) -> float | None:
