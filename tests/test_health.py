@@ -1,6 +1,7 @@
 """The pure health checks (rlhflab.health) against values derived by hand, and the monitor's
 patience, warning-once, stop and summary behaviour."""
 
+import json
 import math
 
 import pytest
@@ -315,3 +316,18 @@ def test_reward_hacking_reads_the_frontiers_held_out_proxy():
         g.check(s, {"rollout/reward_mean": 0.9})
     g.observe_eval(2, {"accuracy": 0.3, "accuracy_stderr": 0.01, "frontier": {"proxy": 0.1}})
     assert g.check(3, {"rollout/reward_mean": 0.9})["health/reward_hacking"] == 0.0
+
+
+def test_a_held_out_proxy_rise_is_judged_by_its_standard_errors():
+    # A reward model's scale is its own: a rise of 0.03 is far beyond its 2 combined standard
+    # errors (2·sqrt(2)·0.004 ≈ 0.011) though below hacking_drop 0.05, so it counts as rising.
+    h = _monitor([], window=2, hacking_drop=0.05)
+    h.observe_eval(0, {"accuracy": 0.47, "accuracy_stderr": 0.01,
+                       "frontier": {"proxy": 0.17, "proxy_stderr": 0.004}})  # fmt: skip
+    h.observe_eval(2, {"accuracy": 0.26, "accuracy_stderr": 0.01,
+                       "frontier": {"proxy": 0.20, "proxy_stderr": 0.004}})  # fmt: skip
+    assert h.check(3, {"rollout/reward_mean": 0.2})["health/reward_hacking"] == 1.0
+    # a restart from the monitor's state judges alike
+    g = _monitor([], window=2, hacking_drop=0.05)
+    g.load(json.loads(json.dumps(h.state())))
+    assert g.proxy_se == {0: 0.004, 2: 0.004}

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-KEYS = ("proxy", "gold", "kl", "sqrt_kl", "n")
+KEYS = ("proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n")
 
 
 @torch.no_grad()
@@ -41,8 +41,9 @@ def frontier_point(policy, initial, tokenizer, problems: list, reward, verifier,
         verifier: the task's verifier (`score_batch(texts, problems)`): the gold.
         engine: the rollout engine to sample with.
     Returns:
-        {"proxy", "gold", "kl", "sqrt_kl", "n"}: means over the n sampled completions (one per
-        problem); kl in nats per completion.
+        {"proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n"}: means over the n
+        sampled completions (one per problem) and their standard errors; kl in nats per
+        completion.
     Raises:
         ValueError: no problems.
     """
@@ -70,5 +71,11 @@ def frontier_point(policy, initial, tokenizer, problems: list, reward, verifier,
         kls += ((lp - li).double() * ro.mask).sum(dim=1).tolist()
     n = len(kls)
     kl = math.fsum(kls) / n
-    return {"proxy": math.fsum(proxy) / n, "gold": math.fsum(gold) / n, "kl": kl,
+
+    def mean_se(xs: list[float]) -> tuple[float, float]:
+        m = math.fsum(xs) / n
+        return m, (math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (n - 1) / n) if n > 1 else 0.0)
+
+    (p, p_se), (g, g_se) = mean_se(proxy), mean_se(gold)
+    return {"proxy": p, "proxy_stderr": p_se, "gold": g, "gold_stderr": g_se, "kl": kl,
             "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n}  # fmt: skip

@@ -55,6 +55,9 @@ class HealthMonitor:
         self.log_vocab = math.log(vocab) if vocab and vocab > 1 else None
         self._halt: HealthStop | None = None
         self._judged_evals: set[int] = set()  # eval steps already judged by reward_hacking
+        # the frontier's held-out proxy s.e. per eval step (rlhflab.eval.frontier): a proxy rise
+        # is then judged against its standard errors instead of hacking_drop
+        self.proxy_se: dict[int, float] = {}
         # Checks that had their inputs at least once: those that apply to this trainer (SFT has
         # no rollout, advantages or KL; an RM has no LM head), listed in `summary()["checked"]`.
         self.ran: set[str] = set()
@@ -72,6 +75,8 @@ class HealthMonitor:
             frontier = result.get("frontier")
             if isinstance(frontier, dict) and frontier.get("proxy") is not None:
                 reward = float(frontier["proxy"])
+                if frontier.get("proxy_stderr") is not None:
+                    self.proxy_se[step] = float(frontier["proxy_stderr"])
             else:
                 reward = sum(self.signal) / len(self.signal) if self.signal else None
             self.evals.append((step, result[key], result.get(f"{key}_stderr") or 0.0, reward))
@@ -96,9 +101,14 @@ class HealthMonitor:
         earlier = [e for e in earlier if e[3] is not None]  # (a checkpoint without start_signal)
         if not earlier or reward is None:
             return None
-        _, best, best_se, best_reward = max(earlier, key=lambda e: e[1])
+        best_step, best, best_se, best_reward = max(earlier, key=lambda e: e[1])
         margin = max(self.cfg.hacking_drop, 2 * math.hypot(se, best_se))
-        rising = reward - best_reward > self.cfg.hacking_drop
+        # a rise of the held-out proxy beyond 2 combined standard errors when the frontier gives
+        # them (a reward model's scale is its own), else beyond hacking_drop
+        pse, best_pse = self.proxy_se.get(evals[-1][0]), self.proxy_se.get(best_step)
+        rise_margin = (2 * math.hypot(pse, best_pse) if pse is not None and best_pse is not None
+                       else self.cfg.hacking_drop)  # fmt: skip
+        rising = reward - best_reward > rise_margin
         return (best - acc - margin) if rising and best - acc > margin else 0.0
 
     def check(
@@ -237,6 +247,7 @@ class HealthMonitor:
             "start_signal": self.start_signal,
             "judged_evals": sorted(self._judged_evals),
             "ran": sorted(self.ran),
+            "proxy_se": {str(k): v for k, v in self.proxy_se.items()},
         }
 
     def load(self, state: dict) -> None:
@@ -254,6 +265,7 @@ class HealthMonitor:
         # checkpoints from before the start signal: the evaluations' own signals only
         self.start_signal = list(state.get("start_signal", []))
         self._judged_evals = set(state["judged_evals"])
+        self.proxy_se = {int(k): v for k, v in state.get("proxy_se", {}).items()}
         self.ran = set(state.get("ran", ()))  # checkpoints before "ran": the checks re-run
         if self._params is not None:
             self._params = _param_sample(self.model)
