@@ -164,3 +164,35 @@ def spy_micro_batches(monkeypatch) -> list[list[list]]:
 
     monkeypatch.setattr(distributed, "micro_batches", spy)
     return calls
+
+
+def uneven_step_rows(n: int = 24) -> list[dict]:
+    """Step-labelled solutions (`data.source: step_labelled`) of 1 to 4 steps of uneven length,
+    ratings +1/−1 by a fixed rule: a PRM's or a token-level ORM's data with much padding."""
+    rows = []
+    for i in range(n):
+        k = 1 + i % 4
+        lines = [f"{i}+{j} = {i + j}" + "z" * ((3 * i + j) % 7) for j in range(k)]
+        ratings = [1 if (i + j) % 3 else -1 for j in range(k)]
+        rows.append({"prompt": f"Add up {i}.", "steps": lines, "ratings": ratings,
+                     "final": f"<answer>{i}</answer>", "outcome": int(all(r > 0 for r in ratings))})  # fmt: skip
+    return rows
+
+
+def force_layout(monkeypatch, layout: str) -> list:
+    """Make `rollout.sampler.completion_head` score in `layout` ("padded", "tree" or "varlen")
+    whatever `layout_for` would choose; returns the list of layouts it built."""
+    import rlhflab.models.packing as packing
+    import rlhflab.rollout.sampler as sampler
+
+    chosen: list = []
+
+    def layout_for(model, ro, *, sharded):
+        if layout == "padded":
+            return None
+        lay = packing.packed_layout(ro, share_prompts=layout == "tree")
+        chosen.append(lay)
+        return lay
+
+    monkeypatch.setattr(sampler, "layout_for", layout_for)
+    return chosen

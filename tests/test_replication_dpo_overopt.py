@@ -19,7 +19,6 @@ from rlhflab.replications.dpo_overopt import (
     measured_steps,
     per_seed_rows,
     rise_and_fall,
-    spearman,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,19 +88,6 @@ def test_estimates_give_every_criterion_key_and_the_kl_gap_paired_over_seeds():
     del results["beta1-seed0"], results["beta1-seed1"], results["beta1-seed2"]
     with pytest.raises(ValueError, match=r"needs β \[1.0\]"):
         estimates(results)
-
-
-def test_spearman_is_the_correlation_of_ranks_with_tied_values_sharing_their_mean_rank():
-    assert spearman([0.01, 0.1, 1.0], [9.0, 4.0, 1.0]) == pytest.approx(-1.0, abs=1e-12)
-    assert spearman([1, 2, 3, 4, 5], [2.0, 1.0, 4.0, 3.0, 5.0]) == pytest.approx(0.8, abs=1e-12)
-    # 1 - 6 Σd²/(n(n²-1)) with d = (1, -1, 1, -1, 0): 1 - 24/120 = 0.8 (no ties)
-    # ties: ys ranks (1.5, 1.5, 3, 4); xs ranks (1, 2, 3, 4): centred (-1.5, -.5, .5, 1.5) and
-    # (-1, -1, .5, 1.5) → Σxy = 1.5 + .5 + .25 + 2.25 = 4.5, Σx² = 5, Σy² = 4.5 → 4.5/sqrt(22.5)
-    assert spearman([1, 2, 3, 4], [7.0, 7.0, 8.0, 9.0]) == pytest.approx(4.5 / math.sqrt(22.5))
-    with pytest.raises(ValueError, match="constant"):
-        spearman([1, 2, 3], [5.0, 5.0, 5.0])
-    with pytest.raises(ValueError, match="one length"):
-        spearman([1, 2], [1.0])
 
 
 def test_budget_hump_picks_the_best_point_over_every_beta_on_the_even_half():

@@ -196,3 +196,37 @@ def seeds_needed(sd: float, delta: float, *, power: float = 0.8, max_n: int = 10
             return n
         n += 1
     return None
+
+
+def average_ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of `values`, ties sharing their mean rank (as Spearman's ρ and the
+    Mann–Whitney AUC count them)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (`average_ranks`).
+    Returns a float in [−1, 1].
+
+    Raises:
+        ValueError: fewer than 2 values, lengths differ, or either list is constant.
+    """
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError("spearman: need two lists of one length >= 2")
+    rx, ry = average_ranks(xs), average_ranks(ys)
+    mx, my = math.fsum(rx) / len(rx), math.fsum(ry) / len(ry)
+    sxy = math.fsum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx, syy = math.fsum((a - mx) ** 2 for a in rx), math.fsum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        raise ValueError("spearman: a constant list has no rank correlation")
+    return sxy / math.sqrt(sxx * syy)

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from factories import uneven_step_rows
 from safetensors.torch import load_file
 
 import rlhflab
@@ -889,13 +890,7 @@ def uneven_files(tmp_path_factory) -> Path:
         for i in range(24)
     ]  # fmt: skip
     (d / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs))
-    steps = []  # step-labelled solutions of 1 to 4 steps of uneven length (a PRM's data)
-    for i in range(24):
-        n = 1 + i % 4
-        lines = [f"{i}+{k} = {i + k}" + "z" * ((3 * i + k) % 7) for k in range(n)]
-        ratings = [1 if (i + k) % 3 else -1 for k in range(n)]
-        steps.append({"prompt": f"Add up {i}.", "steps": lines, "ratings": ratings,
-                      "final": f"<answer>{i}</answer>", "outcome": int(all(r > 0 for r in ratings))})  # fmt: skip
+    steps = uneven_step_rows()  # a PRM's data
     (d / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in steps))
     return d
 

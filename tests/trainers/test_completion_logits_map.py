@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import force_layout
 
-import rlhflab.models.packing as packing
 import rlhflab.rollout.sampler as sampler
 from rlhflab.losses.advantages import sum_pi_squared
 from rlhflab.ops import position_ids_from_mask
@@ -40,16 +40,7 @@ def _reference(model, rollout, temperature):
 def test_entropy_and_sum_pi_squared_equal_the_full_logits_definition(tiny_model64, monkeypatch,
                                                                       layout):  # fmt: skip
     rollout = _rollout()
-    chosen = []
-
-    def layout_for(model, ro, *, sharded):
-        if layout == "padded":
-            return None
-        lay = packing.packed_layout(ro, share_prompts=layout == "tree")
-        chosen.append(lay)
-        return lay
-
-    monkeypatch.setattr(sampler, "layout_for", layout_for)  # completion_head's
+    chosen = force_layout(monkeypatch, layout)  # completion_head's layout
     tau = 0.7
     want_logp, want_ent, want_pi2 = _reference(tiny_model64, rollout, tau)
     logp, ent = logps_with_entropy(tiny_model64, rollout, tau, None)

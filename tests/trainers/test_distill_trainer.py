@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from factories import tiny_build, tiny_sft, tiny_task
+from factories import force_layout, tiny_build, tiny_sft, tiny_task
 from test_checkpoint_resume import assert_same_run, run_cli, run_dir_of
 
 from rlhflab.config import config_from_dict
@@ -81,7 +81,6 @@ def test_forward_head_hidden_states_give_the_trained_log_probs(tiny_model64, mon
     # padded layout and packed (rows of very different lengths; a scored token inside left out
     # of the selection): a shift by one position, the padding, the position ids, a packed row's
     # boundaries or the selection order would break the equality.
-    import rlhflab.models.packing as packing
     import rlhflab.trainers.distill as distill
     from rlhflab.rollout.sampler import completion_logps, pack
 
@@ -91,18 +90,7 @@ def test_forward_head_hidden_states_give_the_trained_log_probs(tiny_model64, mon
     sel = rollout.mask > 0
     sel[1, 4] = False
     want, _ = completion_logps(tiny_model64, rollout)
-    chosen = []
-
-    def layout_for(model, ro, *, sharded):
-        if layout == "padded":
-            return None
-        lay = packing.packed_layout(ro, share_prompts=layout == "tree")
-        chosen.append(lay)
-        return lay
-
-    import rlhflab.rollout.sampler as sampler
-
-    monkeypatch.setattr(sampler, "layout_for", layout_for)  # completion_head's
+    chosen = force_layout(monkeypatch, layout)  # completion_head's layout
     hidden = distill._forward_head(tiny_model64, rollout, contextlib.nullcontext(), lambda h: h,
                                    sel)  # fmt: skip
     assert all(lay is not None for lay in chosen) and len(chosen) == (layout != "padded")

@@ -19,7 +19,8 @@ from rlhflab.trainers import run_config
 
 @pytest.fixture(scope="module")
 def policy_and_rm(tmp_path_factory):
-    """A 6-step SFT policy and an (untrained) reward model on its backbone and tokenizer."""
+    """A 6-step SFT policy and an (untrained) reward model on its backbone and tokenizer (as
+    tests/test_resume_reward_norm.py's)."""
     root = tmp_path_factory.mktemp("frontier")
     policy = run_config(config_from_dict(sft_raw(root, steps=6)))["model_dir"]
     tok = load_tokenizer(policy)

@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from factories import tiny_dpo, tiny_pg, tiny_sft, tiny_task
+from factories import tiny_dpo, tiny_pg, tiny_sft, tiny_task, uneven_step_rows
 from safetensors.torch import load_file
 
 import rlhflab.models.packing as packing
@@ -55,14 +55,7 @@ def pairs(tmp_path_factory):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     sft = [{"prompt": f"Say {i}.", "completion": "y" * (1 + (7 * i) % 30)} for i in range(24)]
     (path.parent / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
-    # step-labelled solutions of 1 to 4 steps of uneven length (PRM and ORM data)
-    steps = []
-    for i in range(24):
-        n = 1 + i % 4
-        lines = [f"{i}+{k} = {i + k}" + "z" * ((3 * i + k) % 7) for k in range(n)]
-        ratings = [1 if (i + k) % 3 else -1 for k in range(n)]
-        steps.append({"prompt": f"Add up {i}.", "steps": lines, "ratings": ratings,
-                      "final": f"<answer>{i}</answer>", "outcome": int(all(r > 0 for r in ratings))})  # fmt: skip
+    steps = uneven_step_rows()  # PRM and ORM data
     (path.parent / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in steps))
     return path
 

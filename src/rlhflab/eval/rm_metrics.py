@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from rlhflab.stats import average_ranks
+
 
 def auc(scores: list[float], labels: list[float]) -> float:
     """ROC AUC of `scores` for binary `labels` (ties count ½); NaN if one class is absent."""
@@ -17,17 +19,7 @@ def auc(scores: list[float], labels: list[float]) -> float:
     neg = [s for s, y in zip(scores, labels, strict=True) if y <= 0.5]
     if not pos or not neg:
         return float("nan")
-    # Rank-based: O(n log n). Average ranks over ties.
-    order = sorted(range(len(scores)), key=lambda i: scores[i])
-    ranks = [0.0] * len(scores)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
-            j += 1
-        for t in range(i, j + 1):
-            ranks[order[t]] = (i + j) / 2 + 1
-        i = j + 1
+    ranks = average_ranks(scores)  # rank-based, O(n log n); ties share their mean rank
     rank_pos = sum(r for r, y in zip(ranks, labels, strict=True) if y > 0.5)
     n_pos, n_neg = len(pos), len(neg)
     return (rank_pos - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)

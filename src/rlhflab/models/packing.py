@@ -262,8 +262,14 @@ def _first_fit(seg_len: list[int], bound: int) -> tuple[list[tuple[int, int]], l
 
 def packed_hidden(model, layout: PackedLayout, autocast) -> Tensor:
     """(R, W, H) final hidden states of the packed rows, with gradients."""
+    return backbone_hidden(model.base_model, layout, autocast)
+
+
+def backbone_hidden(backbone, layout: PackedLayout, autocast) -> Tensor:
+    """(R, W, H) final hidden states of a bare backbone (a transformers base model) on the packed
+    rows, with gradients."""
     with autocast:
-        out = model.base_model(
+        out = backbone(
             input_ids=layout.input_ids,
             attention_mask=layout.attention_mask,
             position_ids=layout.position_ids,

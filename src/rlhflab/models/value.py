@@ -96,19 +96,14 @@ class ValueModel(nn.Module):
         (`models.packing.backbone_layout`): the same values up to float rounding.
         """
         from rlhflab import distributed
-        from rlhflab.models.packing import backbone_layout
+        from rlhflab.models.packing import backbone_hidden, backbone_layout
 
         layout = backbone_layout(self.backbone, rollout, sharded=distributed.is_sharded(self))
         if layout is not None:
             autocast = torch.autocast(rollout.input_ids.device.type, dtype=autocast_dtype,
                                       enabled=autocast_dtype is not None)  # fmt: skip
-            with autocast:
-                hidden = self.backbone(
-                    input_ids=layout.input_ids,
-                    attention_mask=layout.attention_mask,
-                    position_ids=layout.position_ids,
-                    use_cache=False,
-                ).last_hidden_state[layout.pred_rows, layout.pred_cols]  # (N, H)
+            hidden = backbone_hidden(self.backbone, layout, autocast)
+            hidden = hidden[layout.pred_rows, layout.pred_cols]  # (N, H)
             values = self.head(upcast(hidden)).squeeze(-1)  # (N,)
             grid = values.new_zeros(rollout.mask.shape)
             return grid.index_put((layout.out_rows, layout.out_cols), values) * rollout.mask

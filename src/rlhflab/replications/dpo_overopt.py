@@ -49,6 +49,7 @@ from rlhflab.replications.verdict import (
     t_interval,
     verdict_table,
 )
+from rlhflab.stats import spearman
 
 #: β values the criterion names (the default config runs them all).
 LOW_BETAS = (0.01, 0.03)
@@ -414,38 +415,6 @@ def rise_and_fall(curves: list[list[dict]], *, key: str = "gold") -> dict:
     falls = [c[-1][f"{key}_odd"] - c[peak][f"{key}_odd"] for c in curves]
     return {"peak_index": peak, "rise": t_interval(rises), "fall": t_interval(falls),
             "rises": rises, "falls": falls}  # fmt: skip
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the ranks (ties share their mean
-    rank). Returns a float in [−1, 1].
-
-    Raises:
-        ValueError: fewer than 2 values, lengths differ, or either list is constant.
-    """
-    if len(xs) != len(ys) or len(xs) < 2:
-        raise ValueError("spearman: need two lists of one length >= 2")
-
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2 + 1
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = math.fsum(rx) / len(rx), math.fsum(ry) / len(ry)
-    sxy = math.fsum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    sxx, syy = math.fsum((a - mx) ** 2 for a in rx), math.fsum((b - my) ** 2 for b in ry)
-    if sxx == 0 or syy == 0:
-        raise ValueError("spearman: a constant list has no rank correlation")
-    return sxy / math.sqrt(sxx * syy)
 
 
 def budget_hump(by_beta: dict[float, list[dict]]) -> dict:
