@@ -279,6 +279,13 @@ def test_every_point_is_compared_with_the_baseline_paired_by_seed(tmp_path):
     other = run_sweep(GRPO, **kw, baseline="kl.coef=0.1")
     assert other["comparisons"][0]["mean"] == pytest.approx(-0.06, abs=1e-12)
     assert "kl.coef=0 is lower than kl.coef=0.1" in other["conclusion"]
+    # a percentile bootstrap over the seeds instead of the t interval, when asked
+    from rlhflab.stats import paired_bootstrap
+
+    boot = run_sweep(GRPO, **kw, ci="bootstrap")
+    _, lo, hi = paired_bootstrap(arm, base)
+    assert (boot["comparisons"][0]["lo"], boot["comparisons"][0]["hi"]) == (lo, hi)
+    assert "percentile-bootstrap interval" in (out / "README.md").read_text()
     with pytest.raises(ConfigError, match=r"--baseline 'kl.coef=1' is not a grid point; the "
                                           r"points are 'kl.coef=0', 'kl.coef=0.1'"):  # fmt: skip
         run_sweep(GRPO, **kw, baseline="kl.coef=1")

@@ -264,18 +264,23 @@ def run_compare(
     }
 
 
-def paired_comparisons(arms: dict[str, dict[int, float | None]], baseline: str) -> list[dict]:
+def paired_comparisons(arms: dict[str, dict[int, float | None]], baseline: str, *,
+                       ci: str = "t") -> list[dict]:  # fmt: skip
     """Every arm against arm `baseline`, paired by seed. `arms`: {label: {seed: metric}} (a
     missing or non-finite metric leaves its seed out). For the seeds both arms have: the
-    per-seed differences (arm − baseline) with their 95% t interval
-    (`stats.paired_difference`), beside the unpaired (Welch) interval of the same runs' means,
+    per-seed differences (arm − baseline) with their 95% interval — Student t over the seeds
+    (`stats.paired_difference`; `ci="t"`) or percentile bootstrap over them
+    (`stats.paired_bootstrap`; `ci="bootstrap"`) —, beside the unpaired (Welch) interval of the same runs' means,
     the ratio of the two widths, and the paired seeds needed for 80% power at the observed
     difference and paired s.d. (`stats.seeds_needed`; None when it cannot be said).
 
     Returns [{"label", "seeds", "mean", "lo", "hi", "sd", "unpaired_lo", "unpaired_hi",
     "width_ratio", "seeds_for_80_power"}] in `arms` order, the baseline left out (intervals None
     below 2 paired seeds)."""
-    from rlhflab.stats import paired_difference, seeds_needed, welch_interval
+    from rlhflab.stats import paired_bootstrap, paired_difference, seeds_needed, welch_interval
+
+    if ci not in ("t", "bootstrap"):
+        raise ConfigError(f"paired comparisons: ci must be t or bootstrap (got {ci!r})")
 
     def finite(values: dict) -> dict:
         return {s: v for s, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
@@ -293,6 +298,8 @@ def paired_comparisons(arms: dict[str, dict[int, float | None]], baseline: str) 
         if seeds:
             arm, b = [mine[s] for s in seeds], [ref[s] for s in seeds]
             d = paired_difference(arm, b)
+            if ci == "bootstrap" and len(seeds) > 1:
+                _, d["lo"], d["hi"] = paired_bootstrap(arm, b)
             _, ulo, uhi = welch_interval(arm, b)
             row.update(mean=d["mean"], lo=d["lo"], hi=d["hi"], sd=d["sd"], unpaired_lo=ulo,
                        unpaired_hi=uhi)  # fmt: skip

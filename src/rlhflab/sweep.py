@@ -275,6 +275,7 @@ def run_sweep(
     report_only: bool = False,
     resume: bool = False,
     baseline: str | None = None,
+    ci: str = "t",
     question: str | None = None,
     until_ci_width: float | None = None,
     max_seeds: int | None = None,
@@ -286,7 +287,8 @@ def run_sweep(
     was started with add seeds to it (its finished runs are kept).
 
     `baseline`: the grid point (its label, e.g. "kl.coef=0") every other point is compared with,
-    paired by seed (`paired_comparisons`); default the first. `question`: the README's question
+    paired by seed (`paired_comparisons`); default the first. `ci`: that comparison's interval,
+    "t" (Student t over the seeds) or "bootstrap" (percentile bootstrap over them). `question`: the README's question
     line. `until_ci_width` W with `max_seeds` K: after the `seeds` runs, add one seed at a time
     until every paired difference's 95% interval is narrower than W, or K seeds have run.
 
@@ -319,7 +321,8 @@ def run_sweep(
                 "sweep: --until-ci-width runs seeds until done; not with --only/--report"
             )
         kw = dict(grid_items=grid_items, overrides=overrides, root=root, slug=slug, metric=metric,
-                  resume=resume, baseline=baseline, question=question, print_fn=print_fn)  # fmt: skip
+                  resume=resume, baseline=baseline, ci=ci, question=question,
+                  print_fn=print_fn)  # fmt: skip
         n = seeds
         while True:
             summary = run_sweep(config, seeds=n, **kw)
@@ -398,7 +401,7 @@ def run_sweep(
         summary: dict = {"out_dir": str(out), "ran": ran, "skipped": skipped, "cells": len(cells),
                          "readme": None}  # fmt: skip
         if share is None:
-            results = gather(out, manifest, cells, baseline=baseline)
+            results = gather(out, manifest, cells, baseline=baseline, ci=ci)
             results["question"] = question
             write_json_atomic(out / "results.json", results)
             plot_sweep(results, out)
@@ -474,7 +477,8 @@ def _eval_key(rows_per_seed: list[list[dict]], metric: str) -> str:
     return "eval/accuracy"
 
 
-def gather(out: Path, manifest: dict, cells: list, *, baseline: str | None = None) -> dict:
+def gather(out: Path, manifest: dict, cells: list, *, baseline: str | None = None,
+           ci: str = "t") -> dict:  # fmt: skip
     """Per run and per grid point: the headline metric (final and before training), KL and
     rollout reward over the last logged steps, wall-clock; curves over steps (mean ± s.e.); and
     every point against the `baseline` point (its label; default the first), paired by seed
@@ -534,7 +538,7 @@ def gather(out: Path, manifest: dict, cells: list, *, baseline: str | None = Non
         raise ConfigError(f"sweep: --baseline {baseline!r} is not a grid point; the points are "
                           f"{', '.join(repr(x) for x in labels)}")  # fmt: skip
     base = labels.index(baseline) if baseline is not None else 0
-    comparisons = _sweep_comparisons(points, base)
+    comparisons = _sweep_comparisons(points, base, ci)
     return {
         "config": manifest["config"],
         "overrides": manifest["overrides"],
@@ -545,15 +549,16 @@ def gather(out: Path, manifest: dict, cells: list, *, baseline: str | None = Non
         "kl_key": _KL_REF if _KL_REF in kl_keys else _KL,
         "points": points,
         "baseline": labels[base] if labels else None,
+        "ci": ci,
         "comparisons": comparisons,
         "conclusion": conclusion_line(comparisons, labels[base] if labels else None),
     }
 
 
-def _sweep_comparisons(points: list[dict], base: int) -> list[dict]:
+def _sweep_comparisons(points: list[dict], base: int, ci: str = "t") -> list[dict]:
     """`compare.paired_comparisons` of the grid points' per-seed metrics against point `base`."""
     arms = {pt["label"]: {r["seed"]: r["metric"] for r in pt["runs"]} for pt in points}
-    return paired_comparisons(arms, points[base]["label"]) if points else []
+    return paired_comparisons(arms, points[base]["label"], ci=ci) if points else []
 
 
 def fmt_stat(stat: dict, digits: int = 3) -> str:
@@ -642,7 +647,10 @@ def render_readme(results: dict, out: Path) -> str:
         paired_table(results["comparisons"], results["baseline"], "grid point"),
         "Each grid point's runs minus the baseline's, seed by seed (seed i of every point sees "
         "the same data order, initial weights and sampling noise): the mean difference with its "
-        "95% Student t interval over the paired seeds; beside it the unpaired (Welch) interval "
+        + ("95% Student t interval over the paired seeds"
+           if results.get("ci", "t") == "t" else
+           "95% percentile-bootstrap interval over the paired seeds (2,000 resamples)")
+        + "; beside it the unpaired (Welch) interval "
         "of the same runs' means, as if the seeds were unrelated, and the ratio of the two "
         "widths; the paired seeds a difference of the observed size needs to be resolved 80% of "
         "the time at the observed paired s.d. (`rlhflab.stats`).",

@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default=None, metavar="LABEL",
                    help="the grid point every other is compared with, paired by seed, e.g. "
                         "kl.coef=0 (default: the first)")  # fmt: skip
+    p.add_argument("--ci", choices=("t", "bootstrap"), default="t",
+                   help="the paired difference's 95%% interval: Student t over the seeds "
+                        "(default) or a percentile bootstrap over them")  # fmt: skip
     p.add_argument("--question", default=None, help="the question the README states")
     p.add_argument("--until-ci-width", type=float, default=None, metavar="W",
                    help="add seeds one at a time until every paired difference's 95%% interval "

@@ -295,6 +295,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         report_only=args.report,
         resume=args.resume,
         baseline=args.baseline,
+        ci=args.ci,
         question=args.question,
         until_ci_width=args.until_ci_width,
         max_seeds=args.max_seeds,

@@ -23,13 +23,18 @@ headline) and `checks` holds every one.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 # The t statistics live in rlhflab.stats (shared with `rlhflab sweep`); re-exported here.
-from rlhflab.stats import Interval, t_cdf, t_interval, t_quantile  # noqa: F401
+from rlhflab.stats import (  # noqa: F401
+    Interval,
+    bootstrap_interval,
+    t_cdf,
+    t_interval,
+    t_quantile,
+)
 
 
 @dataclass(frozen=True)
@@ -82,33 +87,6 @@ class Criterion:
     def text(self) -> str:
         """The criterion in words: every check and its rule, joined by "; and "."""
         return "; and ".join(f"{c.what}: {c.rule}" for c in self.checks)
-
-
-def bootstrap_interval(
-    statistic: Callable[[list[int]], float], n: int, *, n_boot: int = 1000, seed: int = 0
-) -> Interval:
-    """`statistic(range(n))` with its 95% percentile-bootstrap interval: `statistic` is called on
-    `n_boot` resamples of the item indices 0..n−1 drawn with replacement (e.g. problems; with
-    several seeds, resample problems and keep every seed of each). Deterministic given `seed`.
-
-    Raises:
-        ValueError: n < 2 or n_boot < 100.
-    """
-    if n < 2 or n_boot < 100:
-        raise ValueError(
-            f"bootstrap_interval: need n >= 2 items and n_boot >= 100 (got {n}, {n_boot})"
-        )
-    rng = random.Random(seed)
-    est = float(statistic(list(range(n))))
-    stats = sorted(float(statistic([rng.randrange(n) for _ in range(n)])) for _ in range(n_boot))
-    return est, _quantile(stats, 0.025), _quantile(stats, 0.975)
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    pos = q * (len(sorted_values) - 1)
-    i = int(pos)
-    j = min(i + 1, len(sorted_values) - 1)
-    return sorted_values[i] + (pos - i) * (sorted_values[j] - sorted_values[i])
 
 
 def judge(
