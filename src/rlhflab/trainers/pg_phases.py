@@ -477,8 +477,8 @@ def _logits(model, rollout, temperature, autocast_dtype) -> torch.Tensor:
 def completion_logits_map(model, rollout, temperature, autocast_dtype, fn) -> torch.Tensor:
     """`fn` of the completion logits, back on the rollout's (B, T) grid: `fn` gets the (N, V)
     float logits / τ at the N scored tokens (`rollout.mask` > 0, row-major) and their (N,) ids
-    and returns (N,) or (N, k) values; the result is (B, T) or (B, T, k), 0 on padding, with
-    gradients when `fn`'s have them.
+    and returns (N,) or (N, k) values; the result is (B, T) or (B, T, k), times `rollout.mask`
+    (0 on padding), with gradients when `fn`'s have them.
 
     A model with a linear LM head (`models.packing.can_pack`) is run through its own forward
     with the head applied to those N hidden states only (`rollout.sampler.completion_head`:
@@ -499,7 +499,9 @@ def completion_logits_map(model, rollout, temperature, autocast_dtype, fn) -> to
     else:
         values = fn(_logits(model, rollout, temperature, autocast_dtype)[sel], tokens)
     grid = values.new_zeros((*sel.shape, *values.shape[1:]))
-    return grid.index_put(tuple(sel.nonzero().unbind(1)), values)
+    grid = grid.index_put(tuple(sel.nonzero().unbind(1)), values)
+    mask = rollout.mask.to(grid.dtype)  # times the mask, as `completion_logps` returns log-probs
+    return grid * (mask if grid.dim() == 2 else mask.unsqueeze(-1))
 
 
 def logps_with_entropy(model, rollout, temperature, autocast_dtype):
