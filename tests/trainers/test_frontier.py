@@ -3,6 +3,7 @@ and a GRPO run against a reward model logging it at every evaluation, with its p
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def test_a_point_of_the_policy_against_itself_has_zero_kl_and_the_samples_scores
             texts.extend(texts_)
             return super().score(texts_, rollout, problems_, where=where, raw_scores=raw_scores)
 
-    got = frontier_point(model, model, tok, problems, Recording(), _Verifier(),
+    got = frontier_point(model, lambda: contextlib.nullcontext(model), tok, problems, Recording(),
+                         _Verifier(),
                          engine=make_engine(None, model, tok), system=None, instruction="",
                          max_new_tokens=6, temperature=1.0, seed=0, batch=5)  # fmt: skip
     assert got["n"] == 12 == len(texts)
@@ -84,6 +86,15 @@ def test_grpo_against_a_reward_model_logs_the_frontier_at_every_evaluation(tmp_p
     assert points[0]["frontier/kl"] == 0.0 and points[-1]["frontier/kl"] != 0.0
     assert all(r["frontier/n"] == 8 and 0.0 <= r["frontier/gold"] <= 1.0 for r in points)
     assert (Path(res["run_dir"]) / "plots" / "frontier.png").stat().st_size > 0
+    # a LoRA policy: π_init is the policy with its adapters disabled only while it is scored
+    # (sampling and the policy's own log-probs keep them), so the KL grows as it trains
+    lora = {**raw, "model": {**raw["model"], "lora": {"r": 4, "alpha": 8.0}},
+            "optim": {**raw.get("optim", {}), "lr": 1e-2},
+            "run": {**raw["run"], "root": str(tmp_path / "lora")}}  # fmt: skip
+    res = run_config(config_from_dict(lora))
+    rows = [json.loads(line) for line in (Path(res["run_dir"]) / "metrics.jsonl").open()]
+    kls = [r["frontier/kl"] for r in rows if "frontier/kl" in r]
+    assert len(kls) == 3 and kls[0] == 0.0 and kls[-1] != 0.0
     # off when asked, and then no initial policy is kept for it
     raw["eval"]["frontier"] = False
     raw["run"] = {**raw["run"], "root": str(tmp_path / "off")}

@@ -27,14 +27,16 @@ KEYS = ("proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n")
 
 
 @torch.no_grad()
-def frontier_point(policy, initial, tokenizer, problems: list, reward, verifier, *, engine,
+def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, verifier, *, engine,
                    system, instruction: str, max_new_tokens: int, temperature: float,
                    seed: int, batch: int = 64) -> dict:  # fmt: skip
     """One point of the frontier on held-out `problems` (task Problems).
 
     Args:
         policy: the trained policy (its own forward; sharded models too).
-        initial: the module computing π_init (the reference or the run's initial policy).
+        initial_scoring: a callable returning a context manager that yields the module computing
+            π_init (`trainers.common.Reference.scoring`); entered only to score π_init, since
+            for a LoRA policy it is the policy itself with its adapters disabled.
         reward: the run's reward (`score(texts, rollout, problems, where=..., raw_scores=True)`
             → (total (B,), components)): the proxy, reward models unnormalised (a running
             normalisation's statistics are not moved by the measurement).
@@ -67,7 +69,8 @@ def frontier_point(policy, initial, tokenizer, problems: list, reward, verifier,
         proxy += total.tolist()
         gold += [float(x) for x in verifier.score_batch(texts, chunk)]
         lp, _ = completion_logps(policy, ro)
-        li, _ = completion_logps(initial, ro)
+        with initial_scoring() as initial:
+            li, _ = completion_logps(initial, ro)
         kls += ((lp - li).double() * ro.mask).sum(dim=1).tolist()
     n = len(kls)
     kl = math.fsum(kls) / n

@@ -270,9 +270,9 @@ class PolicyGradient(Trainer):
 
         initial = self.reference if self.reference is not None else self.initial_policy
         cfg, prompts = self.cfg, self.prompts
-        with self.sampler.evaluating() as engine, initial.scoring() as init_module:
+        with self.sampler.evaluating() as engine:
             return frontier_point(
-                self.model, init_module, self.tokenizer, self.heldout[: cfg.eval.frontier_n],
+                self.model, initial.scoring, self.tokenizer, self.heldout[: cfg.eval.frontier_n],
                 self.sampler.scorer, self.verifier, engine=engine, system=prompts.system,
                 instruction=prompts.instruction, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, seed=cfg.seed,
