@@ -279,6 +279,8 @@ def test_every_point_is_compared_with_the_baseline_paired_by_seed(tmp_path):
     other = run_sweep(GRPO, **kw, baseline="kl.coef=0.1")
     assert other["comparisons"][0]["mean"] == pytest.approx(-0.06, abs=1e-12)
     assert "kl.coef=0 is lower than kl.coef=0.1" in other["conclusion"]
+    # the question stays with the campaign (sweep.json) when a later report does not repeat it
+    assert "Question: Does a KL term change held-out accuracy?" in (out / "README.md").read_text()
     # a percentile bootstrap over the seeds instead of the t interval, when asked
     from rlhflab.stats import paired_bootstrap
 

@@ -379,8 +379,15 @@ def run_sweep(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"sweep: cannot create {out}: {exc.strerror or exc}") from None
+    labels = [point_label(p) for p in points]
+    if baseline is not None and baseline not in labels:  # before any (long) run
+        raise ConfigError(f"sweep: --baseline {baseline!r} is not a grid point; the points are "
+                          f"{', '.join(repr(x) for x in labels)}")  # fmt: skip
     with lock_campaign(out, share, report_only=report_only):  # before anything is read or written
         check_manifest(out, manifest)
+        if question is None and (out / MANIFEST).is_file():  # a continued campaign keeps its own
+            question = json.loads((out / MANIFEST).read_text()).get("question")
+        manifest["question"] = question
         write_json_atomic(out / MANIFEST, manifest)
         if not (out / ".gitignore").exists():
             write_text_atomic(out / ".gitignore", "runs/\n.lock*\n")
