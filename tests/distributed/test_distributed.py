@@ -619,6 +619,9 @@ def _grpo_against_rm(base, rm) -> dict:
         {"name": "reward_model", "weight": 1.0, "args": {"path": rm, "dtype": "float64"}},
         {"name": "correctness", "weight": 0.0},
     ]
+    # the gold-vs-proxy frontier (on by default for a reward model) is measured with one process
+    # only, so one process would log metrics two ranks do not: off for the comparison
+    raw["eval"] = {**raw["eval"], "frontier": False}
     return raw
 
 
