@@ -23,8 +23,6 @@ import math
 
 import torch
 
-KEYS = ("proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n")
-
 
 @torch.no_grad()
 def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, verifier, *, engine,
@@ -44,13 +42,14 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, v
         engine: the rollout engine to sample with.
     Returns:
         {"proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n"}: means over the n
-        sampled completions (one per problem) and their standard errors; kl in nats per
-        completion.
+        sampled completions (one per problem) and their standard errors
+        (`eval.accuracy.mean_and_stderr`: NaN with one problem); kl in nats per completion.
     Raises:
         ValueError: no problems.
     """
     from rlhflab.data.formatting import encode_prompt
     from rlhflab.data.prompts import render_row
+    from rlhflab.eval.accuracy import mean_and_stderr
     from rlhflab.rollout.engines import SamplingParams, sample_chunks
     from rlhflab.rollout.sampler import completion_logps
 
@@ -74,11 +73,6 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, v
         kls += ((lp - li).double() * ro.mask).sum(dim=1).tolist()
     n = len(kls)
     kl = math.fsum(kls) / n
-
-    def mean_se(xs: list[float]) -> tuple[float, float]:
-        m = math.fsum(xs) / n
-        return m, (math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (n - 1) / n) if n > 1 else 0.0)
-
-    (p, p_se), (g, g_se) = mean_se(proxy), mean_se(gold)
+    (p, p_se), (g, g_se) = mean_and_stderr(proxy), mean_and_stderr(gold)
     return {"proxy": p, "proxy_stderr": p_se, "gold": g, "gold_stderr": g_se, "kl": kl,
             "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n}  # fmt: skip

@@ -75,8 +75,9 @@ class HealthMonitor:
             frontier = result.get("frontier")
             if isinstance(frontier, dict) and frontier.get("proxy") is not None:
                 reward = float(frontier["proxy"])
-                if frontier.get("proxy_stderr") is not None:
-                    self.proxy_se[step] = float(frontier["proxy_stderr"])
+                se = frontier.get("proxy_stderr")
+                if se is not None and math.isfinite(se):  # (no s.e. from one sample)
+                    self.proxy_se[step] = float(se)
             else:
                 reward = sum(self.signal) / len(self.signal) if self.signal else None
             self.evals.append((step, result[key], result.get(f"{key}_stderr") or 0.0, reward))

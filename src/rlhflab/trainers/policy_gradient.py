@@ -80,8 +80,7 @@ def frontier_enabled(cfg) -> bool:
         ConfigError: `eval.frontier: true` without a task verifier, or in an episode run."""
     from rlhflab.errors import ConfigError
 
-    learned = any(c.name == "reward_model" for c in cfg.reward.components)
-    wanted = cfg.eval.frontier if cfg.eval.frontier is not None else learned
+    wanted = cfg.eval.frontier if cfg.eval.frontier is not None else _learned_reward(cfg)
     if not wanted or cfg.eval.n == 0:  # no held-out evaluation: nothing to measure it on
         return False
     if cfg.data.source != "task" or cfg.env is not None:
@@ -89,6 +88,11 @@ def frontier_enabled(cfg) -> bool:
             raise ConfigError("eval.frontier needs a task with a verifier (the gold) and no env")
         return False
     return distributed.world_size() == 1
+
+
+def _learned_reward(cfg) -> bool:
+    """Whether the reward has a learned component (a `reward_model`): the frontier's proxy."""
+    return any(c.name == "reward_model" for c in cfg.reward.components)
 
 
 class PolicyGradient(Trainer):
@@ -212,7 +216,7 @@ class PolicyGradient(Trainer):
         elif (
             self.cfg.eval.frontier is not False
             and distributed.world_size() > 1
-            and any(c.name == "reward_model" for c in self.cfg.reward.components)
+            and _learned_reward(self.cfg)
         ):
             text += "; gold-vs-proxy frontier not measured with several processes"
         return text
@@ -256,14 +260,14 @@ class PolicyGradient(Trainer):
                     engine=engine, prefix=f"eval/{s['name']}",
                 )  # fmt: skip
         if self.frontier and self.heldout:
-            point = self._frontier_point(step)
+            point = self._frontier_point()
             self.tracker.log(step, {f"frontier/{k}": v for k, v in point.items()})
             res = {**res, "frontier": point}
         if res:
             self.health.observe_eval(step, res)
         return res
 
-    def _frontier_point(self, step: int) -> dict:
+    def _frontier_point(self) -> dict:
         """`eval.frontier.frontier_point` on the first `eval.frontier_n` held-out problems
         (module doc of rlhflab.eval.frontier), against the reference or the initial policy."""
         from rlhflab.eval.frontier import frontier_point
