@@ -1,5 +1,6 @@
-"""The gold-vs-proxy frontier of an RL run, measured as it trains (Gao et al. 2022, §3, Fig. 1:
-gold and proxy reward against d = √KL(π‖π_init)).
+"""The gold-vs-proxy frontier of an RL run, measured as it trains: gold and proxy reward against
+d = √KL(π‖π_init), the variable of Gao et al. 2022's functional forms for the gold score
+(arXiv 2210.10760, §1: R_bon(d) = d(α − βd), R_RL(d) = d(α − β log d)).
 
 A run whose reward includes a learned component (a reward model: the proxy) on a task with a
 verifier (the gold) logs, at every evaluation, on the same held-out problems:

@@ -15,15 +15,14 @@ Direct Alignment Algorithms", arXiv 2406.02900), at small scale, as cells (β ×
    Σ_t log π(y_t|·) − log π_ref(y_t|·) (the Monte-Carlo estimate of KL(π‖π_ref), nats per
    completion), the verifier's mean on the same samples (the gold) and the greedy accuracy, each
    also for the even- and odd-indexed halves of the problems.
-3. `report`: the pre-registered criterion (`CRITERION`, `budget_hump`), on the paper's Fig. 1
-   axis, judged without selection bias: every (β, checkpoint) is a point; the best one has the
+3. `report`: the pre-registered criterion (`CRITERION`, `budget_hump`), on the paper's axis of KL
+   budgets (its abstract), judged without selection bias: every (β, checkpoint) is a point; the best one has the
    highest gold on the even half (mean over seeds); on the odd half, per seed, the rise (gold at
    the best − at step 0) and the fall (gold at the lowest β's last checkpoint, the largest KL
    budget, − at the best), and Spearman's ρ between β and the last checkpoint's KL, each with a
    Student t interval over seeds. Beside it (`HUMP_CRITERION`, secondary, the third design's):
    the same split-half rise and fall within each low β's own run (`rise_and_fall`).
-   Plot: gold against √KL per β (mean over seeds, band ± one s.e. over seeds), like the paper's
-   Fig. 1.
+   Plot: gold against √KL per β (mean over seeds, band ± one s.e. over seeds).
 
 Departures from the paper (which trains Pythia 1B–6.9B on Reddit TL;DR with DPO, IPO and SLiC and
 scores GPT-4 win rates): a ~0.5 M-parameter model on a reasoning_gym task, a verifier as the gold,
@@ -68,10 +67,10 @@ def _hump_checks(beta: float) -> tuple[Check, Check]:
 
 
 #: The fourth design's criterion (pre-registered 2026-12-06, before the run on seeds 5-7): the
-#: paper's Fig. 1 axis, gold against the KL budget, every (β, checkpoint) of the design a point.
+#: paper's axis of KL budgets (its abstract), every (β, checkpoint) of the design a point.
 CRITERION = Criterion(
     claim=(
-        "Rafailov et al. 2024 (arXiv 2406.02900), abstract and Fig. 1: across KL budgets (β) and "
+        "Rafailov et al. 2024 (arXiv 2406.02900), abstract: across KL budgets (β) and "
         "training checkpoints, a direct alignment algorithm's gold quality first rises as the "
         "policy moves away from the reference and then falls at larger KL (over-optimisation, as "
         "with a proxy reward model in RLHF), and a lower β reaches a larger KL."
@@ -626,8 +625,8 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         "",
         "![gold vs √KL](dpo_overopt.png)",
         "",
-        "**Across KL budgets** (the verdict's estimates; every (β, checkpoint) a point, as in "
-        f"the paper's Fig. 1): the best point, chosen on the even half, is β = {bb:g} at step "
+        "**Across KL budgets** (the verdict's estimates; every (β, checkpoint) a point of gold "
+        f"against KL): the best point, chosen on the even half, is β = {bb:g} at step "
         f"{bstep}; per seed (odd half) the rise from step 0 to it, the fall from it to the lowest "
         "β's last checkpoint, and Spearman's ρ between β and the last checkpoint's KL:",
         "",
@@ -651,9 +650,9 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
         "",
         "**How this criterion was chosen.** The third design (seeds 0-2, files in "
         "`third-design/`) was judged per β and did not reproduce: a rise-then-fall within one "
-        "run held in two of three seeds at the lowest βs, while across βs the picture of the "
-        "paper's Fig. 1 was plain in every seed (β = 1 rose, the lowest βs ended below the SFT "
-        "model at the largest KL). This criterion was written after reading those cells and "
+        "run held in two of three seeds at the lowest βs, while across βs the abstract's "
+        "degradation at higher KL budgets was plain in every seed (β = 1 rose, the lowest βs "
+        "ended below the SFT model at the largest KL). This criterion was written after reading those cells and "
         "before this run, which uses fresh seeds; the setting is unchanged.",
         "",
         verdict_table(verdict),
@@ -686,7 +685,7 @@ def report(spec: dict, cells_results: dict[str, dict], out: Path, source: str) -
 
 def plot(per_beta: dict, path: Path) -> None:
     """Gold (left) and greedy accuracy (right) against √KL(π‖π_ref), one line per β through its
-    checkpoints (mean over seeds; band ± one s.e. over seeds), like the paper's Fig. 1."""
+    checkpoints (mean over seeds; band ± one s.e. over seeds), gold against √KL, the axis of Gao et al. 2022's functional forms."""
     import matplotlib
 
     matplotlib.use("Agg")
