@@ -45,3 +45,21 @@ def tiny_model64(tiny_model):
     from rlhflab.models.loading import float64_exact
 
     return float64_exact(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def policy_and_rm(tmp_path_factory):
+    """A 6-step SFT policy (tests/test_checkpoint_resume.py's `sft_raw`) and an untrained reward
+    model on its backbone and tokenizer: (policy directory, reward-model directory)."""
+    from test_checkpoint_resume import sft_raw
+
+    from rlhflab.config import config_from_dict
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.models.reward import reward_model_from_causal_lm, save_reward_model
+    from rlhflab.trainers import run_config
+
+    root = tmp_path_factory.mktemp("policy_and_rm")
+    policy = run_config(config_from_dict(sft_raw(root, steps=6)))["model_dir"]
+    rm = reward_model_from_causal_lm(load_model(policy), num_labels=1, pad_token_id=0)
+    save_reward_model(rm, load_tokenizer(policy), root / "rm")
+    return policy, str(root / "rm")

@@ -6,25 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_resume import assert_same_run, grpo_raw, run_cli, run_dir_of, sft_raw
+from test_checkpoint_resume import assert_same_run, grpo_raw, run_cli, run_dir_of
 
 from rlhflab.config import config_from_dict
-from rlhflab.models.loading import load_model, load_tokenizer
-from rlhflab.models.reward import reward_model_from_causal_lm, save_reward_model
 from rlhflab.rewards import reward_model as rmod
 from rlhflab.rollout.sampler import pack
 from rlhflab.trainers import run_config
-
-
-@pytest.fixture(scope="module")
-def policy_and_rm(tmp_path_factory):
-    """A 6-step SFT policy and a (untrained) reward model on its backbone and tokenizer."""
-    root = tmp_path_factory.mktemp("policy")
-    policy = run_config(config_from_dict(sft_raw(root, steps=6)))["model_dir"]
-    tok = load_tokenizer(policy)
-    rm = reward_model_from_causal_lm(load_model(policy), num_labels=1, pad_token_id=0)
-    save_reward_model(rm, tok, root / "rm")
-    return policy, str(root / "rm")
 
 
 def test_running_statistics_survive_a_new_process(policy_and_rm):

@@ -9,25 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_resume import grpo_raw, sft_raw
+from test_checkpoint_resume import grpo_raw
 
 from rlhflab.config import config_from_dict
 from rlhflab.eval.frontier import frontier_point
 from rlhflab.models.loading import load_model, load_tokenizer
-from rlhflab.models.reward import reward_model_from_causal_lm, save_reward_model
 from rlhflab.trainers import run_config
-
-
-@pytest.fixture(scope="module")
-def policy_and_rm(tmp_path_factory):
-    """A 6-step SFT policy and an (untrained) reward model on its backbone and tokenizer (as
-    tests/test_resume_reward_norm.py's)."""
-    root = tmp_path_factory.mktemp("frontier")
-    policy = run_config(config_from_dict(sft_raw(root, steps=6)))["model_dir"]
-    tok = load_tokenizer(policy)
-    rm = reward_model_from_causal_lm(load_model(policy), num_labels=1, pad_token_id=0)
-    save_reward_model(rm, tok, root / "rm")
-    return policy, str(root / "rm")
 
 
 class _Reward:  # the proxy: 0.25 per sampled character
