@@ -16,6 +16,11 @@ Every row is one check that passes, fails (with a one-line reason) or is skipped
     engine               the rollout engine's generated tokens/s against plain transformers
                          `generate` on the same model and batch (hf eager and static decode; vLLM
                          when installed)
+    packing              padding-free scoring = the padded layout (log-probs, gradients) and no
+                         attention across sequence boundaries, for every attention
+                         implementation the machine has (`sdpa`, `eager`; flash-attn on CUDA when
+                         installed: the only place its varlen kernel is checked;
+                         `models.packing_check`)
     plan                 `rlhflab plan`'s per-GPU estimate against the measured
                          `torch.cuda.max_memory_allocated` of a 2-step GRPO run (CUDA only)
 
@@ -27,7 +32,7 @@ device (bf16 autocast on CUDA GPUs that have it; the policy-gradient rows add th
 and the bf16 generation copy on CUDA).
 
 `--quick` (CI) runs versions, devices, collective, the five single-process trainer rows,
-fsdp2/policy_gradient and engine; it leaves out the other ddp / fsdp2 rows, resume/fsdp2 and
+fsdp2/policy_gradient, engine and packing; it leaves out the other ddp / fsdp2 rows, resume/fsdp2 and
 plan.
 
 Isolation: every check but versions and devices runs in child processes (its own session, killed
@@ -64,6 +69,7 @@ QUICK_ROWS = (
     *(f"train/{f}" for f in FAMILIES),
     "fsdp2/policy_gradient",
     "engine",
+    "packing",
 )
 STATUSES = ("pass", "fail", "skip")
 #: Seconds a row may run (a child process group past it is killed and the row fails).
@@ -503,6 +509,47 @@ def check_engine(ctx: Context) -> Row:
     return Row("engine", "pass", text, res)
 
 
+def check_packing(ctx: Context) -> Row:
+    out = ctx.work / "packing.json"
+    run_child([sys.executable, "-m", "rlhflab.doctor", "packing", str(out)], ctx.timeout_s,
+              env=ctx.env())  # fmt: skip
+    res = json.loads(out.read_text())
+    scored = [a for a in res["arms"] if "check" not in a]
+    bad = [a for a in res["arms"] if not a["ok"]]
+    impls = sorted({a["attn"] for a in scored}, key=[a["attn"] for a in scored].index)
+    worst = max(a["max_dlogp"] for a in scored)
+    text = (f"packed = padded for {', '.join(impls)} ({len(scored)} arms, "
+            f"{'/'.join(sorted({a['precision'] for a in scored}))}): max |Δ logp| {worst:.1e}; "
+            "no attention across sequence boundaries")  # fmt: skip
+    if bad:
+        first = bad[0]
+        what = (
+            "attention crossed a sequence boundary"
+            if "check" in first
+            else f"|Δ logp| {first['max_dlogp']:.2e}, |Δ grad| rel {first['max_dgrad_rel']:.2e}"
+        )
+        raise CheckFailed(f"packed != padded: {first['attn']} ({first.get('precision', '')} "
+                          f"{first['layout']}): {what}; keep padded scoring "
+                          "(model.attn_implementation=sdpa) until it is fixed", res)  # fmt: skip
+    return Row("packing", "pass", text, res)
+
+
+def _packing_worker(out: str) -> None:
+    """`models.packing_check.check_packing` on its tiny model, 12 sequences, every attention
+    implementation this machine has (float64 on CPU; float32 and bf16 autocast on CUDA)."""
+    import torch
+
+    from rlhflab.models import packing_check as pc
+    from rlhflab.serialize import write_json_atomic
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = pc.tiny_model(device)
+    ro = pc.random_rollout(12, model.config.vocab_size, device)
+    res = pc.check_packing(model, ro, impls=pc.attention_implementations(device),
+                           precisions=pc.precisions_for(device))  # fmt: skip
+    write_json_atomic(Path(out), {"device": device, **res})
+
+
 def _engine_worker(out: str) -> None:
     """Tokens/s of plain `generate` and of the built-in engine (eager; static decode, with the
     bf16 generation copy on CUDA) on one random Qwen3-shape model and batch, fixed length
@@ -706,6 +753,7 @@ def checks(quick: bool) -> dict[str, Callable[[Context], Row]]:
         out.update({f"{strategy}/{f}": check_launched(strategy, f) for f in FAMILIES})
     out["resume/fsdp2"] = check_resume
     out["engine"] = check_engine
+    out["packing"] = check_packing
     out["plan"] = check_plan
     if quick:
         out = {k: v for k, v in out.items() if k in QUICK_ROWS}
@@ -838,6 +886,8 @@ def _worker_main(argv: list[str]) -> int:
         _collective_worker(rest[0], int(rest[1]))
     elif kind == "engine":
         _engine_worker(rest[0])
+    elif kind == "packing":
+        _packing_worker(rest[0])
     elif kind == "plan":
         _plan_worker(rest[0], rest[1], rest[2])
     else:
