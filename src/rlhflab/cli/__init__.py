@@ -6,6 +6,8 @@ Commands:
     quickstart [--fast] [--resume]      the main job: tiny model → SFT → GRPO → held-out eval
     compare PRESET... [k=v ...]         several presets (policy-gradient, direct alignment), same
                                         task and seeds: plot + table
+    controls RUN_DIR...                 RL against SFT on gold, RFT and best-of-N from the same start
+                                        at the same wall-clock, paired by held-out problem
     sweep CONFIG --grid k=v1,v2 ...     a grid of overrides × seeds: campaign folder with a
                                         mean ± s.e. table and plots; resumable
     replicate NAME [CONFIG] --out DIR   a small-scale replication (docs/replications.md);
@@ -44,6 +46,7 @@ from pathlib import Path
 from rlhflab.cli.commands import (
     _cmd_best_of_n,
     _cmd_compare,
+    _cmd_controls,
     _cmd_doctor,
     _cmd_eval,
     _cmd_pipeline,
@@ -315,6 +318,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="runs", help="where compare-<ts>/ goes (default runs/)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser(
+        "controls",
+        help="did RL beat the cheapest alternatives? SFT on gold, RFT and best-of-N from the run's "
+        "start policy at its training wall-clock",
+        description="From a finished policy-gradient run's start policy, task and held-out set, "
+        "and with the wall-clock it spent training: SFT on the task's gold answers, online "
+        "rejection-sampling fine-tuning with its reward (RFT), and best-of-N at the start policy; "
+        "each compared with the run's final model on the same held-out problems, paired by "
+        "problem with a 95%% t interval (with several runs: also paired over runs). Writes "
+        "RUN_DIR/controls/README.md and controls.json (docs/controls.md).",
+    )
+    p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
+                   help="a finished policy_gradient run directory; several (the same config at "
+                   "other seeds, with --out): also paired over the runs")  # fmt: skip
+    p.add_argument("--arms", nargs="+", default=["sft", "rft", "bon"],
+                   help="which controls (default: sft rft bon)")  # fmt: skip
+    p.add_argument("--budget", choices=["wall", "samples"], default="wall",
+                   help="wall: the run's training wall-clock (default; compare on an idle machine); "
+                   "samples: as many optimizer steps as the run (independent of load)")  # fmt: skip
+    p.add_argument("--out", default=None, help="report folder (default RUN_DIR/controls)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(func=_cmd_controls)
 
     p = sub.add_parser(
         "sweep",

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from rlhflab.errors import ConfigError
 
@@ -274,6 +275,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     presets = [a for a in args.args if "=" not in a]
     results = run_compare(presets, seeds=args.seeds, overrides=overrides, root=args.root)
     _emit(args, results, compare_lines(results))
+    return 0
+
+
+def _cmd_controls(args: argparse.Namespace) -> int:
+    from rlhflab.controls import conclusion, run_controls, run_controls_over_runs, table_lines
+
+    echo = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if len(args.run_dirs) > 1:
+        if args.out is None:
+            raise ConfigError("controls: several run directories need --out (the combined report)")
+        results = run_controls_over_runs(args.run_dirs, out=args.out, arms=args.arms,
+                                         budget=args.budget, print_fn=echo)  # fmt: skip
+        lines = table_lines(results, over_runs=True)
+    else:
+        results = run_controls(args.run_dirs[0], arms=args.arms, budget=args.budget,
+                               out=args.out, print_fn=echo)  # fmt: skip
+        lines = table_lines(results)
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "controls"
+    _emit(args, results, [*lines, conclusion(results), f"report: {out}/README.md"])
     return 0
 
 
