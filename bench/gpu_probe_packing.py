@@ -5,7 +5,7 @@ attention implementation, one run.
     python -m bench.gpu_probe_packing --device cpu --shape tiny --rows 6   # smoke (float64)
 
 A random-init Qwen3 shape (`bench.engines.QWEN3_SHAPES`, "0.6b" by default, float32 weights on
-CUDA) through `rlhflab.models.packing_check.check_packing` (what it checks and its tolerances are
+CUDA) through `rlhflab.rollout.packing_check.check_packing` (what it checks and its tolerances are
 in that module; `rlhflab doctor`'s `packing` row runs the same check on a tiny shape). Exits 1
 when a check fails. Writes JSON to --out (default $OUT/packing_probe.json, else bench/.cache).
 Written without a GPU: it has run only in its CPU smoke mode.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.engines import QWEN3_SHAPES, qwen3_model
-from rlhflab.models.packing_check import (
+from rlhflab.rollout.packing_check import (
     attention_implementations,
     check_packing,
     precisions_for,

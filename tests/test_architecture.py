@@ -51,7 +51,7 @@ LAYERS: list[set[str]] = [
     {"eval", "summary", "next_steps", "throughput"},
     {"experience"},
     {"trainers"},
-    {"pipeline", "quickstart", "compare", "prm_vs_orm", "doctor"},
+    {"pipeline", "quickstart", "compare", "prm_vs_orm", "doctor", "controls"},
     {"sweep"},
     {"replications"},
     {"cli"},

@@ -20,7 +20,7 @@ Every row is one check that passes, fails (with a one-line reason) or is skipped
                          attention across sequence boundaries, for every attention
                          implementation the machine has (`sdpa`, `eager`; flash-attn on CUDA when
                          installed: the only place its varlen kernel is checked;
-                         `models.packing_check`)
+                         `rollout.packing_check`)
     plan                 `rlhflab plan`'s per-GPU estimate against the measured
                          `torch.cuda.max_memory_allocated` of a 2-step GRPO run (CUDA only)
 
@@ -535,11 +535,11 @@ def check_packing(ctx: Context) -> Row:
 
 
 def _packing_worker(out: str) -> None:
-    """`models.packing_check.check_packing` on its tiny model, 12 sequences, every attention
+    """`rollout.packing_check.check_packing` on its tiny model, 12 sequences, every attention
     implementation this machine has (float64 on CPU; float32 and bf16 autocast on CUDA)."""
     import torch
 
-    from rlhflab.models import packing_check as pc
+    from rlhflab.rollout import packing_check as pc
     from rlhflab.serialize import write_json_atomic
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,11 +1,12 @@
-"""`models.packing_check` (the doctor's `packing` row, the GPU probe): it passes on this CPU with
+"""`rollout.packing_check` (the doctor's `packing` row, the GPU probe): it passes on this CPU with
 every attention implementation the CPU has, and it fails — in the numbers and in the boundary
 check — when the packed layout lets attention cross a sequence boundary."""
 
 import pytest
 import torch
 
-from rlhflab.models import packing, packing_check
+from rlhflab.models import packing
+from rlhflab.rollout import packing_check
 
 
 @pytest.fixture(scope="module")
