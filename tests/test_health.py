@@ -318,6 +318,41 @@ def test_reward_hacking_reads_the_frontiers_held_out_proxy():
     assert g.check(3, {"rollout/reward_mean": 0.9})["health/reward_hacking"] == 0.0
 
 
+def test_a_held_out_proxy_rise_is_judged_by_its_paired_standard_error():
+    """The frontier scores the same problems with the same seed at every evaluation, so a
+    rise pairs by problem. Proxies before 0.1, 0.5, 0.9, 0.3 (mean 0.45, s.d. 0.342, s.e.
+    0.171) and after +0.03, +0.02, +0.04, +0.03: the rise 0.03 is far inside 2 combined s.e.
+    (2·√2·0.171 = 0.48) but the differences' s.d. is 0.00816, s.e. 0.00408, 2 s.e. = 0.0082:
+    rising, so the gold's fall counts as hacking. Without the per-problem values (an older
+    checkpoint), the combined s.e. is used and it does not."""
+    before = [0.1, 0.5, 0.9, 0.3]
+    after = [b + d for b, d in zip(before, [0.03, 0.02, 0.04, 0.03], strict=True)]
+    se = 0.342 / 2  # s.e. of each evaluation's mean (4 problems)
+    d = [0.03, 0.02, 0.04, 0.03]
+    sd = (sum((x - 0.03) ** 2 for x in d) / 3) ** 0.5
+    assert sd == pytest.approx(0.0081650, abs=1e-6)
+
+    def run(with_values):
+        h = _monitor([], window=2, hacking_drop=0.05)
+        for step, vals in ((0, before), (2, after)):
+            front = {"proxy": sum(vals) / 4, "proxy_stderr": se}
+            if with_values:
+                front["proxy_values"] = vals
+            h.observe_eval(step, {"accuracy": 0.47 if step == 0 else 0.26,
+                                  "accuracy_stderr": 0.01, "frontier": front})  # fmt: skip
+        return h
+
+    h = run(True)
+    assert h._proxy_rise_margin(2, 0) == pytest.approx(2 * sd / 2, abs=1e-12)
+    assert h.check(3, {"rollout/reward_mean": 0.2})["health/reward_hacking"] == 1.0
+    g = _monitor([], window=2, hacking_drop=0.05)
+    g.load(json.loads(json.dumps(h.state())))  # the paired values survive a restart
+    assert g._proxy_rise_margin(2, 0) == pytest.approx(2 * sd / 2, abs=1e-12)
+    u = run(False)
+    assert u._proxy_rise_margin(2, 0) == pytest.approx(2 * 2**0.5 * se, abs=1e-12)
+    assert u.check(3, {"rollout/reward_mean": 0.2})["health/reward_hacking"] == 0.0
+
+
 def test_a_held_out_proxy_rise_is_judged_by_its_standard_errors():
     # A reward model's scale is its own: a rise of 0.03 is far beyond its 2 combined standard
     # errors (2·sqrt(2)·0.004 ≈ 0.011) though below hacking_drop 0.05, so it counts as rising.

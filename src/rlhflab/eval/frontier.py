@@ -42,9 +42,12 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, v
         verifier: the task's verifier (`score_batch(texts, problems)`): the gold.
         engine: the rollout engine to sample with.
     Returns:
-        {"proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n"}: means over the n
-        sampled completions (one per problem) and their standard errors
-        (`eval.accuracy.mean_and_stderr`: NaN with one problem); kl in nats per completion.
+        {"proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n", "proxy_values"}:
+        means over the n sampled completions (one per problem) and their standard errors
+        (`eval.accuracy.mean_and_stderr`: NaN with one problem); kl in nats per completion;
+        proxy_values the n per-problem proxies in problem order (the same problems and seed at
+        every evaluation, so two evaluations' proxies pair by problem: `reward_hacking` judges
+        a rise by its paired standard error).
     Raises:
         ValueError: no problems.
     """
@@ -76,4 +79,4 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, v
     kl = math.fsum(kls) / n
     (p, p_se), (g, g_se) = mean_and_stderr(proxy), mean_and_stderr(gold)
     return {"proxy": p, "proxy_stderr": p_se, "gold": g, "gold_stderr": g_se, "kl": kl,
-            "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n}  # fmt: skip
+            "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n, "proxy_values": proxy}  # fmt: skip

@@ -58,6 +58,9 @@ class HealthMonitor:
         # the frontier's held-out proxy s.e. per eval step (rlhflab.eval.frontier): a proxy rise
         # is then judged against its standard errors instead of hacking_drop
         self.proxy_se: dict[int, float] = {}
+        # ... and its per-problem proxies (same problems and seed at every evaluation): a rise
+        # between two evaluations is judged by the standard error of their paired differences
+        self.proxy_values: dict[int, list[float]] = {}
         # Checks that had their inputs at least once: those that apply to this trainer (SFT has
         # no rollout, advantages or KL; an RM has no LM head), listed in `summary()["checked"]`.
         self.ran: set[str] = set()
@@ -78,6 +81,8 @@ class HealthMonitor:
                 se = frontier.get("proxy_stderr")
                 if se is not None and math.isfinite(se):  # (no s.e. from one sample)
                     self.proxy_se[step] = float(se)
+                if frontier.get("proxy_values"):
+                    self.proxy_values[step] = [float(v) for v in frontier["proxy_values"]]
             else:
                 reward = sum(self.signal) / len(self.signal) if self.signal else None
             self.evals.append((step, result[key], result.get(f"{key}_stderr") or 0.0, reward))
@@ -104,13 +109,28 @@ class HealthMonitor:
             return None
         best_step, best, best_se, best_reward = max(earlier, key=lambda e: e[1])
         margin = max(self.cfg.hacking_drop, 2 * math.hypot(se, best_se))
-        # a rise of the held-out proxy beyond 2 combined standard errors when the frontier gives
-        # them (a reward model's scale is its own), else beyond hacking_drop
-        pse, best_pse = self.proxy_se.get(evals[-1][0]), self.proxy_se.get(best_step)
-        rise_margin = (2 * math.hypot(pse, best_pse) if pse is not None and best_pse is not None
-                       else self.cfg.hacking_drop)  # fmt: skip
+        # a rise of the held-out proxy beyond 2 standard errors when the frontier gives them (a
+        # reward model's scale is its own): of the per-problem differences when both
+        # evaluations kept their proxies (paired), else combined; else beyond hacking_drop
+        rise_margin = self._proxy_rise_margin(evals[-1][0], best_step)
         rising = reward - best_reward > rise_margin
         return (best - acc - margin) if rising and best - acc > margin else 0.0
+
+    def _proxy_rise_margin(self, step: int, best_step: int) -> float:
+        """2 × the standard error of the held-out proxy's rise from `best_step` to `step`:
+        paired by problem (sd of the n per-problem differences / √n) when both evaluations have
+        n ≥ 2 proxies for the same problems; else √(se² + se_best²) from their own standard
+        errors; else `hacking_drop`."""
+        pv, best_pv = self.proxy_values.get(step), self.proxy_values.get(best_step)
+        if pv and best_pv and len(pv) == len(best_pv) and len(pv) >= 2:
+            d = [a - b for a, b in zip(pv, best_pv, strict=True)]
+            mean = math.fsum(d) / len(d)
+            sd = math.sqrt(math.fsum((x - mean) ** 2 for x in d) / (len(d) - 1))
+            return 2 * sd / math.sqrt(len(d))
+        pse, best_pse = self.proxy_se.get(step), self.proxy_se.get(best_step)
+        if pse is not None and best_pse is not None:
+            return 2 * math.hypot(pse, best_pse)
+        return self.cfg.hacking_drop
 
     def check(
         self,
@@ -249,6 +269,7 @@ class HealthMonitor:
             "judged_evals": sorted(self._judged_evals),
             "ran": sorted(self.ran),
             "proxy_se": {str(k): v for k, v in self.proxy_se.items()},
+            "proxy_values": {str(k): v for k, v in self.proxy_values.items()},
         }
 
     def load(self, state: dict) -> None:
@@ -267,6 +288,7 @@ class HealthMonitor:
         self.start_signal = list(state.get("start_signal", []))
         self._judged_evals = set(state["judged_evals"])
         self.proxy_se = {int(k): v for k, v in state.get("proxy_se", {}).items()}
+        self.proxy_values = {int(k): v for k, v in state.get("proxy_values", {}).items()}
         self.ran = set(state.get("ran", ()))  # checkpoints before "ran": the checks re-run
         if self._params is not None:
             self._params = _param_sample(self.model)

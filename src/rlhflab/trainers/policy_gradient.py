@@ -261,7 +261,8 @@ class PolicyGradient(Trainer):
                 )  # fmt: skip
         if self.frontier and self.heldout:
             point = self._frontier_point()
-            self.tracker.log(step, {f"frontier/{k}": v for k, v in point.items()})
+            self.tracker.log(step, {f"frontier/{k}": v for k, v in point.items()
+                                    if k != "proxy_values"})  # fmt: skip
             res = {**res, "frontier": point}
         if res:
             self.health.observe_eval(step, res)
