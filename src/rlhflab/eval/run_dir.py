@@ -213,29 +213,10 @@ def checkpoint_curve(
     checkpoints.png; the note (why the curve has few points) is printed and drawn too.
     Raises ConfigError: not a PG run, nothing to evaluate, or a sharded (fsdp2) checkpoint,
     which is not a `from_pretrained` directory."""
-    from rlhflab.checkpoint.format import committed_checkpoints, step_of
-
     run_dir = Path(run_dir)
     held = run_heldout(run_dir)
     cfg = held["cfg"]
-    models: list[tuple[int, str]] = []
-    if cfg.model.name_or_path is not None:
-        models.append((0, cfg.model.name_or_path))
-    for ckpt in committed_checkpoints(run_dir):
-        if list(ckpt.glob("*.shards.json")):
-            raise ConfigError(
-                f"eval {run_dir}: checkpoint {ckpt.name} is sharded (fsdp2); consolidate it "
-                "with rlhflab.checkpoint.read_tensors first"
-            )
-        models.append((step_of(ckpt), str(ckpt)))
-    final = run_dir / "model"
-    results = run_dir / "final_results.json"
-    if final.is_dir() and results.is_file():
-        steps = json.loads(results.read_text()).get("steps")
-        if isinstance(steps, int) and all(s != steps for s, _ in models):
-            models.append((steps, str(final)))
-    if not models:
-        raise ConfigError(f"eval {run_dir}: no saved model or committed checkpoint to evaluate")
+    models = saved_models(run_dir, cfg)
     kw = dict(
         ks=[],
         n_samples=0,
@@ -269,6 +250,35 @@ def checkpoint_curve(
     Path(out["json"]).write_text(json.dumps(out, indent=2, default=str) + "\n")
     plot_checkpoints(out, Path(out["png"]))
     return out
+
+
+def saved_models(run_dir: Path, cfg) -> list[tuple[int, str]]:
+    """[(step, model path)] of a run: its initial model (`model.name_or_path`, step 0, when not
+    built from scratch), every committed checkpoint and its final model (`RUN_DIR/model`, at
+    final_results.json's `steps`, unless a checkpoint has that step).
+    Raises ConfigError: none at all, or a sharded (fsdp2) checkpoint, which is not a
+    `from_pretrained` directory."""
+    from rlhflab.checkpoint.format import committed_checkpoints, step_of
+
+    models: list[tuple[int, str]] = []
+    if cfg.model.name_or_path is not None:
+        models.append((0, cfg.model.name_or_path))
+    for ckpt in committed_checkpoints(run_dir):
+        if list(ckpt.glob("*.shards.json")):
+            raise ConfigError(
+                f"eval {run_dir}: checkpoint {ckpt.name} is sharded (fsdp2); consolidate it "
+                "with rlhflab.checkpoint.read_tensors first"
+            )
+        models.append((step_of(ckpt), str(ckpt)))
+    final = run_dir / "model"
+    results = run_dir / "final_results.json"
+    if final.is_dir() and results.is_file():
+        steps = json.loads(results.read_text()).get("steps")
+        if isinstance(steps, int) and all(s != steps for s, _ in models):
+            models.append((steps, str(final)))
+    if not models:
+        raise ConfigError(f"eval {run_dir}: no saved model or committed checkpoint to evaluate")
+    return models
 
 
 def pruned_steps(cfg, last: int, kept: list[int]) -> list[int]:
