@@ -156,6 +156,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
     from rlhflab.summary import eval_lines
 
+    if args.benchmark is not None:
+        return _eval_benchmark(args)
+    if args.benchmark_file is not None:
+        raise ConfigError("eval --benchmark-file: give --benchmark NAME too")
     sampling = bool(args.k) or args.passk
     if sampling and args.temperature is not None and args.temperature <= 0:
         raise ConfigError(
@@ -213,6 +217,34 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print_fn=_completion_lines,
     )
     _emit(args, results, eval_lines(results))
+    return 0
+
+
+def _eval_benchmark(args: argparse.Namespace) -> int:
+    """`rlhflab eval MODEL --benchmark NAME` (rlhflab.eval.benchmarks)."""
+    from rlhflab.eval.benchmarks import benchmark_lines, run_benchmark
+
+    for flag, value in (("--task", args.task), ("--data", args.data), ("--passk", args.passk)):
+        if value:
+            raise ConfigError(f"eval --benchmark: {flag} does not apply (the protocol sets them)")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    kw = dict(
+        path=args.benchmark_file,
+        n_samples=args.n_samples or None,
+        max_new_tokens=args.max_new_tokens,
+        ks=args.k if isinstance(args.k, list) else ([args.k] if args.k else None),
+        limit=args.n,
+        batch_size=args.batch_size,
+        seed=args.seed or 0,
+        engine=args.engine,
+    )
+    if args.checkpoints:
+        raise ConfigError("eval --benchmark --checkpoints: not implemented yet")
+    results = run_benchmark(args.model, args.benchmark, **kw)
+    _emit(args, results, benchmark_lines(results))
     return 0
 
 
