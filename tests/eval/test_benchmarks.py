@@ -284,3 +284,31 @@ def test_benchmark_lines_mark_an_incomparable_ifeval_subset():
     assert any(line.startswith("prompt_level_strict_acc") for line in lines)
     assert any("1 prompts left out" in line and "not comparable" in line for line in lines)
     assert not math.isnan(res["inst_level_loose_acc"])
+
+
+def test_eval_benchmark_over_a_runs_checkpoints(tmp_path, capsys):
+    """`eval RUN_DIR --benchmark NAME --checkpoints`: every saved model of the run (here an SFT
+    run from scratch: no initial model, checkpoints at steps 1 and 2, which is also the final
+    step) on the same file and protocol, written to RUN_DIR/eval/benchmark_<name>.json."""
+    from factories import tiny_build, tiny_sft
+
+    from rlhflab.config import config_from_dict
+    from rlhflab.trainers import run_config
+
+    raw = tiny_sft(tmp_path, model={"build": tiny_build(max_position_embeddings=512)},
+                   train={"steps": 2, "batch_size": 8, "micro_batch_size": 8, "max_len": 48},
+                   checkpoint={"every": 1, "keep_last": None}, precision={"threads": 1})  # fmt: skip
+    run_dir = Path(run_config(config_from_dict(raw))["run_dir"])
+    argv = ["eval", str(run_dir), "--benchmark", "ifeval", "--checkpoints", "--benchmark-file",
+            str(FIX / "ifeval_input_data.jsonl"), "--max-new-tokens", "4", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["step"] for p in out["points"]] == [1, 2]
+    assert out["headline_name"] == "prompt_level_strict_acc" and out["n"] == 2
+    for p in out["points"]:
+        assert p["n_skipped"] == 1 and p["comparable"] is False
+        assert p["departures"] == ["max_new_tokens 4 (protocol: 1280)"]
+    saved = json.loads((run_dir / "eval" / "benchmark_ifeval.json").read_text())
+    assert [p["headline"] for p in saved["points"]] == [p["headline"] for p in out["points"]]
+    err = _one_line_error(capsys, [*argv[:1], str(tmp_path), *argv[2:]])
+    assert "takes a run directory" in err

@@ -221,7 +221,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_benchmark(args: argparse.Namespace) -> int:
-    """`rlhflab eval MODEL --benchmark NAME` (rlhflab.eval.benchmarks)."""
+    """`rlhflab eval MODEL --benchmark NAME` (rlhflab.eval.benchmarks), or over the saved models
+    of a run with `--checkpoints` (rlhflab.eval.run_dir.benchmark_curve)."""
     from rlhflab.eval.benchmarks import benchmark_lines, run_benchmark
 
     for flag, value in (("--task", args.task), ("--data", args.data), ("--passk", args.passk)):
@@ -242,7 +243,17 @@ def _eval_benchmark(args: argparse.Namespace) -> int:
         engine=args.engine,
     )
     if args.checkpoints:
-        raise ConfigError("eval --benchmark --checkpoints: not implemented yet")
+        from rlhflab.eval.run_dir import benchmark_curve, is_run_dir
+
+        if not is_run_dir(args.model):
+            raise ConfigError(
+                f"eval {args.model} --benchmark --checkpoints: takes a run directory (config.yaml "
+                "and metrics.jsonl), e.g. runs/grpo-20261126-081500"
+            )
+        say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        out = benchmark_curve(args.model, args.benchmark, print_fn=say, **kw)
+        _emit(args, out, out["lines"])
+        return 0
     results = run_benchmark(args.model, args.benchmark, **kw)
     _emit(args, results, benchmark_lines(results))
     return 0

@@ -7,7 +7,9 @@ policy-gradient run on its own held-out set, rebuilt from the run's config.yaml.
                    "does RL only sharpen the distribution?" question of Yue et al. 2025, arXiv
                    2504.13837 — pass@1 rising while pass@k at large k falls is sharpening)
     --checkpoints  the initial model, every committed checkpoint and the final model: the
-                   headline (greedy) against the step, RUN_DIR/eval/checkpoints.json and .png
+                   headline (greedy) against the step, RUN_DIR/eval/checkpoints.json and .png;
+                   with --benchmark NAME, a named benchmark protocol on each of them instead
+                   (RUN_DIR/eval/benchmark_<name>.json, `benchmark_curve`)
 """
 
 from __future__ import annotations
@@ -279,6 +281,52 @@ def saved_models(run_dir: Path, cfg) -> list[tuple[int, str]]:
     if not models:
         raise ConfigError(f"eval {run_dir}: no saved model or committed checkpoint to evaluate")
     return models
+
+
+def benchmark_curve(run_dir: str | Path, name: str, *, path: str | None = None,
+                    print_fn=print, **kw) -> dict:  # fmt: skip
+    """Benchmark `name` (`rlhflab.eval.benchmarks`) on every saved model of a run (any trainer):
+    the initial model, each committed checkpoint and the final model (`saved_models`), with the
+    same protocol, file and departures for each. Writes RUN_DIR/eval/benchmark_<name>.json.
+
+    Args:
+        kw: `run_benchmark`'s keywords (n_samples, max_new_tokens, ks, limit, batch_size, seed,
+            engine).
+    Returns:
+        {"benchmark", "file", "headline_name", "n", "points": [{"step", **run_benchmark's
+        result}], "json", "lines" (a table: step, headline ± stderr, model)}.
+    Raises:
+        ConfigError / DataError: as `saved_models` and `run_benchmark` (the file is read once,
+        before any model is loaded).
+    """
+    from rlhflab.config import load_config
+    from rlhflab.eval.benchmarks import benchmark_path, load_benchmark, run_benchmark
+
+    run_dir = Path(run_dir)
+    file = str(benchmark_path(name, path))
+    items = load_benchmark(name, file)
+    models = saved_models(run_dir, load_config(run_dir / "config.yaml"))
+    points = []
+    for step, model in models:
+        res = run_benchmark(model, name, path=file, items=items, **kw)
+        points.append({"step": step, **res})
+        print_fn(f"step {step}: {name} {res['headline_name']} {res['headline']:.3f} ({model})")
+    first = points[0]
+    lines = [
+        f"{name} over the run's saved models ({first['n']} problems, {first['headline_name']}):"
+    ]
+    for p in points:
+        se = p["headline_stderr"]
+        se_text = f" ± {se:.3f}" if se == se else ""
+        lines.append(f"  step {p['step']:>6}: {p['headline']:.3f}{se_text}  ({p['model']})")
+    lines += [f"departure from the protocol: {d}" for d in first["departures"]]
+    folder = run_dir / "eval"
+    folder.mkdir(exist_ok=True)
+    out = {"benchmark": name, "file": file, "headline_name": first["headline_name"],
+           "n": first["n"], "points": points, "json": str(folder / f"benchmark_{name}.json")}  # fmt: skip
+    Path(out["json"]).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    out["lines"] = [*lines, f"wrote {out['json']}"]
+    return out
 
 
 def pruned_steps(cfg, last: int, kept: list[int]) -> list[int]:
