@@ -225,6 +225,15 @@ def test_a_malformed_row_is_one_line_naming_the_row_and_field(tmp_path, capsys, 
     assert err.startswith(f"error: {path}") and message in err
 
 
+@pytest.mark.parametrize(
+    "extra", [["--temperature", "1.0"], ["--system", "hi"], ["--task", "chain_sum"], ["--passk"]]
+)
+def test_a_flag_the_protocol_fixes_is_refused_not_ignored(capsys, extra):
+    argv = ["eval", "m", "--benchmark", "aime24", "--benchmark-file", str(FIX / "aime24.jsonl")]
+    err = _one_line_error(capsys, [*argv, *extra])
+    assert f"error: eval --benchmark aime24: {extra[0]} does not apply" in err
+
+
 def test_aime25_accepts_opencompass_question_field(tmp_path):
     path = tmp_path / "aime25.jsonl"
     path.write_text('{"question": "Find 1+1.", "answer": "2"}\n')

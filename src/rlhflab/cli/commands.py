@@ -225,9 +225,21 @@ def _eval_benchmark(args: argparse.Namespace) -> int:
     of a run with `--checkpoints` (rlhflab.eval.run_dir.benchmark_curve)."""
     from rlhflab.eval.benchmarks import benchmark_lines, run_benchmark
 
-    for flag, value in (("--task", args.task), ("--data", args.data), ("--passk", args.passk)):
+    # the protocol fixes the prompt, decoding and scoring: these would be silently ignored
+    fixed = {
+        "--task": args.task, "--data": args.data, "--passk": args.passk,
+        "--temperature": args.temperature, "--answer-format": args.answer_format,
+        "--extractor": args.extractor, "--instruction": args.instruction,
+        "--system": args.system, "--template": args.template, "--reward-fn": args.reward_fn,
+        "--reward": args.reward, "--task-config": args.task_config,
+        "--gguf-file": args.gguf_file, "--show": args.show,
+    }  # fmt: skip
+    for flag, value in fixed.items():
         if value:
-            raise ConfigError(f"eval --benchmark: {flag} does not apply (the protocol sets them)")
+            raise ConfigError(
+                f"eval --benchmark {args.benchmark}: {flag} does not apply (the protocol sets "
+                "the prompt, decoding and scoring; docs/benchmarks.md)"
+            )
     if args.threads:
         import torch
 
