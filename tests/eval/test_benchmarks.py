@@ -321,3 +321,10 @@ def test_eval_benchmark_over_a_runs_checkpoints(tmp_path, capsys):
     assert [p["headline"] for p in saved["points"]] == [p["headline"] for p in out["points"]]
     err = _one_line_error(capsys, [*argv[:1], str(tmp_path), *argv[2:]])
     assert "takes a run directory" in err
+
+
+def test_ifeval_hub_kwargs_with_null_keys_are_read_like_the_original():
+    # the Hub copy of google/IFEval fills every kwargs key, unused ones null
+    kw = {"num_highlights": None, "relation": None, "num_bullets": 2, "end_phrase": None}
+    assert follows("* a\n* b", ["detectable_format:number_bullet_lists"], [kw]) == [True]
+    assert follows("* a", ["detectable_format:number_bullet_lists"], [kw]) == [False]
