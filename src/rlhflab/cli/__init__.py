@@ -3,6 +3,8 @@
 Commands:
     train CONFIG [key.path=value ...]   run the trainer named by the config's `trainer` key
     eval MODEL --task NAME | --data P   held-out greedy accuracy and pass@k / mean reward
+    eval MODEL --benchmark NAME         a named benchmark protocol (gsm8k, math500, aime24/25,
+                                        ifeval) on a local file (docs/benchmarks.md)
     quickstart [--fast] [--resume]      the main job: tiny model → SFT → GRPO → held-out eval
     compare PRESET... [k=v ...]         several presets (policy-gradient, direct alignment), same
                                         task and seeds: plot + table
@@ -67,6 +69,9 @@ from rlhflab.rollout.engines import ENGINE_NAMES
 EXIT_USER_ERROR = 2
 #: `replicate NAME`: the keys of `rlhflab.replications.REPLICATIONS` (a test keeps them equal; the
 #: parser does not import the package, which loads pydantic and the configs).
+#: `eval --benchmark NAME`: the keys of `rlhflab.eval.benchmarks.BENCHMARKS` (a test keeps them
+#: equal; the parser does not import the package).
+BENCHMARK_NAMES = ["gsm8k", "math500", "aime24", "aime25", "ifeval"]
 REPLICATION_NAMES = "r1-zero | rm-overopt | dpo-overopt | prm-orm (--list describes each)"
 #: Every command with results prints summary lines; `--json` prints the results object instead.
 JSON_HELP = "print the whole results object as JSON on stdout (the summary lines go to stderr)"
@@ -244,6 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="MODEL is a run directory: the held-out headline of every saved checkpoint (and "
         "the initial and final model); writes RUN_DIR/eval/checkpoints.json and .png",
+    )
+    p.add_argument(
+        "--benchmark",
+        choices=BENCHMARK_NAMES,
+        default=None,
+        help="a named benchmark protocol (docs/benchmarks.md): its prompt, decoding, samples, "
+        "max new tokens and metric; --n, --n-samples, --k and --max-new-tokens are departures "
+        "named in the results. With --checkpoints, MODEL is a run directory",
+    )
+    p.add_argument(
+        "--benchmark-file",
+        default=None,
+        help="the benchmark's file in its published format (default: "
+        "$RLHFLAB_BENCHMARKS_DIR/<name's file>, folder ~/.cache/rlhflab/benchmarks)",
     )
     p.add_argument("--temperature", type=float, default=None, help="pass@k sampling (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="(default 32)")

@@ -156,6 +156,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rlhflab.eval.cli import run_eval_command, run_prompt_eval_command
     from rlhflab.summary import eval_lines
 
+    if args.benchmark is not None:
+        return _eval_benchmark(args)
+    if args.benchmark_file is not None:
+        raise ConfigError("eval --benchmark-file: give --benchmark NAME too")
     sampling = bool(args.k) or args.passk
     if sampling and args.temperature is not None and args.temperature <= 0:
         raise ConfigError(
@@ -213,6 +217,57 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print_fn=_completion_lines,
     )
     _emit(args, results, eval_lines(results))
+    return 0
+
+
+def _eval_benchmark(args: argparse.Namespace) -> int:
+    """`rlhflab eval MODEL --benchmark NAME` (rlhflab.eval.benchmarks), or over the saved models
+    of a run with `--checkpoints` (rlhflab.eval.run_dir.benchmark_curve)."""
+    from rlhflab.eval.benchmarks import benchmark_lines, run_benchmark
+
+    # the protocol fixes the prompt, decoding and scoring: these would be silently ignored
+    fixed = {
+        "--task": args.task, "--data": args.data, "--passk": args.passk,
+        "--temperature": args.temperature, "--answer-format": args.answer_format,
+        "--extractor": args.extractor, "--instruction": args.instruction,
+        "--system": args.system, "--template": args.template, "--reward-fn": args.reward_fn,
+        "--reward": args.reward, "--task-config": args.task_config,
+        "--gguf-file": args.gguf_file, "--show": args.show,
+    }  # fmt: skip
+    for flag, value in fixed.items():
+        if value:
+            raise ConfigError(
+                f"eval --benchmark {args.benchmark}: {flag} does not apply (the protocol sets "
+                "the prompt, decoding and scoring; docs/benchmarks.md)"
+            )
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    kw = dict(
+        path=args.benchmark_file,
+        n_samples=args.n_samples or None,
+        max_new_tokens=args.max_new_tokens,
+        ks=args.k if isinstance(args.k, list) else ([args.k] if args.k else None),
+        limit=args.n,
+        batch_size=args.batch_size,
+        seed=args.seed or 0,
+        engine=args.engine,
+    )
+    if args.checkpoints:
+        from rlhflab.eval.run_dir import benchmark_curve, is_run_dir
+
+        if not is_run_dir(args.model):
+            raise ConfigError(
+                f"eval {args.model} --benchmark --checkpoints: takes a run directory (config.yaml "
+                "and metrics.jsonl), e.g. runs/grpo-20261126-081500"
+            )
+        say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        out = benchmark_curve(args.model, args.benchmark, print_fn=say, **kw)
+        _emit(args, out, out["lines"])
+        return 0
+    results = run_benchmark(args.model, args.benchmark, **kw)
+    _emit(args, results, benchmark_lines(results))
     return 0
 
 

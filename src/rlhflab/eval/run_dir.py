@@ -7,7 +7,9 @@ policy-gradient run on its own held-out set, rebuilt from the run's config.yaml.
                    "does RL only sharpen the distribution?" question of Yue et al. 2025, arXiv
                    2504.13837 — pass@1 rising while pass@k at large k falls is sharpening)
     --checkpoints  the initial model, every committed checkpoint and the final model: the
-                   headline (greedy) against the step, RUN_DIR/eval/checkpoints.json and .png
+                   headline (greedy) against the step, RUN_DIR/eval/checkpoints.json and .png;
+                   with --benchmark NAME, a named benchmark protocol on each of them instead
+                   (RUN_DIR/eval/benchmark_<name>.json, `benchmark_curve`)
 """
 
 from __future__ import annotations
@@ -213,29 +215,10 @@ def checkpoint_curve(
     checkpoints.png; the note (why the curve has few points) is printed and drawn too.
     Raises ConfigError: not a PG run, nothing to evaluate, or a sharded (fsdp2) checkpoint,
     which is not a `from_pretrained` directory."""
-    from rlhflab.checkpoint.format import committed_checkpoints, step_of
-
     run_dir = Path(run_dir)
     held = run_heldout(run_dir)
     cfg = held["cfg"]
-    models: list[tuple[int, str]] = []
-    if cfg.model.name_or_path is not None:
-        models.append((0, cfg.model.name_or_path))
-    for ckpt in committed_checkpoints(run_dir):
-        if list(ckpt.glob("*.shards.json")):
-            raise ConfigError(
-                f"eval {run_dir}: checkpoint {ckpt.name} is sharded (fsdp2); consolidate it "
-                "with rlhflab.checkpoint.read_tensors first"
-            )
-        models.append((step_of(ckpt), str(ckpt)))
-    final = run_dir / "model"
-    results = run_dir / "final_results.json"
-    if final.is_dir() and results.is_file():
-        steps = json.loads(results.read_text()).get("steps")
-        if isinstance(steps, int) and all(s != steps for s, _ in models):
-            models.append((steps, str(final)))
-    if not models:
-        raise ConfigError(f"eval {run_dir}: no saved model or committed checkpoint to evaluate")
+    models = saved_models(run_dir, cfg)
     kw = dict(
         ks=[],
         n_samples=0,
@@ -268,6 +251,81 @@ def checkpoint_curve(
     out["json"], out["png"] = str(folder / "checkpoints.json"), str(folder / "checkpoints.png")
     Path(out["json"]).write_text(json.dumps(out, indent=2, default=str) + "\n")
     plot_checkpoints(out, Path(out["png"]))
+    return out
+
+
+def saved_models(run_dir: Path, cfg) -> list[tuple[int, str]]:
+    """[(step, model path)] of a run: its initial model (`model.name_or_path`, step 0, when not
+    built from scratch), every committed checkpoint and its final model (`RUN_DIR/model`, at
+    final_results.json's `steps`, unless a checkpoint has that step).
+    Raises ConfigError: none at all, or a sharded (fsdp2) checkpoint, which is not a
+    `from_pretrained` directory."""
+    from rlhflab.checkpoint.format import committed_checkpoints, step_of
+
+    models: list[tuple[int, str]] = []
+    if cfg.model.name_or_path is not None:
+        models.append((0, cfg.model.name_or_path))
+    for ckpt in committed_checkpoints(run_dir):
+        if list(ckpt.glob("*.shards.json")):
+            raise ConfigError(
+                f"eval {run_dir}: checkpoint {ckpt.name} is sharded (fsdp2); consolidate it "
+                "with rlhflab.checkpoint.read_tensors first"
+            )
+        models.append((step_of(ckpt), str(ckpt)))
+    final = run_dir / "model"
+    results = run_dir / "final_results.json"
+    if final.is_dir() and results.is_file():
+        steps = json.loads(results.read_text()).get("steps")
+        if isinstance(steps, int) and all(s != steps for s, _ in models):
+            models.append((steps, str(final)))
+    if not models:
+        raise ConfigError(f"eval {run_dir}: no saved model or committed checkpoint to evaluate")
+    return models
+
+
+def benchmark_curve(run_dir: str | Path, name: str, *, path: str | None = None,
+                    print_fn=print, **kw) -> dict:  # fmt: skip
+    """Benchmark `name` (`rlhflab.eval.benchmarks`) on every saved model of a run (any trainer):
+    the initial model, each committed checkpoint and the final model (`saved_models`), with the
+    same protocol, file and departures for each. Writes RUN_DIR/eval/benchmark_<name>.json.
+
+    Args:
+        kw: `run_benchmark`'s keywords (n_samples, max_new_tokens, ks, limit, batch_size, seed,
+            engine).
+    Returns:
+        {"benchmark", "file", "headline_name", "n", "points": [{"step", **run_benchmark's
+        result}], "json", "lines" (a table: step, headline ± stderr, model)}.
+    Raises:
+        ConfigError / DataError: as `saved_models` and `run_benchmark` (the file is read once,
+        before any model is loaded).
+    """
+    from rlhflab.config import load_config
+    from rlhflab.eval.benchmarks import benchmark_path, load_benchmark, run_benchmark
+
+    run_dir = Path(run_dir)
+    file = str(benchmark_path(name, path))
+    items = load_benchmark(name, file)
+    models = saved_models(run_dir, load_config(run_dir / "config.yaml"))
+    points = []
+    for step, model in models:
+        res = run_benchmark(model, name, path=file, items=items, **kw)
+        points.append({"step": step, **res})
+        print_fn(f"step {step}: {name} {res['headline_name']} {res['headline']:.3f} ({model})")
+    first = points[0]
+    lines = [
+        f"{name} over the run's saved models ({first['n']} problems, {first['headline_name']}):"
+    ]
+    for p in points:
+        se = p["headline_stderr"]
+        se_text = f" ± {se:.3f}" if se == se else ""
+        lines.append(f"  step {p['step']:>6}: {p['headline']:.3f}{se_text}  ({p['model']})")
+    lines += [f"departure from the protocol: {d}" for d in first["departures"]]
+    folder = run_dir / "eval"
+    folder.mkdir(exist_ok=True)
+    out = {"benchmark": name, "file": file, "headline_name": first["headline_name"],
+           "n": first["n"], "points": points, "json": str(folder / f"benchmark_{name}.json")}  # fmt: skip
+    Path(out["json"]).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    out["lines"] = [*lines, f"wrote {out['json']}"]
     return out
 
 
