@@ -300,3 +300,50 @@ def test_grpo_with_a_judge_reward_logs_its_scores(tmp_path, tiny_tokenizer, tiny
         assert r["rollout/reward/judge/parse_failed_mean"] == 0.0
         assert r["rollout/reward/rubric/correct_mean"] == 7.0
         assert r["rollout/reward/rubric/clear_mean"] == 7.0
+
+
+def test_pairwise_choices_and_their_position_bias(tiny_model, tiny_tokenizer):
+    from rlhflab.eval.agreement import position_bias_rate
+
+    def longer(prompt):  # a position-consistent judge: the longer response wins
+        a = prompt.split("Response A: ")[1].split("\n\nResponse B")[0]
+        b = prompt.split("Response B: ")[1].split("\n\n")[0]
+        return "Choice: A" if len(a) > len(b) else "Choice: B"
+
+    ys1, ys2, qs = ["long one", "x"], ["y", "longer two"], ["q1", "q2"]
+    judge, _ = _scripted_judge(tiny_model, tiny_tokenizer, longer)
+    ab, ba = judge.choose(qs, ys1, ys2), judge.choose(qs, ys2, ys1)
+    assert (ab, ba) == (["A", "B"], ["B", "A"])
+    assert position_bias_rate(ab, ba)["rate"] == 0.0
+    first, _ = _scripted_judge(tiny_model, tiny_tokenizer, lambda p: "Choice: A")  # always A
+    got = position_bias_rate(first.choose(qs, ys1, ys2), first.choose(qs, ys2, ys1))
+    assert got["rate"] == 1.0 == got["first"]
+
+
+def test_best_of_n_picks_by_the_judge_and_ranks_failures_last(tiny_model, tiny_tokenizer):
+    from types import SimpleNamespace
+
+    from rlhflab.eval.best_of_n import score_pool, selection_curve
+
+    scores = {"right": "Score: 9", "wrong": "Score: 2", "???": "no idea"}
+    judge, _ = _scripted_judge(tiny_model, tiny_tokenizer, _by_completion(scores))
+    rows = [SimpleNamespace(question="1 + 1"), SimpleNamespace(question="2 + 2")]
+    pool = SimpleNamespace(problems=rows, texts=[["wrong", "right"], ["???", "wrong"]])
+    got = score_pool(judge, pool)
+    assert got == [[2.0, 9.0], [float("-inf"), 2.0]]
+    curve = selection_curve(got, [[0.0, 1.0], [0.0, 1.0]], [2], n_resamples=4)
+    assert curve[2]["accuracy"] == 1.0  # the judge's pick is the right one in both problems
+
+
+def test_best_of_n_command_with_a_judge(tmp_path, tiny_model, tiny_tokenizer):
+    from rlhflab.eval.best_of_n import run_best_of_n_command
+
+    hand_wired_judge(tiny_tokenizer, tmp_path / "judge")
+    tiny_model.save_pretrained(tmp_path / "policy")
+    tiny_tokenizer.save_pretrained(tmp_path / "policy")
+    common = dict(task="chain_sum", problems=3, exclude_train=50, ns=[1, 2], max_new_tokens=4)
+    summary = run_best_of_n_command(str(tmp_path / "policy"), [], judges=[str(tmp_path / "judge")],
+                                    **common)  # fmt: skip
+    assert set(summary["curves"]) == {"judge"} and set(summary["curves"]["judge"]) == {1, 2}
+    with pytest.raises(ConfigError, match="at least one --rm PATH:KIND or --judge PATH"):
+        run_best_of_n_command(str(tmp_path / "policy"), [], **common)

@@ -6,6 +6,9 @@ through the `hf` rollout engine, its output parsed by a stated rule.
     judge.score_rubric(prompts, completions, criteria)                # {criterion: [...]}
     judge.choose(prompts, completions_a, completions_b)               # pairwise: ["A", None, ...]
 
+In `rlhflab best-of-n POLICY --judge PATH` a judge picks the best of N by its pointwise score
+(`selection_scores`: a parse failure ranks last).
+
 Modes:
     pointwise  one integer score in [low, high] per completion ("Score: 7")
     rubric     one pointwise score per named criterion; the row's score is the weighted mean
@@ -305,6 +308,12 @@ class JudgeScorer:
         outs = self.generate(template, reqs)
         self.last_outputs = {"score": outs}
         return self._count([parse_score(o, low=low, high=high, marker=marker) for o in outs])
+
+    def selection_scores(self, prompts: list[str], completions: list[str]) -> list[float]:
+        """Pointwise scores (`score` with the defaults) as floats for picking the best of N
+        (`rlhflab.eval.best_of_n.score_pool`): a parse failure is −inf, so a completion the
+        judge did not score is chosen only when none of the N was scored."""
+        return [float("-inf") if v is None else float(v) for v in self.score(prompts, completions)]
 
     def score_rubric(self, prompts: list[str], completions: list[str], criteria: list[dict], *,
                      low: int = 1, high: int = 10, template: str | None = None,
