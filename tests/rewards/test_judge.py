@@ -291,8 +291,11 @@ def test_grpo_with_a_judge_reward_logs_its_scores(tmp_path, tiny_tokenizer, tiny
                   "criteria": [{"name": "correct", "weight": 2.0}, {"name": "clear"}]}},
         {"name": "correctness", "weight": 0.0},
     ]}  # fmt: skip
+    raw["eval"] = {"n": 4, "every": 2, "frontier": True, "frontier_n": 4}  # the judge: a proxy
     res = run_config(config_from_dict(raw))
     rows = [json.loads(line) for line in (Path(res["run_dir"]) / "metrics.jsonl").open()]
+    points = [r for r in rows if "frontier/proxy" in r]
+    assert points and all(r["frontier/proxy"] == 7.0 for r in points)
     steps = [r for r in rows if "rollout/reward/judge_mean" in r]
     assert len(steps) == 2
     for r in steps:
