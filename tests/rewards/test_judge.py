@@ -193,6 +193,21 @@ def test_rubric_is_the_weighted_mean_and_logs_each_criterion(monkeypatch, tiny_m
         ({"path": "j", "criteria": [{"name": "c"}]}, 1.0, r"only a rubric takes criteria"),
         ({"path": "j", "template": "{prompt} {answer}"}, 1.0, r"unknown field\(s\) \['answer'\]"),
         ({"path": "j", "on_parse_failure": "zero"}, 1.0, r"args\.on_parse_failure"),
+        (
+            {"path": "j", "mode": "rubric", "criteria": [{"name": "a"}, {"name": "a"}]},
+            1.0,
+            r"criteria: names repeat",
+        ),
+        (
+            {"path": "j", "mode": "rubric", "criteria": [{"name": "parse_failed"}]},
+            1.0,
+            r"not a metric name",
+        ),
+        (
+            {"path": "j", "mode": "rubric", "criteria": [{"name": "c", "weight": 0}]},
+            1.0,
+            r"criteria\.0\.weight",
+        ),
         ({"path": "j", "on_parse_failure": "nan"}, 1.0, r"'nan' needs weight 0"),
         ({"path": "j", "temperature": 0.5}, 1.0, r"args\.temperature: not an argument"),
     ],

@@ -594,6 +594,12 @@ class JudgeArgs(Strict):
         names = [c.name for c in self.criteria or []]
         if len(set(names)) != len(names):
             raise ValueError(f"criteria: names repeat: {names}")
+        import re
+
+        for name in names:  # logged as rollout/reward/<label>/<name>_mean
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "parse_failed":
+                raise ValueError(f"criteria: {name!r} is not a metric name (letters, digits, "
+                                 "_ . -; and not 'parse_failed', the failure count's)")  # fmt: skip
         if self.template is not None:
             try:
                 check_template(self.template, self.mode, field="template")

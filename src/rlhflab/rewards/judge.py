@@ -29,7 +29,8 @@ How a failure enters the reward (`on_parse_failure`):
     "error"  raise RewardError naming the judge, the count and one offending output (default)
     "nan"    the row's value is NaN, left out of the logged means; allowed only with weight 0
              (a NaN may not reach the loss: `score_components` refuses it)
-    "min"    the row gets `low`, the worst score (a judge that cannot say is read as "bad")
+    "min"    the failed score gets `low`, the worst (a judge that cannot say is read as "bad");
+             in a rubric only the failed criterion does, the others keep their scores
 Either way the failures are counted: the component logs `judge/parse_failed` (1 per failed row,
 so `rollout/reward/judge/parse_failed_mean` is the parse-failure rate), and the scorer keeps
 running totals (`n_parsed`, `n_failed`).
@@ -190,6 +191,18 @@ def check_template(template: str, mode: str, *, field: str = "template") -> None
         )
 
 
+def judge_model_path(path: str) -> str:
+    """`path/model` when `path` is a run directory (a `model/` folder and no config.json of its
+    own), else `path`."""
+    import os
+
+    if os.path.isdir(os.path.join(path, "model")) and not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):
+        return os.path.join(path, "model")
+    return path
+
+
 def prompt_text(row) -> str:
     """The prompt of a task Problem or prompt row as plain text for the judge: a string as it is,
     messages as "role: content" lines."""
@@ -231,16 +244,14 @@ class JudgeScorer:
 
     @classmethod
     def from_pretrained(cls, path: str, *, device="cpu", dtype: str = "float32", **kwargs):
-        """Load the judge from a model directory (or a run directory: its `model/`), on
-        `device` in `dtype`. Raises ModelError naming the path when it cannot be loaded."""
+        """Load the judge from a model directory (or a run directory: its `model/`,
+        `judge_model_path`), on `device` in `dtype`. Raises ModelError naming the path when it
+        cannot be loaded."""
         import os
 
         from rlhflab.models.loading import load_model, load_tokenizer
 
-        if os.path.isdir(os.path.join(path, "model")) and not os.path.isfile(
-            os.path.join(path, "config.json")
-        ):
-            path = os.path.join(path, "model")  # a run directory: its final model
+        path = judge_model_path(path)
         model = load_model(path, dtype=dtype, device=device)
         tok = load_tokenizer(path)
         max_new = kwargs.get("max_new_tokens", 16)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 
 import torch
 from torch import Tensor
@@ -269,8 +268,10 @@ def check_reward_model_paths(components) -> None:
         if comp.name not in ("reward_model", "judge") or getattr(comp, "function", None):
             continue
         path = comp.args.get("path")
-        if comp.name == "judge" and isinstance(path, str) and os.path.isdir(f"{path}/model"):
-            path = f"{path}/model" if not os.path.isfile(f"{path}/config.json") else path
+        if comp.name == "judge" and isinstance(path, str):
+            from rlhflab.rewards.judge import judge_model_path
+
+            path = judge_model_path(path)  # a run directory: its model/
         try:
             AutoConfig.from_pretrained(resolve_name_or_path(path))  # a mistyped path: at once
         except (OSError, ValueError, TypeError, ModelError) as exc:
