@@ -192,6 +192,7 @@ def test_rubric_is_the_weighted_mean_and_logs_each_criterion(monkeypatch, tiny_m
         ({"path": "j", "mode": "rubric"}, 1.0, r"criteria: a rubric needs"),
         ({"path": "j", "criteria": [{"name": "c"}]}, 1.0, r"only a rubric takes criteria"),
         ({"path": "j", "template": "{prompt} {answer}"}, 1.0, r"unknown field\(s\) \['answer'\]"),
+        ({"path": "j", "template": "Rate {prompt}. Score:"}, 1.0, r"must show \{completion\}"),
         ({"path": "j", "on_parse_failure": "zero"}, 1.0, r"args\.on_parse_failure"),
         (
             {"path": "j", "mode": "rubric", "criteria": [{"name": "a"}, {"name": "a"}]},

@@ -102,7 +102,12 @@ TEMPLATE_FIELDS = {
     "rubric": {"prompt", "completion", "low", "high", "criterion", "description"},
     "pairwise": {"prompt", "completion_a", "completion_b"},
 }
-DEFAULT_MARKERS = {"pointwise": "Score:", "rubric": "Score:", "pairwise": "Choice:"}
+#: The fields a mode's template must use (a judge that never sees the completion is an error).
+REQUIRED_FIELDS = {
+    "pointwise": {"completion"},
+    "rubric": {"completion"},
+    "pairwise": {"completion_a", "completion_b"},
+}
 
 _LEAD = " \t*_`#"  # whitespace and markdown emphasis skipped after the marker
 
@@ -176,7 +181,8 @@ def parse_choice(text: str, *, marker: str = "Choice:") -> str | None:
 
 def check_template(template: str, mode: str, *, field: str = "template") -> None:
     """Raise ConfigError (naming `field`) when `template` names a field `mode` does not fill
-    (TEMPLATE_FIELDS) or is not a valid str.format string."""
+    (TEMPLATE_FIELDS), lacks one it must show (REQUIRED_FIELDS), or is not a valid str.format
+    string."""
     import string
 
     try:
@@ -188,6 +194,11 @@ def check_template(template: str, mode: str, *, field: str = "template") -> None
         raise ConfigError(
             f"{field}: unknown field(s) {sorted(unknown) or ['{}']} for mode {mode!r}; "
             f"valid: {', '.join(sorted(TEMPLATE_FIELDS[mode]))}"
+        )
+    missing = REQUIRED_FIELDS[mode] - names
+    if missing:
+        raise ConfigError(
+            f"{field}: a {mode} template must show {', '.join('{' + m + '}' for m in sorted(missing))}"
         )
 
 
@@ -313,7 +324,7 @@ class JudgeScorer:
               template: str | None = None, marker: str = "Score:") -> list[int | None]:  # fmt: skip
         """Pointwise scores (B ints in [low, high], None where the output does not parse:
         `parse_score`) of `completions` (B) to `prompts` (B)."""
-        template = template or DEFAULT_TEMPLATES["pointwise"]
+        check_template(template := template or DEFAULT_TEMPLATES["pointwise"], "pointwise")
         reqs = [{"prompt": p, "completion": c, "low": low, "high": high}
                 for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
         outs = self.generate(template, reqs)
@@ -332,7 +343,7 @@ class JudgeScorer:
         """One pointwise score per criterion ({name: B ints or None}); `criteria` are dicts with
         "name" and optionally "description" (default: the name). Combine them with
         `rubric_total`."""
-        template = template or DEFAULT_TEMPLATES["rubric"]
+        check_template(template := template or DEFAULT_TEMPLATES["rubric"], "rubric")
         out, self.last_outputs = {}, {}
         for c in criteria:
             reqs = [{"prompt": p, "completion": y, "low": low, "high": high,
@@ -350,7 +361,7 @@ class JudgeScorer:
         """Pairwise choices ("A", "B", or None where the output does not parse: `parse_choice`).
         Swap the two lists and compare for the position bias
         (`rlhflab.eval.agreement.position_bias_rate`)."""
-        template = template or DEFAULT_TEMPLATES["pairwise"]
+        check_template(template := template or DEFAULT_TEMPLATES["pairwise"], "pairwise")
         reqs = [{"prompt": p, "completion_a": a, "completion_b": b}
                 for p, a, b in zip(prompts, completions_a, completions_b, strict=True)]  # fmt: skip
         outs = self.generate(template, reqs)
