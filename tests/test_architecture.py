@@ -234,6 +234,7 @@ ENGINE_IMPORTERS = {
     "rlhflab.pipeline": "the comparison loads each final model and samples it",
     "rlhflab.replications.r1_zero": "samples a saved model",
     "rlhflab.replications.dpo_overopt": "samples a saved checkpoint",
+    "rlhflab.rewards.judge": "an LLM judge answers through the hf engine (greedy)",
 }
 
 

@@ -15,7 +15,8 @@ Commands:
     replicate NAME [CONFIG] --out DIR   a small-scale replication (docs/replications.md);
                                         `replicate --list` lists them
     pipeline FILE [k=v ...]             RM → PPO/GRPO against it + DPO on its pairs: comparison
-    best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models; rejection sampling
+    best-of-n POLICY --rm PATH:KIND     best-of-N accuracy vs N with reward models (or --judge PATH,
+                                        an LLM judge); rejection sampling
     prm-vs-orm                          PRM vs ORM best-of-N from the same data budget, with a plot
     plan --model M --gpu-memory GIB     per-GPU memory estimate of a run (docs/plan.md)
     doctor [--quick] [--out PATH]       check this machine end to end: one table, one JSON, exit 1
@@ -439,7 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("best-of-n", help="best-of-N accuracy vs N with reward models")
     p.add_argument("policy", help="hub id or local directory of the sampling policy")
-    p.add_argument("--rm", action="append", required=True, help="PATH:KIND (preference|orm|prm)")
+    p.add_argument("--rm", action="append", default=[], help="PATH:KIND (preference|orm|prm)")
+    p.add_argument(
+        "--judge",
+        action="append",
+        default=[],
+        help="an LLM judge's model directory (or run directory): picks by a 1-10 score",
+    )
     p.add_argument("--task", default=None, help="reasoning_gym dataset name")
     p.add_argument("--data", default=None, help="prompt dataset: hub id or .json/.jsonl/.parquet")
     p.add_argument("--data-name", default=None, help="hub dataset config")

@@ -458,6 +458,7 @@ def _cmd_best_of_n(args: argparse.Namespace) -> int:
         threads=args.threads,
         data=data,
         reward_fns=args.reward_fn,
+        judges=args.judge,
     )
     print(_dumps(results))
     return 0

@@ -556,11 +556,63 @@ class PromptDataConfig(Strict):
         return self
 
 
+class JudgeCriterion(Strict):
+    """One criterion of a rubric judge: its name (logged as `reward/<label>/<name>`), weight in
+    the weighted mean Σ_c w_c s_c / Σ_c w_c, and the description the template shows."""
+
+    name: str = Field(min_length=1)
+    weight: float = Field(1.0, gt=0)
+    description: str | None = None
+
+
+class JudgeArgs(Strict):
+    """`reward.components[judge].args` (`rlhflab.rewards.judge.judge_component`): an LLM judge
+    (a causal LM at `path`, or a run directory's model) prompted with `template`, decoded
+    greedily, parsed by `parse_score` (the first integer after `marker`, in [low, high])."""
+
+    path: str = Field(min_length=1)
+    mode: Literal["pointwise", "rubric"] = "pointwise"
+    template: str | None = None  # None: rlhflab.rewards.judge.DEFAULT_TEMPLATES[mode]
+    marker: str = Field("Score:", min_length=1)
+    low: int = 1
+    high: int = 10
+    criteria: list[JudgeCriterion] | None = None  # rubric only
+    on_parse_failure: Literal["error", "nan", "min"] = "error"
+    judge_max_new_tokens: int = Field(16, ge=1)  # the judge's answer budget, not the policy's
+    batch_size: int = Field(32, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JudgeArgs:
+        from rlhflab.rewards.judge import check_template
+
+        if self.low >= self.high:
+            raise ValueError(f"low: must be below high, got low={self.low}, high={self.high}")
+        if (self.mode == "rubric") != bool(self.criteria):
+            raise ValueError("criteria: a rubric needs at least one criterion, and only a "
+                             "rubric takes criteria")  # fmt: skip
+        names = [c.name for c in self.criteria or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"criteria: names repeat: {names}")
+        import re
+
+        for name in names:  # logged as rollout/reward/<label>/<name>_mean
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "parse_failed":
+                raise ValueError(f"criteria: {name!r} is not a metric name (letters, digits, "
+                                 "_ . -; and not 'parse_failed', the failure count's)")  # fmt: skip
+        if self.template is not None:
+            try:
+                check_template(self.template, self.mode, field="template")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+
 class RewardComponentConfig(Strict):
     """One reward term: weight · component, logged as rollout/reward/<name>_mean.
 
     `name` is a named component (REWARD_COMPONENTS: correctness, format, length, overlong,
-    reward_model) or a built-in reward function (REWARD_FUNCTIONS: math_verify, exact_match,
+    reward_model, judge — whose args `JudgeArgs` validates) or a built-in reward function (REWARD_FUNCTIONS: math_verify, exact_match,
     think_format); or set `function` to a TRL-convention reward function by import path
     ("pkg.module:fn" or "path/to/file.py:fn"), then `name` is its label (default: the function's
     name). `args` are keyword arguments (checked against named components' signatures).
@@ -602,4 +654,26 @@ class RewardComponentConfig(Strict):
             self.args,
             SUPPLIED_ARGS,
         )
+        if self.name == "judge":
+            self._check_judge_args()
         return self
+
+    def _check_judge_args(self) -> None:
+        """Validate a judge's args by `JudgeArgs` (one line naming the field); keep them as
+        plain values; a NaN on parse failure may only be logged (weight 0)."""
+        from pydantic import ValidationError
+
+        where = f"reward.components[{self.label or 'judge'}].args"
+        try:
+            args = JudgeArgs(**self.args)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            raise ValueError(f"{where}{'.' + loc if loc else ''}: {msg}") from None
+        if args.on_parse_failure == "nan" and self.weight != 0:
+            raise ValueError(
+                f"{where}.on_parse_failure: 'nan' needs weight 0 (a NaN may not reach the "
+                "loss); use 'min' or 'error' for a judge that is trained on"
+            )
+        self.args = args.model_dump(exclude_unset=True)

@@ -58,15 +58,25 @@ def selection_curve(
 
 
 def score_pool(scorer, ss, *, batch: int = 256) -> list[list[float]]:
-    """Scorer scores of every sample in a `ScoredSamples` pool, per problem."""
-    flat_p = [ss.prompt_ids[i] for i, row in enumerate(ss.completion_ids) for _ in row]
-    flat_c = [c for row in ss.completion_ids for c in row]
-    flat = []
-    for s in range(0, len(flat_c), batch):
-        ro = pack(flat_p[s : s + batch], flat_c[s : s + batch], scorer.pad_token_id)
-        flat += scorer.raw_scores_rollout(ro).tolist()
+    """Scorer scores of every sample in a `ScoredSamples` pool, per problem: a reward model's
+    raw scores of the token ids, or an LLM judge's (`rlhflab.rewards.judge.JudgeScorer`, which
+    reads texts: `selection_scores`, −inf where its output did not parse)."""
+    if hasattr(scorer, "selection_scores"):  # a judge reads the prompt and completion texts
+        from rlhflab.rewards.judge import prompt_text
+
+        prompts = [
+            prompt_text(p) for p, row in zip(ss.problems, ss.texts, strict=True) for _ in row
+        ]
+        flat = scorer.selection_scores(prompts, [t for row in ss.texts for t in row])
+    else:
+        flat_p = [ss.prompt_ids[i] for i, row in enumerate(ss.completion_ids) for _ in row]
+        flat_c = [c for row in ss.completion_ids for c in row]
+        flat = []
+        for s in range(0, len(flat_c), batch):
+            ro = pack(flat_p[s : s + batch], flat_c[s : s + batch], scorer.pad_token_id)
+            flat += scorer.raw_scores_rollout(ro).tolist()
     out, k = [], 0
-    for row in ss.completion_ids:
+    for row in ss.texts:  # one text per sampled completion
         out.append(flat[k : k + len(row)])
         k += len(row)
     return out
@@ -134,6 +144,8 @@ def write_rejection_sft(
             best = max(range(k), key=lambda i: scores[i])
             if (min_score is not None and scores[best] < min_score) or not texts[best].strip():
                 continue
+            if scores[best] == float("-inf"):  # a judge scored none of them
+                continue
             row = {"prompt": problem.question, "completion": texts[best], "rm_score": scores[best]}
             fh.write(to_json(row) + "\n")
             rows += 1
@@ -196,6 +208,7 @@ def run_best_of_n_command(
     threads: int | None = None,
     data: dict | None = None,
     reward_fns: list[str] | None = None,
+    judges: list[str] = (),
 ) -> dict:
     """`rlhflab best-of-n`: accuracy vs N of each `PATH:KIND` reward model on held-out problems
     (questions absent from the first `exclude_train` training items), with a plot and optionally
@@ -203,7 +216,9 @@ def run_best_of_n_command(
     training-split problems, never held-out ones). With `data` (PromptDataConfig fields of a
     prompt dataset) the prompts come from its held-out / training rows and `reward_fns` (as
     `rlhflab eval --reward-fn`) decide what counts as correct (summed reward 1.0). Task prompts
-    carry the answer-format `instruction` ("auto", "none" or a text, as `task.instruction`)."""
+    carry the answer-format `instruction` ("auto", "none" or a text, as `task.instruction`).
+    `judges`: LLM judge model paths (`rlhflab.rewards.judge`), each a selector beside the RMs,
+    scoring 1-10 with the default pointwise template and parse rule."""
     import torch
 
     from rlhflab.data.formatting import answer_instruction
@@ -224,6 +239,13 @@ def run_best_of_n_command(
             )
         name = kind if kind not in scorers else f"{kind}:{path}"
         scorers[name] = RewardModelScorer.from_pretrained(path, kind=kind, prm_reduce=prm_reduce)
+    for path in judges:
+        from rlhflab.rewards.judge import JudgeScorer
+
+        name = "judge" if "judge" not in scorers else f"judge:{path}"
+        scorers[name] = JudgeScorer.from_pretrained(path)
+    if not scorers:
+        raise ConfigError("best-of-n: give at least one --rm PATH:KIND or --judge PATH")
     if data is not None:  # a prompt dataset: "correct" means the summed reward is 1.0
         from rlhflab.config import PromptDataConfig
         from rlhflab.data.prompts import load_prompt_source

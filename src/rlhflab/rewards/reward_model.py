@@ -253,8 +253,8 @@ def load_sharded(
 
 
 def check_reward_model_paths(components) -> None:
-    """Before the run directory exists: every "reward_model" reward component's `path` holds a
-    loadable model config (reads config.json only; the model is loaded at the first rollout).
+    """Before the run directory exists: every "reward_model" or "judge" reward component's `path`
+    holds a loadable model config (reads config.json only; the model is loaded at the first rollout).
 
     Raises:
         ConfigError: naming the component's path and why it cannot be loaded.
@@ -265,15 +265,20 @@ def check_reward_model_paths(components) -> None:
     from rlhflab.models.loading import resolve_name_or_path
 
     for comp in components:
-        if comp.name != "reward_model":
+        if comp.name not in ("reward_model", "judge") or getattr(comp, "function", None):
             continue
         path = comp.args.get("path")
+        if comp.name == "judge" and isinstance(path, str):
+            from rlhflab.rewards.judge import judge_model_path
+
+            path = judge_model_path(path)  # a run directory: its model/
         try:
             AutoConfig.from_pretrained(resolve_name_or_path(path))  # a mistyped path: at once
         except (OSError, ValueError, TypeError, ModelError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            what = "a reward model" if comp.name == "reward_model" else "a judge model"
             raise ConfigError(
-                f"reward.components[reward_model].args.path: cannot load a reward model from "
+                f"reward.components[{comp.name}].args.path: cannot load {what} from "
                 f"{path!r}: {first}"
             ) from None
 

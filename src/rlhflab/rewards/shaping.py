@@ -16,7 +16,9 @@ these it accepts (SUPPLIED_ARGS):
 
 and the preset gives the others (`reward.components[i].args`, checked against the signature when
 the config loads). Each returns a (B,) float32 tensor, logged as `rollout/reward/<name>_mean`
-before weighting. The names of REWARD_COMPONENTS are the valid `reward.components[i].name` values.
+before weighting, or a pair (values (B,), extras {key: (B,)}) whose extras are diagnostics logged
+beside it as `rollout/reward/<name>/<key>_mean` and never summed into the reward (the judge's
+per-criterion scores and parse failures). The names of REWARD_COMPONENTS are the valid `reward.components[i].name` values.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import NonFiniteError
+from rlhflab.rewards.judge import judge_component
 from rlhflab.rewards.reward_model import reward_model_component
 
 __all__ = [
@@ -109,6 +112,7 @@ REWARD_COMPONENTS = {
     "length": length_penalty,
     "overlong": overlong_penalty,
     "reward_model": reward_model_component,  # rlhflab.rewards.reward_model
+    "judge": judge_component,  # rlhflab.rewards.judge: an LLM judge
 }
 
 
@@ -125,7 +129,8 @@ def score_components(
         supplied: the SUPPLIED_ARGS values for this batch.
         where: names the batch in errors ("step 3", "eval").
     Returns:
-        (total (B,) float32, {name: (B,) float32}). A reward function's None entries are NaN in
+        (total (B,) float32, {name: (B,) float32}; a component's extras as "<name>/<key>", never
+        in the total). A reward function's None entries are NaN in
         its values (left out of its logged mean) and 0 in the total; a weight-0 component is
         computed and logged only and never enters the total, so a NaN it returns cannot reach
         the loss.
@@ -141,6 +146,10 @@ def score_components(
             fn = REWARD_COMPONENTS[comp.name]
             accepted = inspect.signature(fn).parameters
             values = fn(**{k: v for k, v in supplied.items() if k in accepted}, **comp.args)
+            if isinstance(values, tuple):  # (values, extras): extras are logged only
+                values, extras = values
+                label = getattr(comp, "label", None) or comp.name
+                parts.update({f"{label}/{k}": v.float() for k, v in extras.items()})
             values = values.float()
             if comp.weight != 0:
                 check_finite_reward(comp.name, values)
