@@ -572,6 +572,16 @@ class RewardComponentConfig(Strict):
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def dense(self) -> bool:
+        """Per-token credit: a reward_model component with `args.credit: dense` (a PRM's
+        per-step rewards at the step-separator tokens, `rlhflab.rewards.reward_model`)."""
+        return (
+            self.function is None
+            and self.name == "reward_model"
+            and (self.args.get("credit") == "dense")
+        )
+
     @model_validator(mode="after")
     def _name_and_args(self) -> RewardComponentConfig:
         from rlhflab.rewards.functions import REWARD_FUNCTIONS, load_reward_function
@@ -602,4 +612,21 @@ class RewardComponentConfig(Strict):
             self.args,
             SUPPLIED_ARGS,
         )
+        if self.name == "reward_model" and "credit" in self.args:
+            from rlhflab.rewards.reward_model import CREDITS, check_dense_credit
+
+            if self.args["credit"] not in CREDITS:
+                raise ValueError(
+                    f"reward.components[reward_model].args.credit: one of {', '.join(CREDITS)}, "
+                    f"got {self.args['credit']!r}"
+                )
+            if self.dense:
+                try:
+                    check_dense_credit(
+                        kind=self.args.get("kind", "preference"),
+                        normalize=self.args.get("normalize", "none"),
+                        retokenize=self.args.get("retokenize", False),
+                    )
+                except ConfigError as exc:
+                    raise ValueError(str(exc)) from None
         return self
