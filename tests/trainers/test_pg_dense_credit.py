@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_pg
+from factories import tiny_pg, write_separators
 
 from rlhflab.config import RewardComponentConfig, config_from_dict
 from rlhflab.errors import ConfigError
@@ -25,24 +25,8 @@ def policy_and_prm(tmp_path_factory, tiny_tokenizer):
 
     root = tmp_path_factory.mktemp("dense")
     tok = tiny_tokenizer
-    sep = tok(SEP, add_special_tokens=False)["input_ids"]
-    assert len(sep) == 1
-    sep = sep[0]
     policy = build_model(tok, size="tiny", max_position_embeddings=128, seed=0)
-    # An untrained model spreads its mass over the whole vocabulary: a few steps of gradient
-    # ascent on log π(separator) in random contexts make it write separators (about 1 token
-    # in 5), so sampled completions have steps.
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    for _ in range(100):
-        ctx = torch.randint(0, len(tok), (8, 24), generator=gen)
-        p_sep = torch.softmax(policy(ctx).logits.float(), -1)[..., sep]
-        if p_sep.mean() > 0.2:
-            break
-        opt.zero_grad()
-        (-torch.log(p_sep).mean()).backward()
-        opt.step()
-    policy.zero_grad(set_to_none=True)
+    sep = write_separators(policy, tok, SEP)
     save_pretrained(policy, tok, root / "policy")
     prm = reward_model_from_causal_lm(
         build_model(tok, size="tiny", max_position_embeddings=128, seed=1),
@@ -180,3 +164,74 @@ def test_dense_credit_runs_two_steps_and_logs(tmp_path, policy_and_prm, family):
         assert "rollout/reward/reward_model_mean" in r and "rollout/reward/correctness_mean" in r
         assert r["policy/ratio_mean"] == 1.0  # first update on-policy
     assert any(r["optim/grad_norm"] > 0 for r in rows)  # the step rewards gave a signal
+
+
+def _dense_batch():
+    """Two groups of 2: step rewards at hand-placed steps, outcome rewards, uneven lengths."""
+    from rlhflab.rollout.dynamic import ScoredBatch
+    from rlhflab.rollout.sampler import pack
+
+    rollout = pack([[5], [5], [6, 7], [6, 7]], [[9, 9, 9], [9, 9], [9, 9, 9, 9], [9]], 0)
+    steps = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    step_rewards = torch.where(steps, torch.tensor([[0.25], [0.5], [0.75], [1.0]]), 0.0)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    batch = ScoredBatch(rollout, rewards, {"correctness": rewards}, ["a"] * 4, [None] * 4,
+                        step_rewards=step_rewards, steps=steps)  # fmt: skip
+    return batch
+
+
+def test_the_trainer_seam_places_step_and_outcome_rewards():
+    """`pg_phases.advantages` on a dense batch: the per-token rewards are the step rewards at
+    their steps plus the outcome at the last valid token (written out by hand here), and the
+    advantage is process_group_zscore of those, with the reward positions."""
+    from types import SimpleNamespace
+
+    from rlhflab.losses.advantages import process_group_zscore
+    from rlhflab.trainers import pg_phases
+
+    batch = _dense_batch()
+    cfg = SimpleNamespace(
+        loss=SimpleNamespace(advantage="process_group_zscore", whiten_advantages=False),
+        kl=SimpleNamespace(placement="loss"),
+        reward=SimpleNamespace(has_outcome=True),
+    )
+    data = pg_phases.StepData(batch=batch, local=batch, r0=0, r1=4)
+    pg_phases.advantages(data, cfg, 0.0, {"group_size": 2})
+    # row 0: step 0.25 at t=0, outcome 1 at its last token t=2; row 1: step 0.5 at t=1, its
+    # last token, where the outcome 0 adds to it; row 2: steps 0.75 at t=0 and t=2, outcome 0
+    # at t=3; row 3: no step, outcome 1 at t=0 (its only token).
+    rewards = torch.tensor(
+        [[0.25, 0, 1.0, 0], [0, 0.5, 0, 0], [0.75, 0, 0.75, 0.0], [1.0, 0, 0, 0]]
+    )
+    given = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 0], [1, 0, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    mask = batch.rollout.mask
+    want = process_group_zscore(rewards, mask, group_size=2, steps=given)
+    torch.testing.assert_close(data.adv, want, rtol=0, atol=0)
+    assert data.adv.abs().sum() > 0
+    cfg.reward.has_outcome = False  # no weighted outcome: only the steps carry rewards
+    pg_phases.advantages(data, cfg, 0.0, {"group_size": 2})
+    want = process_group_zscore(batch.step_rewards, mask, group_size=2, steps=batch.steps)
+    torch.testing.assert_close(data.adv, want, rtol=0, atol=0)
+
+
+def test_scored_batch_keeps_step_rewards_aligned():
+    from rlhflab.rollout.dynamic import ScoredBatch
+    from rlhflab.rollout.sampler import pack
+
+    batch = _dense_batch()
+    second = batch.select_groups(torch.tensor([1]), 2)
+    assert torch.equal(second.steps, batch.steps[2:]) and second.step_rewards.shape == (2, 4)
+    # a rank's share of group 0 at its own width (3 tokens): concat re-pads steps with False
+    narrow = ScoredBatch(
+        pack([[5], [5]], [[9, 9, 9], [9, 9]], 0),
+        batch.rewards[:2],
+        {"correctness": batch.rewards[:2]},
+        ["a"] * 2,
+        [None] * 2,
+        step_rewards=batch.step_rewards[:2, :3],
+        steps=batch.steps[:2, :3],
+    )
+    joined = ScoredBatch.concat([second, narrow], pad_token_id=0)
+    assert joined.steps.shape == joined.rollout.mask.shape
+    assert torch.equal(joined.steps[2:, :3], batch.steps[:2, :3])
+    assert not joined.steps[2:, 3].any() and (joined.step_rewards[2:, 3] == 0).all()
