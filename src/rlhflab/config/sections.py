@@ -564,6 +564,8 @@ class RewardComponentConfig(Strict):
     think_format); or set `function` to a TRL-convention reward function by import path
     ("pkg.module:fn" or "path/to/file.py:fn"), then `name` is its label (default: the function's
     name). `args` are keyword arguments (checked against named components' signatures).
+    A reward_model component with `args.credit: dense` (a PRM) gives per-step rewards at the
+    step-separator tokens instead of one per completion (docs/reward_models.md).
     """
 
     name: str | None = None

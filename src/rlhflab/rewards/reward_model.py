@@ -7,7 +7,9 @@
 What a score is, per kind:
     preference  the Bradley–Terry scalar r(x, y) at the last real token (unbounded logit scale)
     orm         σ(z) at the last real token: P(correct)
-    prm         min_k or Π_k of P(step k correct) at the step-separator tokens of the completion
+    prm         min_k or Π_k of P(step k correct) at the step-separator tokens of the completion;
+                with `credit: dense` each P(step k correct) at its separator token instead
+                (`StepRewards`: per-token rewards for the policy-gradient trainer)
 
 `normalize`: "none"; "batch" whitens each call's scores (mean 0, std 1 over the batch); "running"
 subtracts a running mean and divides by a running std (Welford over every score seen), the usual
