@@ -151,6 +151,8 @@ def test_dense_credit_runs_two_steps_and_logs(tmp_path, policy_and_prm, family):
     extra = {}
     if family == "ppo":  # per-step returns with GAE and a critic
         extra = {"value": {}, "kl": {"coef": 0.05, "estimator": "k1", "placement": "reward_token"}}
+    if family == "grpo":  # held-out evaluation: the gold-vs-proxy frontier reads the PRM's score
+        extra = {"eval": {"n": 4, "max_new_tokens": 12}}
     raw = _dense_grpo(tmp_path, policy, prm_path, **extra)
     if family == "ppo":
         raw["loss"] = {"advantage": "gae", "advantage_args": {"gamma": 1.0, "lam": 0.95}}
@@ -164,6 +166,9 @@ def test_dense_credit_runs_two_steps_and_logs(tmp_path, policy_and_prm, family):
         assert "rollout/reward/reward_model_mean" in r and "rollout/reward/correctness_mean" in r
         assert r["policy/ratio_mean"] == 1.0  # first update on-policy
     assert any(r["optim/grad_norm"] > 0 for r in rows)  # the step rewards gave a signal
+    if family == "grpo":
+        lines = (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        assert any("frontier/proxy" in json.loads(x) for x in lines)
 
 
 def _dense_batch():
