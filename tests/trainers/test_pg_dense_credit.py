@@ -240,3 +240,13 @@ def test_scored_batch_keeps_step_rewards_aligned():
     assert joined.steps.shape == joined.rollout.mask.shape
     assert torch.equal(joined.steps[2:, :3], batch.steps[:2, :3])
     assert not joined.steps[2:, 3].any() and (joined.step_rewards[2:, 3] == 0).all()
+
+
+def test_online_dpo_refuses_dense_credit(policy_and_prm):
+    from rlhflab.config.direct_alignment import VerifiablePairsConfig
+
+    _, prm_path, _ = policy_and_prm
+    comp = {"name": "reward_model", "args": {"path": prm_path, "kind": "prm", "credit": "dense"}}
+    with pytest.raises(ValueError, match=r"verifiable\.reward: credit 'dense'"):
+        VerifiablePairsConfig(reward=[comp])
+    VerifiablePairsConfig(reward=[{**comp, "args": {**comp["args"], "credit": "sequence"}}])
