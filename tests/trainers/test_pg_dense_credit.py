@@ -71,6 +71,8 @@ def test_dense_prm_step_rewards_land_at_the_separators(policy_and_prm):
     seq = reward_model_component(rollout=rollout, **args)  # credit: sequence (min)
     torch.testing.assert_close(out.score, seq)
     assert out.score[1] == 1.0  # no step: no evidence of an error, as prm_solution_score
+    one_by_one = reward_model_component(rollout=rollout, credit="dense", micro_batch_size=1, **args)
+    torch.testing.assert_close(one_by_one.values, out.values, rtol=0, atol=1e-6)
 
 
 def test_score_components_keeps_dense_apart(policy_and_prm):
