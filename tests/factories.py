@@ -6,6 +6,8 @@ per file. Every factory returns a fresh dict (safe to mutate); keyword arguments
 - `tiny_build()`: the `model.build` section of a tiny from-scratch model (vocab 300, 64 positions).
 - `tiny_sft(root)`, `tiny_pg(root, model_dir)`, `tiny_dpo(root, model_dir)`: raw configs (dicts
   for `config_from_dict`) of each trainer family, small enough to run in seconds on a CPU.
+- `write_separators(model, tokenizer, sep)`: make a tiny model write a step separator often (dense
+  PRM rewards need steps in the sampled completions).
 """
 
 from __future__ import annotations
@@ -196,3 +198,27 @@ def force_layout(monkeypatch, layout: str) -> list:
 
     monkeypatch.setattr(sampler, "layout_for", layout_for)
     return chosen
+
+
+def write_separators(model, tokenizer, sep: str = "\n", *, target: float = 0.2) -> int:
+    """Make `model` write `sep` (one token) often: Adam steps (lr 1e-2, at most 100) on
+    −log π(sep) in random contexts of 24 tokens until its mean probability there exceeds `target`
+    (about 1 token in 5 then; an untrained model spreads its mass over the whole vocabulary).
+    In place, in the model's dtype; deterministic (seed 0). Returns the separator's token id."""
+    import torch
+
+    ids = tokenizer(sep, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1, f"{sep!r} is {len(ids)} tokens"
+    sep_id = ids[0]
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(100):
+        ctx = torch.randint(0, len(tokenizer), (8, 24), generator=gen)
+        p_sep = torch.softmax(model(ctx).logits.float(), -1)[..., sep_id]
+        if p_sep.mean() > target:
+            break
+        opt.zero_grad()
+        (-torch.log(p_sep).mean()).backward()
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return sep_id

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from factories import uneven_step_rows
+from factories import uneven_step_rows, write_separators
 from safetensors.torch import load_file
 
 import rlhflab
@@ -635,6 +635,48 @@ def test_grpo_against_reward_model_fsdp2_two_ranks_equal_one_process(base_model,
     _assert_same_run(one, two)
     scores = [r["rollout/reward/reward_model_mean"] for r in _metrics(one) if "optim/lr" in r]
     assert len(scores) == 2 and all(s != 0 for s in scores)
+
+
+@pytest.fixture(scope="module")
+def dense_policy_and_prm(base_model, tmp_path_factory) -> tuple[str, str]:
+    """The base model made to write the step separator "\\n" often (`write_separators`), and a
+    2-class PRM on its backbone with a fresh head: (policy directory, PRM directory)."""
+    from rlhflab.models.build import save_pretrained
+    from rlhflab.models.loading import load_model, load_tokenizer
+    from rlhflab.models.reward import reward_model_from_causal_lm, save_reward_model
+
+    root = tmp_path_factory.mktemp("dense")
+    tok = load_tokenizer(base_model)
+    policy = load_model(base_model)
+    write_separators(policy, tok, "\n")
+    save_pretrained(policy, tok, root / "policy")
+    prm = reward_model_from_causal_lm(
+        load_model(base_model), num_labels=2, pad_token_id=tok.pad_token_id
+    )
+    save_reward_model(prm, tok, root / "prm")
+    return str(root / "policy"), str(root / "prm")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_dense_prm_credit_two_ranks_equal_one_process(dense_policy_and_prm, strategy, tmp_path):
+    """GRPO with process supervision (`credit: dense` PRM, `process_group_zscore`, an outcome
+    mixed by weight): each rank scores its rows' steps (FSDP2: the PRM sharded), the per-token
+    rewards and group statistics stay within whole groups; gradients (hence advantages ×
+    weights), per-step metrics and weights equal one process's in float64."""
+    policy, prm = dense_policy_and_prm
+    raw = _grpo(policy)
+    raw["reward"]["components"] = [
+        {"name": "reward_model", "weight": 1.0,
+         "args": {"path": prm, "kind": "prm", "credit": "dense", "dtype": "float64"}},
+        {"name": "correctness", "weight": 0.5},
+    ]  # fmt: skip
+    raw["loss"]["advantage"] = "process_group_zscore"
+    raw["eval"] = {**raw["eval"], "frontier": False}  # measured by one process only
+    one = _train(tmp_path, "dense", raw, 1, "none")
+    two = _train(tmp_path, "dense", raw, 2, strategy)
+    _assert_same_run(one, two)
+    steps = [r["rollout/steps_mean"] for r in _metrics(one) if "optim/lr" in r]
+    assert len(steps) == 2 and all(s > 0 for s in steps)  # step rewards were given
 
 
 RM_WORKER = """

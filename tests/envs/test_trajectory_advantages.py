@@ -3,7 +3,7 @@ are skipped, so per-token estimators see the model's tokens alone."""
 
 import torch
 
-from rlhflab.losses.advantages import ADVANTAGES, gae
+from rlhflab.losses.advantages import ADVANTAGES, gae, token_rewards
 from rlhflab.losses.kl import kl_in_reward
 
 
@@ -59,6 +59,9 @@ def test_every_sequence_estimator_runs_per_trajectory():
         if entry.needs_token_probs:
             kwargs["logp"] = torch.full_like(mask, -1.0) * mask
             kwargs["sum_pi_squared"] = torch.full_like(mask, 0.5) * mask
+        if entry.needs_steps:  # the trajectory's reward at its last model token (token_rewards)
+            r_tok, kwargs["steps"] = token_rewards(None, None, rewards, mask, outcome=True)
+            args = (r_tok, mask)
         adv = entry.fn(*args, **kwargs)
         if entry.per_token or entry.needs_mask:  # may broadcast a sequence value over its tokens
             assert adv.shape in {(4,), tuple(mask.shape)}, name

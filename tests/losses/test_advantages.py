@@ -157,6 +157,7 @@ def test_registry_every_name_calls():
     assert set(A.ADVANTAGES) == {
         "group_zscore", "group_mean", "rloo", "batch_mean", "none", "gae", "reinforce_pp",
         "reinforce_pp_baseline", "remax", "opo", "gpg", "pass_k", "optimal_token_baseline",
+        "process_group_zscore",
     }  # fmt: skip
     r = t([1.0, 0.0, 0.5, 0.5])
     mask = torch.ones(4, 3)
@@ -166,7 +167,10 @@ def test_registry_every_name_calls():
             kw["baseline"] = t([0.5, 0.5, 0.0, 0.0])
         if entry.needs_token_probs:
             kw["logp"], kw["sum_pi_squared"] = torch.full((4, 3), -0.5), torch.full((4, 3), 0.5)
-        if name == "gae":
+        if entry.needs_steps:
+            r_tok, kw["steps"] = A.token_rewards(None, None, r, mask, outcome=True)
+            adv = entry(r_tok, mask, **kw)
+        elif name == "gae":
             adv, _ = entry(
                 r.view(2, 2), torch.zeros(2, 2, dtype=F64), torch.ones(2, 2), gamma=1.0, lam=0.95
             )
@@ -183,15 +187,18 @@ def test_registry_declares_capabilities():
         flag: {name for name, entry in A.ADVANTAGES.items() if getattr(entry, flag)}
         for flag in (
             "needs_groups", "needs_values", "per_token", "needs_mask", "batch_stats",
-            "needs_greedy", "needs_token_probs",
+            "needs_greedy", "needs_token_probs", "needs_steps",
         )
     }  # fmt: skip
     assert declared["needs_groups"] == {
         "group_zscore", "group_mean", "rloo", "reinforce_pp_baseline", "opo", "gpg", "pass_k",
-        "optimal_token_baseline",
+        "optimal_token_baseline", "process_group_zscore",
     }  # fmt: skip
     assert declared["needs_values"] == {"gae"}
-    assert declared["per_token"] == {"gae", "reinforce_pp", "optimal_token_baseline"}
+    assert declared["per_token"] == {
+        "gae", "reinforce_pp", "optimal_token_baseline", "process_group_zscore",
+    }  # fmt: skip
+    assert declared["needs_steps"] == {"process_group_zscore"}
     assert declared["batch_stats"] == {"batch_mean", "reinforce_pp", "reinforce_pp_baseline", "gpg"}
     assert declared["needs_greedy"] == {"remax"}
     assert declared["needs_token_probs"] == {"optimal_token_baseline"}

@@ -73,6 +73,16 @@ class VerifiablePairsConfig(Strict):
     max_new_tokens: int = Field(24, ge=1)
     rounds: int = Field(1, ge=1)
 
+    @model_validator(mode="after")
+    def _one_reward_per_sample(self) -> VerifiablePairsConfig:
+        for comp in self.reward or []:
+            if comp.dense:
+                raise ValueError(
+                    "verifiable.reward: credit 'dense' gives per-token rewards; pairs are ranked "
+                    "by one reward per sample (use credit 'sequence')"
+                )
+        return self
+
 
 class DPOLossConfig(Strict):
     """`name` is a key of rlhflab.losses.preference.PREFERENCE_LOSSES, or one of the field's usual

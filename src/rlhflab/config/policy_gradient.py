@@ -147,6 +147,16 @@ class RewardConfig(Strict):
             )
         return self
 
+    @property
+    def dense(self) -> bool:
+        """A weighted component gives per-token rewards (`args.credit: dense`, a PRM's steps)."""
+        return any(c.weight != 0 and c.dense for c in self.components)
+
+    @property
+    def has_outcome(self) -> bool:
+        """A weighted component gives one reward per completion (at its last token)."""
+        return any(c.weight != 0 and not c.dense for c in self.components)
+
 
 class TISConfig(Strict):
     """Truncated importance sampling of the policy-gradient term by min(π_θold / π_sampler, cap)
@@ -242,7 +252,8 @@ class LossConfig(Strict):
             self.advantage_args,
             ({"group_size"} if advantage.needs_groups else set())  # the trainer passes them
             | ({"baseline"} if advantage.needs_greedy else set())
-            | ({"logp", "sum_pi_squared"} if advantage.needs_token_probs else set()),
+            | ({"logp", "sum_pi_squared"} if advantage.needs_token_probs else set())
+            | ({"steps"} if advantage.needs_steps else set()),
             required=True,
         )
         _check_kwargs(
@@ -475,6 +486,29 @@ class PGConfig(TrainerConfig):
             raise ValueError(
                 f"kl.placement 'reward_token' needs a per-token advantage such as 'gae' "
                 f"(loss.advantage is '{self.loss.advantage}'; use 'reward_sequence')"
+            )
+        if self.reward.dense:  # per-token rewards: an estimator that takes them
+            if not advantage.per_token:
+                raise ValueError(
+                    f"loss.advantage: credit 'dense' gives per-token rewards; "
+                    f"'{self.loss.advantage}' takes one reward per completion (use "
+                    "'process_group_zscore', or 'gae' with a value model)"
+                )
+            if self.kl.placement == "reward_sequence":
+                raise ValueError(
+                    "kl.placement: 'reward_sequence' with credit 'dense'; use 'loss' or "
+                    "'reward_token'"
+                )
+            if self.rollout.mode == "async":
+                raise ValueError(
+                    "reward.components: credit 'dense' is not supported with rollout.mode "
+                    "'async' yet"
+                )
+        if advantage.needs_steps and self.kl.placement != "loss":
+            raise ValueError(
+                f"kl.placement: '{self.loss.advantage}' reads rewards only where they are "
+                f"given (step ends), so a per-token KL penalty would be dropped; use 'loss' "
+                f"(got '{self.kl.placement}')"
             )
         for comp in self.reward.components:
             if comp.name == "overlong":  # DAPO's L_cache must fit in L_max

@@ -616,6 +616,8 @@ class RewardComponentConfig(Strict):
     think_format); or set `function` to a TRL-convention reward function by import path
     ("pkg.module:fn" or "path/to/file.py:fn"), then `name` is its label (default: the function's
     name). `args` are keyword arguments (checked against named components' signatures).
+    A reward_model component with `args.credit: dense` (a PRM) gives per-step rewards at the
+    step-separator tokens instead of one per completion (docs/reward_models.md).
     """
 
     name: str | None = None
@@ -623,6 +625,16 @@ class RewardComponentConfig(Strict):
     label: str | None = None  # the logged name when `name` repeats (two reward models)
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def dense(self) -> bool:
+        """Per-token credit: a reward_model component with `args.credit: dense` (a PRM's
+        per-step rewards at the step-separator tokens, `rlhflab.rewards.reward_model`)."""
+        return (
+            self.function is None
+            and self.name == "reward_model"
+            and (self.args.get("credit") == "dense")
+        )
 
     @model_validator(mode="after")
     def _name_and_args(self) -> RewardComponentConfig:
@@ -656,6 +668,23 @@ class RewardComponentConfig(Strict):
         )
         if self.name == "judge":
             self._check_judge_args()
+        if self.name == "reward_model" and "credit" in self.args:
+            from rlhflab.rewards.reward_model import CREDITS, check_dense_credit
+
+            if self.args["credit"] not in CREDITS:
+                raise ValueError(
+                    f"reward.components[reward_model].args.credit: one of {', '.join(CREDITS)}, "
+                    f"got {self.args['credit']!r}"
+                )
+            if self.dense:
+                try:
+                    check_dense_credit(
+                        kind=self.args.get("kind", "preference"),
+                        normalize=self.args.get("normalize", "none"),
+                        retokenize=self.args.get("retokenize", False),
+                    )
+                except ConfigError as exc:
+                    raise ValueError(str(exc)) from None
         return self
 
     def _check_judge_args(self) -> None:

@@ -40,6 +40,7 @@ from rlhflab import distributed
 from rlhflab.errors import ConfigError
 from rlhflab.experience.prompts import PromptSet
 from rlhflab.experience.scoring import Scorer
+from rlhflab.rewards.shaping import dense_step_rewards
 from rlhflab.rollout.dynamic import ScoredBatch, dynamic_sample
 from rlhflab.rollout.engines import SamplingParams, awake, generating, make_engine
 from rlhflab.rollout.sampler import decode_completions, draw_seed
@@ -212,9 +213,14 @@ class Sampler:
         """This rank's rollout of the prompt indices `mine`, scored, then the global batch."""
         device = self.device
         problems = self.prompts.problems_of(mine, self.group_size)
-        rewards, components = self.scorer.score(texts, rollout, problems, where=f"step {step}")
+        dense = []  # dense-credit components' step rewards (a PRM's, per token)
+        rewards, components = self.scorer.score(
+            texts, rollout, problems, where=f"step {step}", dense=dense
+        )
         components = {k: v.to(device) for k, v in components.items()}
-        local = ScoredBatch(rollout, rewards.to(device), components, texts, problems)
+        step_rewards, steps = dense_step_rewards(dense, rollout.mask)
+        local = ScoredBatch(rollout, rewards.to(device), components, texts, problems,
+                            step_rewards=step_rewards, steps=steps)  # fmt: skip
         return ScoredBatch.gather(local, self.tokenizer.pad_token_id, device, group)
 
     def _request_behind(self, step: int) -> tuple[list[int], dict | None]:

@@ -27,11 +27,13 @@ class Scorer(Protocol):
     verifier: object  # a `rlhflab.rewards.verifier.Verifier` (its `n_errors` is logged)
 
     def score(self, texts: list[str], rollout, problems: list, *, where: str,
-              raw_scores: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+              raw_scores: bool = False,
+              dense: list | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
         """(rewards (B,) float32, {component: (B,) float32}) of row-aligned `texts` (decoded
         completions of `rollout`) and `problems` (their rows); `where` names the batch in
         errors ("step 3"). `raw_scores`: measuring, not training (reward models unnormalised,
-        their running statistics untouched)."""
+        their running statistics untouched). `dense`: a list that receives the weighted
+        `StepRewards` of dense-credit components (`score_components`); None refuses them."""
         ...
 
     def idle(self, device) -> None:
@@ -54,7 +56,7 @@ class RewardComponents:
         self.components, self.verifier = components, verifier
         self.max_new_tokens, self.parallel = max_new_tokens, parallel
 
-    def score(self, texts, rollout, problems, *, where, raw_scores=False):
+    def score(self, texts, rollout, problems, *, where, raw_scores=False, dense=None):
         return score_components(
             self.components,
             {
@@ -69,6 +71,7 @@ class RewardComponents:
                 "parallel": self.parallel,
             },
             where=where,
+            dense=dense,
         )
 
     def idle(self, device) -> None:
@@ -85,7 +88,7 @@ class VerifierOnly:
     def __init__(self, verifier, *, is_task: bool = True) -> None:
         self.verifier, self.is_task = verifier, is_task
 
-    def score(self, texts, rollout, problems, *, where, raw_scores=False):
+    def score(self, texts, rollout, problems, *, where, raw_scores=False, dense=None):
         scores = self.verifier.score_batch(texts, problems) if self.is_task else [0.0] * len(texts)
         rewards = torch.tensor(scores, dtype=torch.float32)
         return rewards, {"correctness": rewards}

@@ -36,10 +36,12 @@ __all__ = [
     "opo",
     "optimal_token_baseline",
     "pass_k",
+    "process_group_zscore",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "remax",
     "rloo",
+    "token_rewards",
     "whiten",
 ]
 
@@ -232,6 +234,122 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, *, group_size: int) -> 
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({a.shape[0]}, T)")
     m = mask.bool()
     return _whiten_tokens(torch.where(m, a[:, None], 0.0), m)
+
+
+def token_rewards(
+    step_rewards: Tensor | None,
+    steps: Tensor | None,
+    rewards: Tensor,
+    mask: Tensor,
+    *,
+    outcome: bool,
+) -> tuple[Tensor, Tensor]:
+    """Per-token rewards of dense (process) credit, and where a reward is given.
+
+        r_{i,t} = step_rewards_{i,t} + [t = last valid token of i]·rewards_i
+        given_{i,t} = steps_{i,t} or (outcome and t = last valid token of i)
+    step_rewards holds each step's reward at that step's last token (the step-separator
+    position, 0 elsewhere), steps marks those positions; rewards (B,) is the sequence-level
+    (outcome) reward, placed at the last valid token as `kl_in_reward` places it. With
+    outcome=False (no weighted sequence-level component) the last token is a reward position
+    only where it ends a step. A step ending at the last token and the outcome share one
+    position: their sum is one reward there. step_rewards and steps None: no dense rewards (the
+    outcome alone).
+    Shapes: step_rewards (B, T) float or None, steps (B, T) bool or None, rewards (B,) float,
+    mask (B, T) right-padded. Returns (rewards (B, T) float, 0 at padding; given (B, T) bool).
+    Source: the reward layout of Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, §4.1.3
+    (r_i^{index(j)}: a step's reward at its end token) and §4.1.2 (the outcome at the end).
+    Raises: ValueError on shapes that do not match mask, or a step outside mask.
+    """
+    if mask.ndim != 2 or rewards.shape != mask.shape[:1]:
+        raise ValueError(
+            f"need rewards (B,) and mask (B, T); got {tuple(rewards.shape)}, {tuple(mask.shape)}"
+        )
+    m = mask.bool()
+    r = _token_rewards(rewards, mask)  # outcome at the last valid token
+    last = (m.long().cumsum(-1) == m.long().sum(-1, keepdim=True)) & m
+    given = last if outcome else torch.zeros_like(m)
+    if (step_rewards is None) != (steps is None):
+        raise ValueError("step_rewards and steps must both be given or both be None")
+    if step_rewards is not None:
+        if step_rewards.shape != mask.shape or steps.shape != mask.shape:
+            raise ValueError(
+                f"step_rewards and steps must have mask's shape {tuple(mask.shape)}, got "
+                f"{tuple(step_rewards.shape)}, {tuple(steps.shape)}"
+            )
+        s = steps.bool()
+        if (s & ~m).any():
+            raise ValueError("steps marks a position outside mask (a step must end on a token)")
+        r = r + torch.where(s, _as_float(step_rewards).to(r.dtype), 0.0)
+        given = given | s
+    return r, given
+
+
+def process_group_zscore(
+    rewards: Tensor,
+    mask: Tensor,
+    *,
+    group_size: int,
+    steps: Tensor,
+    eps: float = 1e-6,
+    unbiased: bool = True,
+) -> Tensor:
+    """GRPO with process supervision: step rewards z-scored over the whole group, and a token's
+    advantage the sum of the normalised rewards of the steps that end at or after it.
+
+    DeepSeekMath §4.1.3: "a process reward model is used to score each step of the outputs,
+    yielding corresponding rewards: R = {{r_1^{index(1)}, ..., r_1^{index(K_1)}}, ...,
+    {r_G^{index(1)}, ..., r_G^{index(K_G)}}}, where index(j) is the end token index of the j-th
+    step, and K_i is the total number of steps in the i-th output. We also normalize these
+    rewards with the average and the standard deviation, i.e.,
+    r̃_i^{index(j)} = (r_i^{index(j)} − mean(R)) / std(R). Subsequently, the process supervision
+    calculates the advantage of each token as the sum of the normalized rewards from the
+    following steps, i.e., Â_{i,t} = Σ_{index(j) ≥ t} r̃_i^{index(j)}".
+
+        R_g = {rewards_{i,t} : i in group g, steps_{i,t}}        (every step of the G outputs)
+        r̃_{i,t} = (rewards_{i,t} − mean(R_g)) / (std(R_g) + eps)   at steps_{i,t}, 0 elsewhere
+        A_{i,t} = Σ_{s ≥ t} r̃_{i,s} · mask_{i,t}
+    Departures, stated: std is the sample std with Bessel's correction (as `group_zscore`;
+    `unbiased=False` divides by |R_g|), plus eps; a group whose step rewards are all equal, or
+    that has a single step reward, gets A = 0 exactly (no signal, never 0/0); a completion with
+    no reward position gets A = 0 at every token and adds nothing to R_g; a group without any
+    gets A = 0. The paper's process GRPO has no outcome reward: `token_rewards` (the trainer's
+    one place where per-token rewards are built) adds a weighted outcome as the reward of one
+    more position, the last token, normalised in the same pool R_g; with only that position
+    per output this estimator equals `group_zscore` broadcast over the completion's tokens.
+    Shapes: rewards (B, T) float per-token (the step rewards at their positions), mask (B, T)
+    right-padded, steps (B, T) bool (the positions carrying a reward, within mask); B =
+    n_groups·group_size, group-contiguous. Returns adv (B, T) in rewards' float dtype, 0 at
+    padding.
+    Source: Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, §4.1.3 (process supervision RL
+    with GRPO).
+    Raises: ValueError on bad shapes, steps outside mask, group_size < 2 or eps < 0.
+    """
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if rewards.ndim != 2 or mask.shape != rewards.shape or steps.shape != rewards.shape:
+        raise ValueError(
+            f"rewards, mask and steps must share one (B, T) shape, got {tuple(rewards.shape)}, "
+            f"{tuple(mask.shape)}, {tuple(steps.shape)}"
+        )
+    _groups(rewards[:, 0], group_size)  # validates group_size and B % G
+    m, s = mask.bool(), steps.bool()
+    if (s & ~m).any():
+        raise ValueError("steps marks a position outside mask (a step must end on a token)")
+    r = _as_float(rewards)
+    n, t = r.shape[0] // group_size, r.shape[1]
+    rg = torch.where(s, r, 0.0).reshape(n, group_size * t)  # (n, G·T)
+    sg = s.reshape(n, group_size * t)
+    count = sg.sum(-1, keepdim=True).to(r.dtype)  # |R_g|  (n, 1)
+    mean = rg.sum(-1, keepdim=True) / count.clamp(min=1)
+    sq = torch.where(sg, (rg - mean) ** 2, 0.0).sum(-1, keepdim=True)
+    dof = count - 1 if unbiased else count
+    std = torch.sqrt(sq / dof.clamp(min=1))
+    first = torch.gather(rg, 1, sg.to(torch.long).argmax(-1, keepdim=True))  # one step's reward
+    constant = (torch.where(sg, rg == first, True)).all(-1, keepdim=True)  # also |R_g| <= 1
+    normed = torch.where(sg & ~constant, (rg - mean) / (std + eps), 0.0).reshape(-1, t)
+    adv = normed.flip(-1).cumsum(-1).flip(-1)  # Σ_{s ≥ t} r̃_s
+    return torch.where(m, adv, 0.0)
 
 
 def remax(rewards: Tensor, *, baseline: Tensor) -> Tensor:
@@ -473,6 +591,9 @@ class Advantage:
         (ReMax); the trainer samples it with the rollout engine.
     needs_token_probs: takes `logp` and `sum_pi_squared` (B, T) of the sampling policy (OTB);
         the trainer computes them in its no-grad pass.
+    needs_steps: takes per-token rewards (B, T) and `steps` (B, T) bool, the positions where a
+        reward is given (process supervision: the ends of the steps, the last token for an
+        outcome); the trainer builds both with `token_rewards`.
     Calling the entry calls `fn`.
     """
 
@@ -484,6 +605,7 @@ class Advantage:
     batch_stats: bool = False
     needs_greedy: bool = False
     needs_token_probs: bool = False
+    needs_steps: bool = False
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -504,6 +626,9 @@ ADVANTAGES: dict[str, Advantage] = {
     "opo": Advantage(opo, needs_groups=True, needs_mask=True),
     "gpg": Advantage(gpg, needs_groups=True, batch_stats=True),
     "pass_k": Advantage(pass_k, needs_groups=True),
+    "process_group_zscore": Advantage(
+        process_group_zscore, needs_groups=True, needs_mask=True, per_token=True, needs_steps=True
+    ),
     "optimal_token_baseline": Advantage(
         optimal_token_baseline,
         needs_groups=True,

@@ -144,10 +144,11 @@ def kl_in_reward(
         (RLOO / REINFORCE: the penalty is part of the sequence's return; with k1 the sum is
         β·log π_θ(o)/π_ref(o)).
     per_token=True: token placement, r'_{i,t} = −β·kl_{i,t}, plus r_i at the last valid token  -> (B, T)
-        (PPO / InstructGPT; the input to GAE).
+        (PPO / InstructGPT; the input to GAE). Per-token rewards r (B, T) (dense credit,
+        `advantages.token_rewards`) are added as they are: r'_{i,t} = r_{i,t} − β·kl_{i,t}.
     kl is treated as data (detached): the penalty shapes the reward, it is not differentiated.
-    Shapes: rewards (B,), kl (B, T), mask (B, T) right-padded. Returns (B,) or (B, T) float, 0 at
-    padding.
+    Shapes: rewards (B,) (or (B, T) with per_token=True), kl (B, T), mask (B, T) right-padded.
+    Returns (B,) or (B, T) float, 0 at padding.
     Source: Ziegler et al. 2019, arXiv 1909.08593, eq. 2 (R = r − β·log π/ρ); Ouyang et al. 2022
     (InstructGPT), arXiv 2203.02155, eq. 2; per-token form as in lm-human-preferences / TRL PPO;
     sequence form as in Ahmadian et al. 2024 (RLOO), arXiv 2402.14740, §2.
@@ -155,13 +156,18 @@ def kl_in_reward(
     """
     if coef < 0:
         raise ValueError(f"coef must be >= 0, got {coef}")
-    if kl.shape != mask.shape or kl.ndim != 2 or rewards.shape != kl.shape[:1]:
+    dense = per_token and rewards.ndim == 2
+    if kl.shape != mask.shape or kl.ndim != 2 or rewards.shape != kl.shape[: rewards.ndim]:
         raise ValueError(
-            f"need rewards (B,), kl and mask (B, T); got {tuple(rewards.shape)}, "
-            f"{tuple(kl.shape)}, {tuple(mask.shape)}"
+            f"need rewards (B,) (or (B, T) per token), kl and mask (B, T); got "
+            f"{tuple(rewards.shape)}, {tuple(kl.shape)}, {tuple(mask.shape)}"
         )
+    if rewards.ndim == 2 and not per_token:
+        raise ValueError("per-token rewards (B, T) need per_token=True (token placement)")
     m = mask.bool()
     penalty = torch.where(m, -coef * kl.detach(), 0.0)  # (B, T)
+    if dense:
+        return penalty + torch.where(m, rewards.to(penalty.dtype), 0.0)
     if not per_token:
         return rewards + penalty.sum(-1)
     last = (m.long().cumsum(-1) == m.long().sum(-1, keepdim=True)) & m  # last valid token

@@ -7,7 +7,9 @@
 What a score is, per kind:
     preference  the Bradley–Terry scalar r(x, y) at the last real token (unbounded logit scale)
     orm         σ(z) at the last real token: P(correct)
-    prm         min_k or Π_k of P(step k correct) at the step-separator tokens of the completion
+    prm         min_k or Π_k of P(step k correct) at the step-separator tokens of the completion;
+                with `credit: dense` each P(step k correct) at its separator token instead
+                (`StepRewards`: per-token rewards for the policy-gradient trainer)
 
 `normalize`: "none"; "batch" whitens each call's scores (mean 0, std 1 over the batch); "running"
 subtracts a running mean and divides by a running std (Welford over every score seen), the usual
@@ -28,6 +30,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -38,6 +41,23 @@ from rlhflab.rollout.sampler import pack
 
 RM_KINDS = ("preference", "orm", "prm")
 NORMALIZATIONS = ("none", "batch", "running")
+CREDITS = ("sequence", "dense")
+
+
+@dataclass(frozen=True)
+class StepRewards:
+    """What a reward component with dense credit returns instead of one scalar per completion.
+
+    values: (B, T) float32, each step's reward at that step's last token (the step-separator
+        position of the completion), 0 elsewhere; steps: (B, T) bool, those positions;
+    score: (B,) float32, the per-completion score logged as the component's value (a PRM's
+        min or product over its steps, what `credit: sequence` would train on).
+    All aligned with the scored rollout's completion tokens.
+    """
+
+    values: Tensor
+    steps: Tensor
+    score: Tensor
 
 
 class RewardModelScorer:
@@ -144,8 +164,11 @@ class RewardModelScorer:
     def raw_scores_rollout(self, rollout) -> Tensor:
         """Un-normalised scores (B,) of a Rollout (micro-batched)."""
         from rlhflab import distributed
-        from rlhflab.models.reward import completion_token_logits, score_rollout
+        from rlhflab.models.reward import score_rollout
 
+        if self.kind == "prm":
+            probs, steps = self.step_probs_rollout(rollout)
+            return prm_solution_score(probs, steps, reduce=self.prm_reduce).float()
         device = next(self.model.parameters()).device
         out = []
         # Sharded (FSDP2, `load_sharded`): unsharded once for this rank's rows (a collective:
@@ -153,17 +176,32 @@ class RewardModelScorer:
         with distributed.gathered(self.model):
             for s in range(0, rollout.completion_ids.size(0), self.micro_batch_size):
                 mb = rollout.select(slice(s, s + self.micro_batch_size)).to(device)
-                if self.kind == "prm":
-                    logits = completion_token_logits(
-                        self.model, mb, autocast_dtype=self.autocast_dtype
-                    )
-                    probs = prm_step_correct_prob(logits)  # (b, T)
-                    steps = (mb.completion_ids == self.sep_id) & mb.mask.bool()
-                    out.append(prm_solution_score(probs, steps, reduce=self.prm_reduce))
-                else:
-                    scores = score_rollout(self.model, mb, autocast_dtype=self.autocast_dtype)
-                    out.append(torch.sigmoid(scores) if self.kind == "orm" else scores)
+                scores = score_rollout(self.model, mb, autocast_dtype=self.autocast_dtype)
+                out.append(torch.sigmoid(scores) if self.kind == "orm" else scores)
         return torch.cat(out).float()
+
+    @torch.no_grad()
+    def step_probs_rollout(self, rollout) -> tuple[Tensor, Tensor]:
+        """A PRM's P(step correct) at every completion token and where the steps end.
+
+        Returns (probs (B, T) float32, the last-class probability at every position, read only
+        at steps; steps (B, T) bool, the step-separator tokens within the completion mask),
+        aligned with `rollout.completion_ids`, on the RM's device (micro-batched).
+        Raises: ValueError for a reward model that is not a PRM."""
+        from rlhflab import distributed
+        from rlhflab.models.reward import completion_token_logits
+
+        if self.kind != "prm":
+            raise ValueError(f"step_probs_rollout needs a PRM (kind 'prm'), got {self.kind!r}")
+        device = next(self.model.parameters()).device
+        probs, steps = [], []
+        with distributed.gathered(self.model):  # as raw_scores_rollout: a collective if sharded
+            for s in range(0, rollout.completion_ids.size(0), self.micro_batch_size):
+                mb = rollout.select(slice(s, s + self.micro_batch_size)).to(device)
+                logits = completion_token_logits(self.model, mb, autocast_dtype=self.autocast_dtype)
+                probs.append(prm_step_correct_prob(logits))  # (b, T)
+                steps.append((mb.completion_ids == self.sep_id) & mb.mask.bool())
+        return torch.cat(probs).float(), torch.cat(steps)
 
     def score_rollout(self, rollout) -> Tensor:
         """Scores (B,) of a Rollout, normalised as configured."""
@@ -388,7 +426,8 @@ def reward_model_component(
     dtype: str = "float32",
     parallel=None,
     raw_scores: bool = False,
-) -> Tensor:
+    credit: str = "sequence",
+) -> Tensor | StepRewards:
     """Reward component "reward_model": the RM's score of each completion of the rollout (B,) on
     the CPU, float32. The RM at `path` is loaded once per process (on the rollout's device) and
     reused; with normalize "running" its statistics persist across steps. `raw_scores` (supplied
@@ -405,7 +444,23 @@ def reward_model_component(
     processes (`distributed.loads_from_rank0`) the RM is sharded without full copies
     (`load_sharded`) and every rank must score at the same steps; otherwise every process
     loads it whole on its device.
+
+    credit "sequence" (default): one score per completion, as above. "dense" (a PRM only, with
+    normalize "none" and retokenize False): each step's P(correct) at its step-separator token,
+    returned as `StepRewards` (values (B, T), steps (B, T), score (B,) = the min/prod solution
+    score, logged); the policy-gradient trainer turns them into per-token rewards
+    (`rlhflab.losses.advantages.token_rewards`). With `raw_scores` the (B,) score is returned.
+
+    Raises: ConfigError for a credit other than "sequence"/"dense", or dense credit with a
+    reward model that is not a PRM, with normalize other than "none", or with retokenize.
     """
+    if credit not in CREDITS:
+        raise ConfigError(
+            f"reward.components[reward_model].args.credit: one of {', '.join(CREDITS)}, "
+            f"got {credit!r}"
+        )
+    if credit == "dense":
+        check_dense_credit(kind=kind, normalize=normalize, retokenize=retokenize)
     device = rollout.completion_ids.device
     scorer, key = _scorer(
         device,
@@ -422,6 +477,33 @@ def reward_model_component(
         scorer.load_running_state(_PENDING.pop(_state_key(key)))
     if retokenize:
         rollout = scorer.texts_rollout(problems, texts, rollout.truncated.tolist())
+    if credit == "dense":
+        probs, steps = scorer.step_probs_rollout(rollout)
+        score = prm_solution_score(probs, steps, reduce=prm_reduce).float().cpu()
+        if raw_scores:
+            return score
+        values = torch.where(steps, probs, 0.0).cpu()
+        return StepRewards(values=values, steps=steps.cpu(), score=score)
     if raw_scores:
         return scorer.raw_scores_rollout(rollout).cpu()
     return scorer.score_rollout(rollout).cpu()
+
+
+def check_dense_credit(*, kind: str, normalize: str = "none", retokenize: bool = False) -> None:
+    """Dense credit (per-step rewards at the policy's own tokens) needs a PRM read at the
+    policy's token positions, unnormalised (the advantage normalises the step rewards).
+
+    Raises: ConfigError naming the argument that does not fit."""
+    where = "reward.components[reward_model].args"
+    if kind != "prm":
+        raise ConfigError(f"{where}.credit: 'dense' needs kind 'prm' (step scores), got {kind!r}")
+    if normalize != "none":
+        raise ConfigError(
+            f"{where}.normalize: credit 'dense' takes the PRM's P(step correct) as is "
+            f"(the advantage normalises them); use 'none', got {normalize!r}"
+        )
+    if retokenize:
+        raise ConfigError(
+            f"{where}.retokenize: credit 'dense' places step rewards at the policy's own "
+            "tokens; a re-tokenised completion has other positions"
+        )

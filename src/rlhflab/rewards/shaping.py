@@ -28,9 +28,9 @@ import inspect
 import torch
 from torch import Tensor
 
-from rlhflab.errors import NonFiniteError
+from rlhflab.errors import ConfigError, NonFiniteError
 from rlhflab.rewards.judge import judge_component
-from rlhflab.rewards.reward_model import reward_model_component
+from rlhflab.rewards.reward_model import StepRewards, reward_model_component
 
 __all__ = [
     "CORRECTNESS_COMPONENTS",
@@ -39,6 +39,7 @@ __all__ = [
     "check_finite_reward",
     "correctness",
     "correctness_of",
+    "dense_step_rewards",
     "format_reward",
     "length_penalty",
     "overlong_penalty",
@@ -117,9 +118,14 @@ REWARD_COMPONENTS = {
 
 
 def score_components(
-    components, supplied: dict, *, where: str = "batch"
+    components, supplied: dict, *, where: str = "batch", dense: list | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total reward Σ weight·component and each component's unweighted (B,) values.
+
+    A component with dense credit (it returns `StepRewards`, e.g. a PRM with `credit: dense`)
+    does not enter the total: its weighted step rewards (weight·values, steps) are appended to
+    `dense`, for the trainer to place per token, and its per-completion `score` is its logged
+    value. The total is then the sequence-level (outcome) part of the reward alone.
 
     Args:
         components: `RewardComponentConfig`s (name, function, weight, args). A named component of
@@ -137,6 +143,8 @@ def score_components(
     Raises:
         RewardError: a reward function raised, returned the wrong length, a non-number or NaN.
         NonFiniteError: a weighted named component returned NaN/inf (names it and the row).
+        ConfigError: a weighted component with dense credit where `dense` is None (a caller
+            that takes one reward per completion).
     """
     n = len(supplied["texts"])
     total, parts = torch.zeros(n, dtype=torch.float32), {}
@@ -146,6 +154,20 @@ def score_components(
             fn = REWARD_COMPONENTS[comp.name]
             accepted = inspect.signature(fn).parameters
             values = fn(**{k: v for k, v in supplied.items() if k in accepted}, **comp.args)
+            if isinstance(values, StepRewards):
+                label = getattr(comp, "label", None) or comp.name
+                parts[label] = values.score.float()
+                if comp.weight != 0:
+                    check_finite_reward(comp.name, values.values.sum(-1))  # NaN stays NaN
+                    if dense is None:
+                        raise ConfigError(
+                            f"reward.components[{label}].args.credit: 'dense' gives per-token "
+                            f"rewards, which {where} cannot take (one reward per completion)"
+                        )
+                    dense.append(
+                        StepRewards(comp.weight * values.values, values.steps, values.score)
+                    )
+                continue
             if isinstance(values, tuple):  # (values, extras): extras are logged only
                 values, extras = values
                 label = getattr(comp, "label", None) or comp.name
@@ -329,3 +351,18 @@ def check_finite_reward(name: str, values: Tensor) -> None:
             f"reward component '{name}' returned {float(values[row])} for row {row} of the "
             "batch; rewards must be finite"
         )
+
+
+def dense_step_rewards(dense: list, mask: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The weighted step rewards of a batch's dense components (`score_components`' `dense`),
+    summed: (step_rewards (B, T) float32, 0 off the steps; steps (B, T) bool, the union of the
+    components' step positions), or (None, None) when there are none. mask: the completion
+    mask (B, T) they are aligned with (their device)."""
+    if not dense:
+        return None, None
+    values = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    steps = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+    for d in dense:
+        values = values + d.values.to(values)
+        steps = steps | d.steps.to(mask.device)
+    return values, steps

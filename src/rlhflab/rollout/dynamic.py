@@ -48,7 +48,11 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
 @dataclass
 class ScoredBatch:
     """Completions with their rewards. rewards (B,) is the sum of weighted components; components
-    holds each component's unweighted (B,) values; texts / problems are row-aligned lists."""
+    holds each component's unweighted (B,) values; texts / problems are row-aligned lists.
+    With dense-credit components (a PRM's per-step rewards, `rlhflab.rewards.shaping.
+    dense_step_rewards`), rewards is the sequence-level part only and step_rewards (B, T)
+    (weighted, 0 off the steps) and steps (B, T) bool hold the rest, aligned with
+    rollout.completion_ids; both None otherwise."""
 
     rollout: Rollout
     rewards: Tensor
@@ -56,6 +60,8 @@ class ScoredBatch:
     texts: list[str]
     problems: list
     info: dict[str, float] = field(default_factory=dict)
+    step_rewards: Tensor | None = None
+    steps: Tensor | None = None
 
     def select_groups(self, groups: Tensor, group_size: int) -> ScoredBatch:
         """The rows of the given group indices (n,), kept group-contiguous."""
@@ -68,6 +74,7 @@ class ScoredBatch:
             [self.texts[i] for i in idx],
             [self.problems[i] for i in idx],
             dict(self.info),
+            *(None if x is None else x[rows.to(x.device)] for x in (self.step_rewards, self.steps)),
         )
 
     @staticmethod
@@ -95,15 +102,26 @@ class ScoredBatch:
             self.texts,
             self.problems,
             dict(self.info),
+            *(None if x is None else x.to(device) for x in (self.step_rewards, self.steps)),
         )
 
     @staticmethod
     def concat(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
         """The batches' rows one after another (rollouts re-padded by `concat_rollouts`;
-        rewards (B,), components {name: (B,)}, texts and problems concatenated in order). One
-        batch is returned as is."""
+        rewards (B,), components {name: (B,)}, texts and problems concatenated in order;
+        step_rewards and steps re-right-padded with 0 / False). One batch is returned as is."""
         if len(batches) == 1:
             return batches[0]
+        width = max(b.rollout.completion_ids.size(1) for b in batches)
+
+        def dense(name: str) -> Tensor | None:
+            parts = [getattr(b, name) for b in batches]
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise ValueError(f"ScoredBatch.concat: some batches have {name}, others not")
+            return torch.cat([torch.nn.functional.pad(p, (0, width - p.size(1))) for p in parts])
+
         return ScoredBatch(
             concat_rollouts([b.rollout for b in batches], pad_token_id),
             torch.cat([b.rewards for b in batches]),
@@ -111,6 +129,8 @@ class ScoredBatch:
             [t for b in batches for t in b.texts],
             [p for b in batches for p in b.problems],
             dict(batches[0].info),
+            dense("step_rewards"),
+            dense("steps"),
         )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlhflab import distributed, faults
-from rlhflab.losses.advantages import ADVANTAGES, sum_pi_squared, whiten
+from rlhflab.losses.advantages import ADVANTAGES, sum_pi_squared, token_rewards, whiten
 from rlhflab.losses.aggregate import aggregate
 from rlhflab.losses.correction import (
     decoupled,
@@ -142,14 +142,33 @@ def no_grad_passes(data: StepData, learners: Learners, reference, cfg, autocast_
         )
 
 
+def reward_signal(local: ScoredBatch, cfg) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one place where per-token rewards are built: (rewards, steps). Without dense-credit
+    rewards and for an estimator that does not take reward positions, the sequence rewards (B,)
+    and None. Otherwise `token_rewards`: the dense step rewards at their steps' last tokens plus
+    the sequence-level (outcome) reward at the last valid token, (B, T), and the positions
+    where a reward is given (B, T) bool; the last token is one only when a weighted
+    sequence-level component exists (`RewardConfig.has_outcome`)."""
+    advantage = ADVANTAGES[cfg.loss.advantage]
+    if local.step_rewards is None and not advantage.needs_steps:
+        return local.rewards, None
+    return token_rewards(
+        local.step_rewards, local.steps, local.rewards, local.rollout.mask,
+        outcome=cfg.reward.has_outcome,
+    )  # fmt: skip
+
+
 def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> None:
-    """Phase 4: the KL penalty enters the reward when kl.placement says so (per sequence or per
-    token); then `loss.advantage` with the kwargs its registry entry declares (group_size for
-    group estimators); an estimator that needs values (GAE) gets per-token rewards (the sequence
-    reward at the last valid token) and the critic's values and also returns the λ-returns.
-    Whitening uses the statistics of the global batch. Sets adv, returns, kl_reward_tok."""
+    """Phase 4: the rewards (`reward_signal`: per token with dense credit); the KL penalty
+    enters the reward when kl.placement says so (per sequence or per token); then
+    `loss.advantage` with the kwargs its registry entry declares (group_size for group
+    estimators, the reward positions `steps` for process supervision); an estimator that needs
+    values (GAE) gets per-token rewards (the sequence reward at the last valid token) and the
+    critic's values and also returns the λ-returns. Whitening uses the statistics of the global
+    batch. Sets adv, returns, kl_reward_tok."""
     advantage = ADVANTAGES[cfg.loss.advantage]  # the estimator and what it declares it needs
-    rewards, mask = data.local.rewards, data.local.rollout.mask
+    mask = data.local.rollout.mask
+    rewards, steps = reward_signal(data.local, cfg)
     kl_reward_tok = None
     shaped = rewards
     if data.logp_ref is not None and cfg.kl.placement != "loss":
@@ -172,6 +191,8 @@ def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> N
             kwargs["baseline"] = data.baseline
         if advantage.needs_token_probs:
             kwargs["logp"], kwargs["sum_pi_squared"] = data.local.rollout.logp, data.sum_pi_squared
+        if advantage.needs_steps:
+            kwargs["steps"] = steps
         if advantage.batch_stats:  # statistics of the global batch: computed on it, then sliced
             args = (distributed.gather_cat(shaped),)
             if advantage.needs_mask:
@@ -646,6 +667,10 @@ def _rollout_metrics(batch: ScoredBatch, group_size: int) -> dict:
         if group_size > 1
         else 0.0,
     }
+    if batch.steps is not None:  # dense credit: how many step rewards a completion got
+        n_steps = batch.steps.sum(-1).float()
+        metrics["rollout/steps_mean"] = n_steps.mean().item()
+        metrics["rollout/no_step_frac"] = (n_steps == 0).float().mean().item()
     for name, values in batch.components.items():
         values = values[~values.isnan()]  # a reward function's None entries are NaN
         if values.numel() == 0:  # no sample of the batch got this reward
