@@ -89,8 +89,9 @@ def position_bias_rate(choices_ab: Sequence[str | None], choices_ba: Sequence[st
         position_bias_rate = (1/n) Σ_i [c_i = c'_i]   over the n pairs with both choices parsed
 
     also split by the letter preferred ("first": c = c' = A, "second": c = c' = B).
-    Source: the position bias of LLM judges (consistency when the order is swapped) in Zheng et
-    al. 2023, Judging LLM-as-a-Judge with MT-Bench and Chatbot Arena, arXiv 2306.05685, §3.3.
+    Source: the position bias of LLM judges, checked by swapping the two answers, documented by
+    Zheng et al. 2023, Judging LLM-as-a-Judge with MT-Bench and Chatbot Arena, arXiv 2306.05685
+    (the section number and their exact consistency statistic not re-read here).
 
     Args:
         choices_ab: "A"/"B" (None: failed parse) with the completions in the original order (B).
