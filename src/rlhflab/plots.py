@@ -172,7 +172,7 @@ def plot_frontier(rows: list[dict], out_dir: Path) -> Path | None:
 
     x = [r["frontier/sqrt_kl"] for r in pts]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ax.plot(x, [r["frontier/gold"] for r in pts], marker="o", label="gold (verifier)")
+    ax.plot(x, [r["frontier/gold"] for r in pts], marker="o", label="gold")
     ax.plot(x, [r["frontier/proxy"] for r in pts], marker="s", label="proxy (training reward)")
     for r, xi in zip(pts, x, strict=True):
         ax.annotate(str(r["step"]), (xi, r["frontier/gold"]), fontsize=7,

@@ -366,3 +366,29 @@ def test_best_of_n_command_with_a_judge(tmp_path, tiny_model, tiny_tokenizer):
     assert set(summary["curves"]) == {"judge"} and set(summary["curves"]["judge"]) == {1, 2}
     with pytest.raises(ConfigError, match="at least one --rm PATH:KIND or --judge PATH"):
         run_best_of_n_command(str(tmp_path / "policy"), [], **common)
+
+
+def test_a_judge_is_the_frontiers_gold(tmp_path, tiny_tokenizer, tiny_model):
+    """`eval.frontier_gold`: the frontier's gold is the judge's raw score of the same samples
+    (the hand-wired judge says 7 to everything), the proxy the run's reward (correctness here),
+    and the frontier is on without `eval.frontier`."""
+    from factories import tiny_pg
+
+    from rlhflab.config import config_from_dict
+    from rlhflab.trainers import run_config
+
+    hand_wired_judge(tiny_tokenizer, tmp_path / "judge")
+    tiny_model.save_pretrained(tmp_path / "policy")
+    tiny_tokenizer.save_pretrained(tmp_path / "policy")
+    raw = tiny_pg(tmp_path / "runs", tmp_path / "policy",
+                  train={"steps": 2, "micro_batch_size": 16})  # fmt: skip
+    raw["eval"] = {"n": 4, "every": 2, "frontier_n": 4,
+                   "frontier_gold": {"name": "judge", "weight": 0.0,
+                                     "args": {"path": str(tmp_path / "judge"),
+                                              "judge_max_new_tokens": 8}}}  # fmt: skip
+    res = run_config(config_from_dict(raw))
+    rows = [json.loads(line) for line in (Path(res["run_dir"]) / "metrics.jsonl").open()]
+    points = [r for r in rows if "frontier/gold" in r]
+    assert [r["step"] for r in points] == [0, 2]
+    assert all(r["frontier/gold"] == 7.0 for r in points)  # the judge, not the verifier
+    assert all(0.0 <= r["frontier/proxy"] <= 1.0 for r in points)  # correctness

@@ -33,6 +33,7 @@ def test_a_point_of_the_policy_against_itself_has_zero_kl_and_the_samples_scores
     from factories import tiny_task
 
     from rlhflab.data.tasks import make_splits
+    from rlhflab.experience.scoring import VerifierOnly
     from rlhflab.rollout.engines import make_engine
 
     policy_dir, _ = policy_and_rm
@@ -48,7 +49,7 @@ def test_a_point_of_the_policy_against_itself_has_zero_kl_and_the_samples_scores
             return super().score(texts_, rollout, problems_, where=where, raw_scores=raw_scores)
 
     got = frontier_point(model, lambda: contextlib.nullcontext(model), tok, problems, Recording(),
-                         _Verifier(),
+                         VerifierOnly(_Verifier()),
                          engine=make_engine(None, model, tok), system=None, instruction="",
                          max_new_tokens=6, temperature=1.0, seed=0, batch=5)  # fmt: skip
     assert got["n"] == 12 == len(texts)

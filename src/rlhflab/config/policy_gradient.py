@@ -427,6 +427,9 @@ class PGEvalConfig(EvalConfig):
     # None: on when the reward has a reward_model component and the task a verifier.
     frontier: bool | None = None
     frontier_n: int = Field(128, ge=1)
+    # The frontier's gold: a reward component (e.g. `{name: judge, args: {path: ...}}`) scored on
+    # the same samples instead of the task verifier; its weight is ignored. None: the verifier.
+    frontier_gold: RewardComponentConfig | None = None
 
 
 class PGConfig(TrainerConfig):

@@ -7,7 +7,8 @@ verifier (the gold) logs, at every evaluation, on the same held-out problems:
 
     frontier/proxy    mean training reward (Σ weight · component, as in training, but each reward
                       model's score unnormalised: `raw_scores`) of the samples
-    frontier/gold     mean verifier score of the same samples
+    frontier/gold     mean verifier score of the same samples, or with `eval.frontier_gold` (a
+                      reward component, e.g. an LLM judge) that component's mean raw score
     frontier/kl       mean over the samples of Σ_t log π(o_t | ·) − log π_init(o_t | ·): the
                       Monte-Carlo (k1) estimate of KL(π‖π_init), nats per completion
     frontier/sqrt_kl  √max(kl, 0), Gao et al.'s d
@@ -26,7 +27,7 @@ import torch
 
 
 @torch.no_grad()
-def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, verifier, *, engine,
+def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, gold, *, engine,
                    system, instruction: str, max_new_tokens: int, temperature: float,
                    seed: int, batch: int = 64) -> dict:  # fmt: skip
     """One point of the frontier on held-out `problems` (task Problems).
@@ -39,7 +40,10 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, v
         reward: the run's reward (`score(texts, rollout, problems, where=..., raw_scores=True)`
             → (total (B,), components)): the proxy, reward models unnormalised (a running
             normalisation's statistics are not moved by the measurement).
-        verifier: the task's verifier (`score_batch(texts, problems)`): the gold.
+        gold: the gold, a scorer of the same samples (`experience.scoring`'s protocol:
+            `score(texts, rollout, problems, where=..., raw_scores=True)` → (total (B,), parts)):
+            the task verifier (`VerifierOnly`), or the reward component of `eval.frontier_gold`
+            (`RewardComponents`, e.g. an LLM judge).
         engine: the rollout engine to sample with.
     Returns:
         {"proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n", "proxy_values"}:
@@ -62,7 +66,7 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, v
     device = next(policy.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature)
-    proxy, gold, kls = [], [], []
+    proxy, golds, kls = [], [], []
     for s in range(0, len(problems), batch):
         chunk = problems[s : s + batch]
         ids = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system,
@@ -70,13 +74,14 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, v
         [(_, ro, texts)] = sample_chunks(policy, engine, tokenizer, ids, params, generator=gen)
         total, _ = reward.score(texts, ro, chunk, where="frontier", raw_scores=True)
         proxy += total.tolist()
-        gold += [float(x) for x in verifier.score_batch(texts, chunk)]
+        g_total, _ = gold.score(texts, ro, chunk, where="frontier gold", raw_scores=True)
+        golds += [float(x) for x in g_total.tolist()]
         lp, _ = completion_logps(policy, ro)
         with initial_scoring() as initial:
             li, _ = completion_logps(initial, ro)
         kls += ((lp - li).double() * ro.mask).sum(dim=1).tolist()
     n = len(kls)
     kl = math.fsum(kls) / n
-    (p, p_se), (g, g_se) = mean_and_stderr(proxy), mean_and_stderr(gold)
+    (p, p_se), (g, g_se) = mean_and_stderr(proxy), mean_and_stderr(golds)
     return {"proxy": p, "proxy_stderr": p_se, "gold": g, "gold_stderr": g_se, "kl": kl,
             "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n, "proxy_values": proxy}  # fmt: skip

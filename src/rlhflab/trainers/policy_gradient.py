@@ -73,14 +73,16 @@ def train(cfg: PGConfig) -> dict:
 
 def frontier_enabled(cfg) -> bool:
     """Whether a run measures the gold-vs-proxy frontier (`eval.frontier`; None: when the reward
-    has a `reward_model` component and the task a verifier). One process only: under data
+    has a learned component (a `reward_model` or a `judge`) or `eval.frontier_gold` is set, and
+    the task a verifier). One process only: under data
     parallelism it is not measured (said once in `describe`).
 
     Raises:
         ConfigError: `eval.frontier: true` without a task verifier, or in an episode run."""
     from rlhflab.errors import ConfigError
 
-    wanted = cfg.eval.frontier if cfg.eval.frontier is not None else _learned_reward(cfg)
+    default = _learned_reward(cfg) or cfg.eval.frontier_gold is not None
+    wanted = cfg.eval.frontier if cfg.eval.frontier is not None else default
     if not wanted or cfg.eval.n == 0:  # no held-out evaluation: nothing to measure it on
         return False
     if cfg.data.source != "task" or cfg.env is not None:
@@ -91,8 +93,9 @@ def frontier_enabled(cfg) -> bool:
 
 
 def _learned_reward(cfg) -> bool:
-    """Whether the reward has a learned component (a `reward_model`): the frontier's proxy."""
-    return any(c.name == "reward_model" for c in cfg.reward.components)
+    """Whether the reward has a learned component (a `reward_model` or an LLM `judge`): the
+    frontier's proxy."""
+    return any(c.name in ("reward_model", "judge") for c in cfg.reward.components)
 
 
 class PolicyGradient(Trainer):
@@ -270,7 +273,8 @@ class PolicyGradient(Trainer):
 
     def _frontier_point(self) -> dict:
         """`eval.frontier.frontier_point` on the first `eval.frontier_n` held-out problems
-        (module doc of rlhflab.eval.frontier), against the reference or the initial policy."""
+        (module doc of rlhflab.eval.frontier), against the reference or the initial policy; the
+        gold is the task verifier, or the reward component `eval.frontier_gold`."""
         from rlhflab.eval.frontier import frontier_point
 
         initial = self.reference if self.reference is not None else self.initial_policy
@@ -278,10 +282,22 @@ class PolicyGradient(Trainer):
         with self.sampler.evaluating() as engine:
             return frontier_point(
                 self.model, initial.scoring, self.tokenizer, self.heldout[: cfg.eval.frontier_n],
-                self.sampler.scorer, self.verifier, engine=engine, system=prompts.system,
+                self.sampler.scorer, self._frontier_gold(), engine=engine, system=prompts.system,
                 instruction=prompts.instruction, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, seed=cfg.seed,
             )  # fmt: skip
+
+    def _frontier_gold(self):
+        """The frontier's gold scorer: `eval.frontier_gold` alone at weight 1 (its raw score),
+        else the task verifier."""
+        from rlhflab.experience.scoring import RewardComponents, VerifierOnly
+
+        comp = self.cfg.eval.frontier_gold
+        if comp is None:
+            return VerifierOnly(self.verifier)
+        return RewardComponents([comp.model_copy(update={"weight": 1.0})], self.verifier,
+                                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                parallel=self.cfg.parallel)  # fmt: skip
 
     def begin(self) -> None:
         load_running_norm_state({})
