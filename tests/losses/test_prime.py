@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from test_prime_helpers import naive_prime_rloo
 
 from rlhflab.losses.advantages import ADVANTAGES, prime_rloo
 from rlhflab.losses.reward_model import (
@@ -71,31 +72,6 @@ def test_pair_accuracy_as_the_prime_code():
     assert acc.item() == pytest.approx((0.5 + 0.5 + 1.0) / 3)
 
 
-def _naive_prime_rloo(r, mask, outcome, G, gamma):
-    """The paper's equation, one (i, t) at a time."""
-    B, T = r.shape
-    adv = torch.zeros(B, T, dtype=F64)
-    lengths = [int(mask[i].sum()) for i in range(B)]
-    mean = [
-        sum(float(r[i, t]) for t in range(T) if mask[i, t]) / max(lengths[i], 1) for i in range(B)
-    ]
-    for i in range(B):
-        g0 = (i // G) * G
-        others = [j for j in range(g0, g0 + G) if j != i]
-        b = sum(mean[j] for j in others) / (G - 1)
-        o = float(outcome[i]) - sum(float(outcome[j]) for j in others) / (G - 1)
-        for t in range(T):
-            if not mask[i, t]:
-                continue
-            ret, k = 0.0, 0
-            for s in range(t, T):
-                if mask[i, s]:
-                    ret += gamma**k * (float(r[i, s]) - b)
-                    k += 1
-            adv[i, t] = ret + o
-    return adv
-
-
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_prime_rloo_against_a_naive_loop(gamma):
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +82,7 @@ def test_prime_rloo_against_a_naive_loop(gamma):
     outcome = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0], dtype=F64)  # group 1 constant
     adv = prime_rloo(r, mask, group_size=G, outcome=outcome, gamma=gamma)
     torch.testing.assert_close(
-        adv, _naive_prime_rloo(r, mask, outcome, G, gamma), rtol=0, atol=1e-12
+        adv, naive_prime_rloo(r, mask, outcome, G, gamma), rtol=0, atol=1e-12
     )
     assert adv[mask == 0].abs().sum() == 0
     # no process rewards: RLOO of the outcome broadcast over the tokens (hand: G=3, [1, 0, 1]
