@@ -10,7 +10,9 @@ layer's `Sampler`, rlhflab.experience; phases 3-6 in rlhflab.trainers.pg_phases)
                    overlong, ...), each component logged on its own
     3. old / ref   log-probs of the pre-update policy (when more than one optimizer step uses the
                    batch, or the KL goes into the reward), of the reference policy (when kl.coef > 0)
-                   and the critic's values (when there is a value model), without gradients
+                   and the critic's values (when there is a value model), without gradients;
+                   with `prime:`, PRIME's implicit PRM gives every token its reward and takes its
+                   own optimizer step (rlhflab.trainers.prime)
     4. advantages  KL into the reward if kl.placement says so (per sequence or per token), then
                    `loss.advantage` (group baselines on sequence rewards; GAE on token rewards and
                    values), optionally whitened
