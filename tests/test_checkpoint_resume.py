@@ -281,3 +281,27 @@ def test_grpo_async_rollouts_killed_mid_run_resume_exactly(tmp_path, sft_model_d
     assert run_cli(tmp_path, raw, fault="step_end@5=sigkill", check=False).returncode == -9
     run_cli(tmp_path, raw, "--resume")
     assert_same_run(ref, run_dir_of(tmp_path / "runs", "grpo_async"))
+
+
+def test_prime_implicit_prm_killed_mid_step_resumes_exactly(tmp_path, sft_model_dir):
+    """PRIME: the implicit PRM, its optimizer and schedule come back. Killed mid-step 3 (after
+    the PRM's update of that step, before the policy's), resumed from the step-2 checkpoint."""
+
+    def prime_raw(root):
+        raw = grpo_raw(root, sft_model_dir, name="prime")
+        raw["loss"] = {"advantage": "prime_rloo", "whiten_advantages": True}
+        raw["kl"] = {"coef": 0.0}  # π_ref: the PRM's own frozen copy of the initial policy
+        raw["prime"] = {"beta": 0.05, "optim": {"lr": 1e-3, "warmup_steps": 2}}
+        raw["train"] = {**raw["train"], "steps": 5}
+        raw["checkpoint"] = {"every": 2, "keep_last": 1}
+        return raw
+
+    ref = run_config(config_from_dict(prime_raw(tmp_path / "ref")))["run_dir"]
+    raw = prime_raw(tmp_path / "runs")
+    (tmp_path / "runs").mkdir()
+    assert run_cli(tmp_path, raw, fault="step_mid@3=sigkill", check=False).returncode == -9
+    run_cli(tmp_path, raw, "--resume")
+    run = run_dir_of(tmp_path / "runs", "prime")
+    assert_same_run(ref, run)
+    assert_same_run(ref, run, weights="prime_model/model.safetensors")
+    assert any(r.get("prime/loss") for r in metrics(run))

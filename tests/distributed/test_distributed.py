@@ -679,6 +679,29 @@ def test_dense_prm_credit_two_ranks_equal_one_process(dense_policy_and_prm, stra
     assert len(steps) == 2 and all(s > 0 for s in steps)  # step rewards were given
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_prime_two_ranks_equal_one_process(base_model, strategy, tmp_path):
+    """PRIME (`prime:`, `prime_rloo`): each rank scores its rows with the implicit PRM (FSDP2:
+    sharded, its own frozen reference too with kl.coef 0), the PRM's CE gradient is summed over
+    ranks with the global batch size as denominator; the policy's gradients, the per-step
+    metrics (prime/* included) and the weights of the policy and of the PRM equal one
+    process's in float64."""
+    raw = _grpo(base_model)
+    raw["loss"] = {"advantage": "prime_rloo", "surrogate": "ppo_clip", "aggregation": "token_mean",
+                   "whiten_advantages": True}  # fmt: skip
+    raw["kl"] = {"coef": 0.0}
+    raw["prime"] = {"beta": 0.5, "optim": {"lr": 1e-3}}
+    one = _train(tmp_path, "prime", raw, 1, "none")
+    two = _train(tmp_path, "prime", raw, 2, strategy)
+    _assert_same_run(one, two)
+    rows = [r for r in _metrics(one) if "optim/lr" in r]
+    assert len(rows) == 2 and rows[1]["prime/score_mean"] != 0.0  # the PRM moved
+    w1, w2 = (read_tensors(d / "prime_model", "model") for d in (one, two))
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-9, rtol=1e-9, msg=k)
+
+
 RM_WORKER = """
 import json, sys
 import torch

@@ -62,6 +62,8 @@ def test_every_sequence_estimator_runs_per_trajectory():
         if entry.needs_steps:  # the trajectory's reward at its last model token (token_rewards)
             r_tok, kwargs["steps"] = token_rewards(None, None, rewards, mask, outcome=True)
             args = (r_tok, mask)
+        if entry.needs_outcome:  # no dense rewards: the outcome apart
+            args, kwargs["outcome"] = (torch.zeros_like(mask), mask), rewards
         adv = entry.fn(*args, **kwargs)
         if entry.per_token or entry.needs_mask:  # may broadcast a sequence value over its tokens
             assert adv.shape in {(4,), tuple(mask.shape)}, name

@@ -157,7 +157,7 @@ def test_registry_every_name_calls():
     assert set(A.ADVANTAGES) == {
         "group_zscore", "group_mean", "rloo", "batch_mean", "none", "gae", "reinforce_pp",
         "reinforce_pp_baseline", "remax", "opo", "gpg", "pass_k", "optimal_token_baseline",
-        "process_group_zscore",
+        "process_group_zscore", "prime_rloo",
     }  # fmt: skip
     r = t([1.0, 0.0, 0.5, 0.5])
     mask = torch.ones(4, 3)
@@ -170,6 +170,8 @@ def test_registry_every_name_calls():
         if entry.needs_steps:
             r_tok, kw["steps"] = A.token_rewards(None, None, r, mask, outcome=True)
             adv = entry(r_tok, mask, **kw)
+        elif entry.needs_outcome:  # dense rewards (B, T) and the outcome apart
+            adv = entry(torch.zeros(4, 3, dtype=F64), mask, outcome=r, **kw)
         elif name == "gae":
             adv, _ = entry(
                 r.view(2, 2), torch.zeros(2, 2, dtype=F64), torch.ones(2, 2), gamma=1.0, lam=0.95
@@ -187,18 +189,19 @@ def test_registry_declares_capabilities():
         flag: {name for name, entry in A.ADVANTAGES.items() if getattr(entry, flag)}
         for flag in (
             "needs_groups", "needs_values", "per_token", "needs_mask", "batch_stats",
-            "needs_greedy", "needs_token_probs", "needs_steps",
+            "needs_greedy", "needs_token_probs", "needs_steps", "needs_outcome",
         )
     }  # fmt: skip
     assert declared["needs_groups"] == {
         "group_zscore", "group_mean", "rloo", "reinforce_pp_baseline", "opo", "gpg", "pass_k",
-        "optimal_token_baseline", "process_group_zscore",
+        "optimal_token_baseline", "process_group_zscore", "prime_rloo",
     }  # fmt: skip
     assert declared["needs_values"] == {"gae"}
     assert declared["per_token"] == {
-        "gae", "reinforce_pp", "optimal_token_baseline", "process_group_zscore",
+        "gae", "reinforce_pp", "optimal_token_baseline", "process_group_zscore", "prime_rloo",
     }  # fmt: skip
     assert declared["needs_steps"] == {"process_group_zscore"}
+    assert declared["needs_outcome"] == {"prime_rloo"}
     assert declared["batch_stats"] == {"batch_mean", "reinforce_pp", "reinforce_pp_baseline", "gpg"}
     assert declared["needs_greedy"] == {"remax"}
     assert declared["needs_token_probs"] == {"optimal_token_baseline"}

@@ -253,7 +253,8 @@ class LossConfig(Strict):
             ({"group_size"} if advantage.needs_groups else set())  # the trainer passes them
             | ({"baseline"} if advantage.needs_greedy else set())
             | ({"logp", "sum_pi_squared"} if advantage.needs_token_probs else set())
-            | ({"steps"} if advantage.needs_steps else set()),
+            | ({"steps"} if advantage.needs_steps else set())
+            | ({"outcome"} if advantage.needs_outcome else set()),
             required=True,
         )
         _check_kwargs(
@@ -321,6 +322,23 @@ class ValueConfig(Strict):
     init_from: str | None = None  # None: a copy of the initial policy with a fresh head
     clip_range: float = Field(0.2, gt=0)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+
+
+class PrimeConfig(Strict):
+    """PRIME's implicit process reward model (Cui et al. 2025, arXiv 2502.01456;
+    rlhflab.trainers.prime): a causal LM π_φ, a copy of the initial policy, scored against the
+    frozen initial policy π_ref. Every step it gives each completion token the reward
+    coef·r_φ(y_t), r_φ(y_t) = β·log π_φ(y_t|y_<t)/π_ref(y_t|y_<t) (dense credit, beside the
+    outcome reward), then takes one optimizer step of its own on the cross-entropy loss against
+    the batch's outcome labels (the correctness component). A section of its own, like `value:`,
+    and not a reward component: it is a trained model with optimizer state that the trainer
+    updates and checkpoints, which the scoring layer (`experience/`) never does."""
+
+    beta: float = Field(0.05, gt=0, allow_inf_nan=False)  # β (PRIME code: beta_train 0.05)
+    # weight of r_φ(y_t) in the reward; 1/β gives the PRIME code's unscaled log-ratio
+    coef: float = Field(1.0, gt=0, allow_inf_nan=False)
+    # PRIME code: lr 1e-6, grad_clip 10.0 (training/examples/run_prime_main.sh)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-6, max_grad_norm=10.0))
 
 
 class ToolsConfig(Strict):
@@ -444,6 +462,7 @@ class PGConfig(TrainerConfig):
     loss: LossConfig = Field(default_factory=LossConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     value: ValueConfig | None = None  # set for advantages that need a critic (gae)
+    prime: PrimeConfig | None = None  # PRIME's online implicit PRM: dense rewards at every token
     data: PromptDataConfig = Field(default_factory=PromptDataConfig)
     train: PGTrainConfig = Field(default_factory=PGTrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -490,22 +509,24 @@ class PGConfig(TrainerConfig):
                 f"kl.placement 'reward_token' needs a per-token advantage such as 'gae' "
                 f"(loss.advantage is '{self.loss.advantage}'; use 'reward_sequence')"
             )
-        if self.reward.dense:  # per-token rewards: an estimator that takes them
+        if self.prime is not None:
+            self._check_prime()
+        if self.reward.dense or self.prime is not None:  # per-token rewards: an estimator
+            what = "credit 'dense'" if self.reward.dense else "prime"  # that takes them
             if not advantage.per_token:
                 raise ValueError(
-                    f"loss.advantage: credit 'dense' gives per-token rewards; "
+                    f"loss.advantage: {what} gives per-token rewards; "
                     f"'{self.loss.advantage}' takes one reward per completion (use "
-                    "'process_group_zscore', or 'gae' with a value model)"
+                    "'process_group_zscore', 'prime_rloo', or 'gae' with a value model)"
                 )
             if self.kl.placement == "reward_sequence":
                 raise ValueError(
-                    "kl.placement: 'reward_sequence' with credit 'dense'; use 'loss' or "
-                    "'reward_token'"
+                    f"kl.placement: 'reward_sequence' with {what}; use 'loss' or 'reward_token'"
                 )
             if self.rollout.mode == "async":
                 raise ValueError(
-                    "reward.components: credit 'dense' is not supported with rollout.mode "
-                    "'async' yet"
+                    f"{'reward.components' if self.reward.dense else 'prime'}: {what} is not "
+                    "supported with rollout.mode 'async' yet"
                 )
         if advantage.needs_steps and self.kl.placement != "loss":
             raise ValueError(
@@ -555,6 +576,21 @@ class PGConfig(TrainerConfig):
                     "weights by min(π_prox/π_behav, rollout.behav_cap); disable loss.tis"
                 )
         return self
+
+    def _check_prime(self) -> None:
+        """`prime:` needs outcome labels (a correctness component) and one sample per row."""
+        from rlhflab.rewards.shaping import CORRECTNESS_COMPONENTS
+
+        names = {c.name for c in self.reward.components}
+        if not names & set(CORRECTNESS_COMPONENTS):
+            raise ValueError(
+                f"prime: the implicit PRM learns from outcome labels; add one of "
+                f"{', '.join(CORRECTNESS_COMPONENTS)} to reward.components (weight 0 is fine)"
+            )
+        if self.env is not None:
+            raise ValueError("prime: not supported with an `env` (multi-turn episodes) yet")
+        if self.model.lora is not None:
+            raise ValueError("prime: not supported with model.lora yet (π_φ is a full copy)")
 
     def _check_env(self) -> None:
         """What multi-turn episodes do not combine with (yet), beyond `check_sampling_modes`."""

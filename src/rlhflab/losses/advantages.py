@@ -36,6 +36,7 @@ __all__ = [
     "opo",
     "optimal_token_baseline",
     "pass_k",
+    "prime_rloo",
     "process_group_zscore",
     "reinforce_pp",
     "reinforce_pp_baseline",
@@ -352,6 +353,71 @@ def process_group_zscore(
     return torch.where(m, adv, 0.0)
 
 
+def prime_rloo(
+    rewards: Tensor, mask: Tensor, *, group_size: int, outcome: Tensor, gamma: float = 1.0
+) -> Tensor:
+    """PRIME's advantage: RLOO per reward type, the process part as a return over future tokens.
+
+    PRIME README (github.com/PRIME-RL/PRIME): "we first calculate the return of outcome rewards
+    and implicit process rewards separately: For ground truth outcome rewards, we directly adopt
+    RLOO without any modification. For implicit process rewards, we perform a three-step process
+    to calculate return: (1) Use the averaged implicit process rewards to calculate the
+    leave-one-out baseline (2) Normalize the process reward at step t by subtracting the
+    baseline; (3) Calculate the discounted return for each response. Finally, advantage is set
+    to the combination of both returns." As an equation (paper §3, the RLOO advantage with
+    implicit process rewards):
+
+        b_i   = 1/(G − 1) · Σ_{j≠i, same group} (Σ_s r_{j,s}) / |y_j|        (mean process reward)
+        P_{i,t} = Σ_{s≥t} γ^{s−t} · (r_{i,s} − b_i)                          (valid s only)
+        O_i   = r_o,i − 1/(G − 1) · Σ_{j≠i} r_o,j                             (`rloo`)
+        A_{i,t} = (P_{i,t} + O_i) · mask_{i,t}
+    The outcome term is not discounted (the paper's equation; the PRIME code discounts it from
+    the last token with its own verifier_gamma, the same number at γ = 1, its preset).
+    Departures, stated: (a) the PRIME code (core_algos.py `compute_rloo_returns`) computes the
+    process baseline as r_{i,t}·G/(G − 1) − Σ_j mean_j/(G − 1), which equals r_{i,t} − b_i +
+    (r_{i,t} − mean_i)/(G − 1): it also scales each token's deviation from its own sequence's
+    mean by G/(G − 1); here the paper/README form (subtract the leave-one-out baseline). (b) the
+    code then whitens the returns over the batch's tokens (verl `masked_whiten`); here that is
+    `loss.whiten_advantages: true`, set in the preset. (c) a completion with no valid token has
+    mean 0 (the code divides 0 by 0). A group whose outcome rewards are all equal has O = 0
+    exactly (`rloo`).
+    Shapes: rewards (B, T) float per-token process rewards (the implicit PRM's r_φ(y_t), or any
+    dense reward; the trainer passes `token_rewards`' dense part, without the outcome), mask
+    (B, T) right-padded, outcome (B,) the sequence-level reward r_o; B = n_groups·group_size,
+    group-contiguous. Returns adv (B, T) float, 0 at padding.
+    Source: Cui et al. 2025, "Process Reinforcement through Implicit Rewards", arXiv 2502.01456,
+    §3 (RLOO with implicit process rewards; equation as recalled, its number not re-read) and
+    the PRIME repository's README and core_algos.py (quoted above, read).
+    Raises: ValueError on bad shapes, group_size < 2 or gamma outside [0, 1].
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if rewards.ndim != 2 or mask.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and mask must share one (B, T) shape, got {tuple(rewards.shape)}, "
+            f"{tuple(mask.shape)}"
+        )
+    if outcome.shape != rewards.shape[:1]:
+        raise ValueError(
+            f"outcome must have shape ({rewards.shape[0]},), got {tuple(outcome.shape)}"
+        )
+    o_adv = rloo(outcome, group_size=group_size)  # validates group_size, B % G
+    m = mask.bool()
+    r = torch.where(m, _as_float(rewards), 0.0)
+    dtype = torch.promote_types(r.dtype, o_adv.dtype)
+    r = r.to(dtype)
+    n_tok = m.sum(-1).to(dtype)  # |y_i|
+    means = (r.sum(-1) / n_tok.clamp(min=1)).reshape(-1, group_size)  # (n, G)
+    b = ((means.sum(1, keepdim=True) - means) / (group_size - 1)).reshape(-1)  # (B,)
+    centred = torch.where(m, r - b[:, None], 0.0)
+    ret = torch.zeros_like(centred)
+    running = torch.zeros_like(centred[:, 0])
+    for t in reversed(range(r.shape[1])):  # masked positions pass the return through
+        running = torch.where(m[:, t], centred[:, t] + gamma * running, running)
+        ret[:, t] = running
+    return torch.where(m, ret + o_adv.to(dtype)[:, None], 0.0)
+
+
 def remax(rewards: Tensor, *, baseline: Tensor) -> Tensor:
     """ReMax: REINFORCE with the reward of the greedy completion of the same prompt as baseline.
 
@@ -594,6 +660,8 @@ class Advantage:
     needs_steps: takes per-token rewards (B, T) and `steps` (B, T) bool, the positions where a
         reward is given (process supervision: the ends of the steps, the last token for an
         outcome); the trainer builds both with `token_rewards`.
+    needs_outcome: takes the dense (process) per-token rewards (B, T) without the outcome and
+        `outcome` (B,), the sequence-level reward, apart (PRIME: a baseline per reward type).
     Calling the entry calls `fn`.
     """
 
@@ -606,6 +674,7 @@ class Advantage:
     needs_greedy: bool = False
     needs_token_probs: bool = False
     needs_steps: bool = False
+    needs_outcome: bool = False
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -628,6 +697,9 @@ ADVANTAGES: dict[str, Advantage] = {
     "pass_k": Advantage(pass_k, needs_groups=True),
     "process_group_zscore": Advantage(
         process_group_zscore, needs_groups=True, needs_mask=True, per_token=True, needs_steps=True
+    ),
+    "prime_rloo": Advantage(
+        prime_rloo, needs_groups=True, needs_mask=True, per_token=True, needs_outcome=True
     ),
     "optimal_token_baseline": Advantage(
         optimal_token_baseline,

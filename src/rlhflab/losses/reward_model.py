@@ -9,6 +9,8 @@ micro-batches stay exact.
     orm_seq_bce     BCE of the final-token score against the outcome label              (B,)
     prm_step_ce     cross-entropy at step-separator tokens (binary or 3-class)         (B, T)
     prm_solution_score   min or product of per-step P(correct)                          (B,)
+    implicit_process_rewards  PRIME: β·log π_φ/π_ref per token                          (B, T)
+    implicit_prm_ce      PRIME: BCE of σ(Σ_t r_φ(y_t)) against the outcome label        (B,)
 """
 
 from __future__ import annotations
@@ -188,3 +190,95 @@ RM_LOSSES = {
     "prm_step_ce": prm_step_ce,
 }
 PRM_REDUCTIONS = ("min", "prod")
+
+
+def implicit_process_rewards(
+    logp_prm: Tensor, logp_ref: Tensor, mask: Tensor, *, beta: float
+) -> Tensor:
+    """PRIME's implicit process reward of every completion token: a β-scaled log-ratio.
+
+        r_φ(y_t) = β · log [π_φ(y_t | y_<t) / π_ref(y_t | y_<t)]        (0 at padding)
+    and the sequence's implicit outcome reward r_φ(y) = Σ_t r_φ(y_t) (= β·log π_φ(y)/π_ref(y)).
+    π_φ is the implicit PRM (a causal LM, initialised from the policy or SFT model), π_ref its
+    frozen reference. Gradients flow through logp_prm (the PRM's CE loss needs them); callers
+    that want a reward detach.
+    Shapes: logp_prm, logp_ref, mask (B, T), log-probs in nats of the completion tokens;
+    returns (B, T) in the promoted float dtype.
+    Source: Cui et al. 2025, "Process Reinforcement through Implicit Rewards" (PRIME), arXiv
+    2502.01456, §3 (the implicit PRM of Yuan et al. 2024, arXiv 2412.01981: r_φ(y) :=
+    β log π_φ(y)/π_ref(y), whose token-level reward is r_φ(y_t) := β log π_φ(y_t|y_<t)/π_ref(y_t|y_<t)).
+    Departure of the PRIME code (not followed): its `compute_implicit_reward` hands the policy
+    the unscaled log-ratio q (β enters only its CE loss); `PrimeConfig.coef` = 1/β reproduces it.
+    Raises: ValueError if shapes differ or beta <= 0.
+    """
+    if logp_prm.shape != logp_ref.shape or mask.shape != logp_prm.shape or logp_prm.ndim != 2:
+        raise ValueError(
+            f"logp_prm, logp_ref and mask must share one (B, T) shape, got "
+            f"{tuple(logp_prm.shape)}, {tuple(logp_ref.shape)}, {tuple(mask.shape)}"
+        )
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    dtype = torch.promote_types(logp_prm.dtype, logp_ref.dtype)
+    ratio = logp_prm.to(dtype) - logp_ref.to(dtype)
+    return torch.where(mask.bool(), beta * ratio, torch.zeros_like(ratio))
+
+
+def implicit_prm_ce(
+    logp_prm: Tensor, logp_ref: Tensor, mask: Tensor, labels: Tensor, *, beta: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PRIME's online PRM loss: cross-entropy of σ(r_φ(y)) against the outcome label r_o.
+
+        r_φ(y) = Σ_t β · log π_φ(y_t|y_<t)/π_ref(y_t|y_<t)                 (`implicit_process_rewards`)
+        L_CE,i = −[ r_o,i · log σ(r_φ(y_i)) + (1 − r_o,i) · log(1 − σ(r_φ(y_i))) ]
+    computed as binary_cross_entropy_with_logits (log σ(x) = −softplus(−x): finite for any x).
+    The PRIME code (`compute_ce_dpo_loss_rm`: torch's binary_cross_entropy of sigmoid(β·Σq))
+    gives the same number except where σ saturates (its log is clamped at −100).
+    Shapes: logp_prm, logp_ref, mask (B, T) (nats, completion tokens); labels (B,) in [0, 1]
+    (1 = correct). Returns losses (B,) (the mean over the batch is PRIME's loss; reducing is the
+    caller's, with its denominator) and detached stats {"score" (B,): r_φ(y), "correct" (B,):
+    1.0 where (r_φ(y) > 0) == (r_o > 0.5)}.
+    Source: Cui et al. 2025, arXiv 2502.01456, §3 "the implicit PRM is updated online with the
+    cross-entropy loss on outcome labels" (L_CE above; PRIME code: beta_train = 0.05).
+    Raises: ValueError on bad shapes, labels outside [0, 1] or beta <= 0.
+    """
+    r_tok = implicit_process_rewards(logp_prm, logp_ref, mask, beta=beta)
+    if labels.shape != r_tok.shape[:1]:
+        raise ValueError(f"labels must have shape ({r_tok.shape[0]},), got {tuple(labels.shape)}")
+    if ((labels < 0) | (labels > 1)).any():
+        raise ValueError("labels (outcome r_o) must lie in [0, 1]")
+    score = r_tok.sum(-1)  # r_φ(y)  (B,)
+    y = labels.to(score.dtype)
+    losses = F.binary_cross_entropy_with_logits(score, y, reduction="none")
+    correct = ((score > 0) == (y > 0.5)).to(score.dtype)
+    return losses, {"score": score.detach(), "correct": correct.detach()}
+
+
+def implicit_prm_pair_accuracy(scores: Tensor, labels: Tensor, *, group_size: int) -> Tensor:
+    """PRIME's PRM accuracy: within each group, the share of pairs with different outcome labels
+    that the implicit rewards r_φ(y) order the same way, weighted by |Δr_o|; a group whose labels
+    are all equal counts 0.5; the mean over groups.
+
+        acc_g = Σ_{i<j} [sign(s_i − s_j) = sign(r_o,i − r_o,j)]·|r_o,i − r_o,j| / Σ_{i<j} |r_o,i − r_o,j|
+    (a tie s_i = s_j counts as predicting r_o,j > r_o,i, as the code's `score_diff > 0`).
+    Shapes: scores, labels (B,) group-contiguous; returns a 0-dim float tensor.
+    Source: PRIME code, training/verl/trainer/ppo/core_algos.py `compute_dpo_accuracy`
+    (logged as reward_model/dpo_acc_before).
+    Raises: ValueError on bad shapes or group_size < 2.
+    """
+    if group_size < 2 or scores.ndim != 1 or labels.shape != scores.shape:
+        raise ValueError(
+            f"need scores, labels (B,) and group_size >= 2; got {tuple(scores.shape)}, "
+            f"{tuple(labels.shape)}, {group_size}"
+        )
+    if scores.shape[0] % group_size:
+        raise ValueError(f"B={scores.shape[0]} is not divisible by group_size={group_size}")
+    s = scores.double().reshape(-1, group_size)
+    y = labels.double().reshape(-1, group_size)
+    ds = s[:, :, None] - s[:, None, :]  # s_i − s_j  (n, G, G)
+    dy = y[:, :, None] - y[:, None, :]
+    upper = torch.triu(torch.ones(group_size, group_size, dtype=torch.bool), diagonal=1)
+    w = torch.where(upper, dy.abs(), 0.0)
+    agree = ((ds > 0) == (dy > 0)).double()
+    total = w.sum((1, 2))
+    acc = torch.where(total > 0, (agree * w).sum((1, 2)) / total.clamp(min=1e-12), 0.5)
+    return acc.mean()

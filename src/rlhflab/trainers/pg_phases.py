@@ -148,8 +148,15 @@ def reward_signal(local: ScoredBatch, cfg) -> tuple[torch.Tensor, torch.Tensor |
     and None. Otherwise `token_rewards`: the dense step rewards at their steps' last tokens plus
     the sequence-level (outcome) reward at the last valid token, (B, T), and the positions
     where a reward is given (B, T) bool; the last token is one only when a weighted
-    sequence-level component exists (`RewardConfig.has_outcome`)."""
+    sequence-level component exists (`RewardConfig.has_outcome`). An estimator that takes the
+    outcome apart (`needs_outcome`, PRIME) gets the dense rewards alone (B, T) (zeros without
+    any); the outcome reaches it as `local.rewards` (`advantages`)."""
     advantage = ADVANTAGES[cfg.loss.advantage]
+    if advantage.needs_outcome:
+        zeros = torch.zeros_like(local.rewards)
+        dense, _ = token_rewards(local.step_rewards, local.steps, zeros, local.rollout.mask,
+                                 outcome=False)  # fmt: skip
+        return dense, None
     if local.step_rewards is None and not advantage.needs_steps:
         return local.rewards, None
     return token_rewards(
@@ -162,7 +169,8 @@ def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> N
     """Phase 4: the rewards (`reward_signal`: per token with dense credit); the KL penalty
     enters the reward when kl.placement says so (per sequence or per token); then
     `loss.advantage` with the kwargs its registry entry declares (group_size for group
-    estimators, the reward positions `steps` for process supervision); an estimator that needs
+    estimators, the reward positions `steps` for process supervision, the sequence-level
+    `outcome` for PRIME's `prime_rloo`); an estimator that needs
     values (GAE) gets per-token rewards (the sequence reward at the last valid token) and the
     critic's values and also returns the λ-returns. Whitening uses the statistics of the global
     batch. Sets adv, returns, kl_reward_tok."""
@@ -193,6 +201,8 @@ def advantages(data: StepData, cfg, kl_coef: float, advantage_kwargs: dict) -> N
             kwargs["logp"], kwargs["sum_pi_squared"] = data.local.rollout.logp, data.sum_pi_squared
         if advantage.needs_steps:
             kwargs["steps"] = steps
+        if advantage.needs_outcome:  # the sequence-level reward apart from the dense ones
+            kwargs["outcome"] = data.local.rewards
         if advantage.batch_stats:  # statistics of the global batch: computed on it, then sliced
             args = (distributed.gather_cat(shaped),)
             if advantage.needs_mask:

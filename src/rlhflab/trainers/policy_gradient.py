@@ -10,7 +10,9 @@ layer's `Sampler`, rlhflab.experience; phases 3-6 in rlhflab.trainers.pg_phases)
                    overlong, ...), each component logged on its own
     3. old / ref   log-probs of the pre-update policy (when more than one optimizer step uses the
                    batch, or the KL goes into the reward), of the reference policy (when kl.coef > 0)
-                   and the critic's values (when there is a value model), without gradients
+                   and the critic's values (when there is a value model), without gradients;
+                   with `prime:`, PRIME's implicit PRM gives every token its reward and takes its
+                   own optimizer step (rlhflab.trainers.prime)
     4. advantages  KL into the reward if kl.placement says so (per sequence or per token), then
                    `loss.advantage` (group baselines on sequence rewards; GAE on token rewards and
                    values), optionally whitened
@@ -64,6 +66,7 @@ from rlhflab.trainers.common import (
     save_final_model,
 )
 from rlhflab.trainers.loop import Checkpointed, Env, Trainer, run
+from rlhflab.trainers.prime import ImplicitPRM
 
 
 def train(cfg: PGConfig) -> dict:
@@ -168,6 +171,12 @@ class PolicyGradient(Trainer):
                 else ValueModel.from_policy(model)
             )
             value_model.train()
+        # PRIME's implicit PRM (a `prime:` section): a copy of the initial policy, trained online
+        # with its own optimizer; its dense rewards join the batch's before the advantages.
+        optimizer_steps_per_batch = cfg.train.update_epochs * cfg.train.minibatches
+        self.implicit_prm = (
+            ImplicitPRM(model, cfg, self.reference, cfg.train.steps) if cfg.prime else None
+        )
         # Data parallelism (one process: nothing changes): the policy, the frozen reference and
         # the critic are placed and sharded alike.
         model = distributed.wrap(model, cfg.parallel)
@@ -179,7 +188,6 @@ class PolicyGradient(Trainer):
         self.surrogate_fn = POLICY_LOSSES[cfg.loss.surrogate]
         self.group_size = cfg.rollout.group_size
         self.batch_size = cfg.rollout.prompts_per_step * self.group_size
-        optimizer_steps_per_batch = cfg.train.update_epochs * cfg.train.minibatches
         total_optimizer_steps = cfg.train.steps * optimizer_steps_per_batch
         optimizer = make_optimizer(model, cfg.optim)
         scheduler = make_scheduler(optimizer, cfg.optim, total_optimizer_steps)
@@ -225,13 +233,26 @@ class PolicyGradient(Trainer):
         return text
 
     def checkpointed(self) -> Checkpointed:
-        # Both models, optimizers and schedules, every RNG stream and the prompt stream's
-        # position; `state()` adds the KL controller's coefficient and the counters.
-        parts = self.learners
+        # Every trained model (policy, critic, PRIME's implicit PRM), its optimizer and schedule,
+        # every RNG stream and the prompt stream's position; `state()` adds the KL controller's
+        # coefficient and the counters. (None entries are skipped.)
+        parts, prm = self.learners, self.implicit_prm
         return Checkpointed(
-            modules={"model": parts.model, "value_model": parts.value_model},
-            optimizers={"optimizer": parts.optimizer, "value_optimizer": parts.value_optimizer},
-            schedulers={"scheduler": parts.scheduler, "value_scheduler": parts.value_scheduler},
+            modules={
+                "model": parts.model,
+                "value_model": parts.value_model,
+                "prime_model": prm and prm.model,
+            },
+            optimizers={
+                "optimizer": parts.optimizer,
+                "value_optimizer": parts.value_optimizer,
+                "prime_optimizer": prm and prm.optimizer,
+            },
+            schedulers={
+                "scheduler": parts.scheduler,
+                "value_scheduler": parts.value_scheduler,
+                "prime_scheduler": prm and prm.scheduler,
+            },
             generators={**self.sampler.generators(), "shuffle": self.shuffle_rng},
             stateful={"prompts": self.prompts.stream},
         )
@@ -360,6 +381,10 @@ class PolicyGradient(Trainer):
                                  self.need_logp_old, timer=timer)  # fmt: skip
         with timer.stage("ref"):
             kl_ref = self.kl_to_reference(data)  # before the update: the rollout's own policy
+        prime_stats = {}
+        if self.implicit_prm is not None:  # PRIME: dense implicit rewards, then its PRM update
+            with timer.stage("update"):  # its forward, backward and optimizer step
+                prime_stats = self.implicit_prm.step(data, self.autocast_dtype, self.guard, step)
         pg_phases.advantages(data, cfg, self.kl.coef, self.advantage_kwargs)
         if cfg.loss.rollout_correction.enabled:
             pg_phases.rollout_correction(data, cfg)
@@ -379,6 +404,7 @@ class PolicyGradient(Trainer):
         if kl_ref is not None:
             metrics["policy/kl_ref"] = kl_ref
         metrics.update(greedy_stats)
+        metrics.update(prime_stats)
         self.kl.update(kl_seq, n_steps=self.batch_size)  # the adaptive controller moves β
         self.last_batch = batch  # for `write_samples`
         health_inputs = {  # the global batch: every rank sees the same
@@ -416,7 +442,8 @@ class PolicyGradient(Trainer):
         self.final_eval = self.evaluate(step) if self.has_heldout() else {}
 
     def save(self, model_dir: Path) -> None:
-        """The policy in HF format and, for PPO, the critic beside it (`value_model/`)."""
+        """The policy in HF format and, for PPO, the critic beside it (`value_model/`); with
+        `prime:`, the implicit PRM (`prime_model/`)."""
         save_final_model(self.model, self.tokenizer, model_dir, self.cfg.model.lora)
         value_model = self.learners.value_model
         if value_model is not None:
@@ -425,6 +452,8 @@ class PolicyGradient(Trainer):
                 value_model.save(
                     self.run_dir / "value_model", state_dict=merged_state(value_model, value_state)
                 )
+        if self.implicit_prm is not None:  # PRIME's implicit PRM, a causal LM
+            self.implicit_prm.save(self.tokenizer, self.run_dir / "prime_model")
 
     def results(self) -> dict:
         final_eval, initial_eval, cfg = self.final_eval, self.initial_eval, self.cfg
