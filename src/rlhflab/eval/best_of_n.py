@@ -61,7 +61,8 @@ def score_pool(scorer, ss, *, batch: int = 256) -> list[list[float]]:
     """Scorer scores of every sample in a `ScoredSamples` pool, per problem: a reward model's
     raw scores of the token ids, or an LLM judge's (`rlhflab.rewards.judge.JudgeScorer`, which
     reads texts: `selection_scores`, −inf where its output did not parse)."""
-    if hasattr(scorer, "selection_scores"):  # a judge reads the prompt and completion texts
+    judge = hasattr(scorer, "selection_scores")
+    if judge:  # a judge reads the prompt and completion texts
         from rlhflab.rewards.judge import prompt_text
 
         prompts = [
@@ -76,7 +77,7 @@ def score_pool(scorer, ss, *, batch: int = 256) -> list[list[float]]:
             ro = pack(flat_p[s : s + batch], flat_c[s : s + batch], scorer.pad_token_id)
             flat += scorer.raw_scores_rollout(ro).tolist()
     out, k = [], 0
-    for row in ss.texts:  # one text per sampled completion
+    for row in ss.texts if judge else ss.completion_ids:  # one entry per sampled completion
         out.append(flat[k : k + len(row)])
         k += len(row)
     return out
