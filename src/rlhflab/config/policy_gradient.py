@@ -337,7 +337,11 @@ class EnvConfig(Strict):
     (the model and the environment take turns) and the reward is the environment's."""
 
     # 'path/to/file.py:ClassName' or 'package.module:ClassName'; written `class:` in YAML
-    class_: str = Field(validation_alias=AliasChoices("class", "class_"))
+    class_: str | None = Field(None, validation_alias=AliasChoices("class", "class_"))
+    # Instead of `class`: a verifiers environment (rlhflab.envs.verifiers_env, the `envs` extra):
+    # 'path/to/file.py:fn', 'package.module:fn' or an installed environment module's name; with
+    # data.source 'env' its dataset gives the prompts, its rubric the reward.
+    verifiers: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)  # the constructor's keyword arguments
     max_turns: int = Field(4, ge=1)  # model turns per episode
     max_turn_tokens: int | None = Field(None, ge=1)  # per model turn; None: rollout.max_new_tokens
@@ -349,6 +353,20 @@ class EnvConfig(Strict):
     # its whole history again (hf engine with rollout.decode eager; the vllm engine through its
     # prefix cache). Same tokens and log-probs up to float rounding. false: re-prefill each turn.
     kv_reuse: bool = True
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EnvConfig:
+        if (self.class_ is None) == (self.verifiers is None):
+            raise ValueError("env: set exactly one of env.class and env.verifiers")
+        return self
+
+    def target(self) -> tuple[str, dict]:
+        """(the class spec `rlhflab.envs.load_env` builds, its keyword arguments): `class` and
+        `args`, or for `verifiers` the adapter class with {"load": spec, "args": args}."""
+        if self.verifiers is not None:
+            adapter = "rlhflab.envs.verifiers_env:VerifiersEnv"
+            return adapter, {"load": self.verifiers, "args": dict(self.args)}
+        return self.class_, dict(self.args)
 
 
 def check_sampling_modes(rollout: RolloutConfig, env: EnvConfig | None) -> None:
@@ -533,6 +551,8 @@ class PGConfig(TrainerConfig):
             )
         if self.env is not None:
             self._check_env()
+        if self.data.source == "env" and self.env is None:
+            raise ValueError("data.source: 'env' takes the prompts of an `env:` section; add one")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise ValueError(
@@ -556,6 +576,12 @@ class PGConfig(TrainerConfig):
     def _check_env(self) -> None:
         """What multi-turn episodes do not combine with (yet), beyond `check_sampling_modes`."""
         from rlhflab.losses.advantages import ADVANTAGES
+
+        if self.env.verifiers is not None and self.data.source != "env":
+            raise ValueError(
+                "data.source: env.verifiers takes its prompts from the environment's dataset; "
+                "set data.source: env"
+            )
 
         if ADVANTAGES[self.loss.advantage].needs_greedy:
             raise ValueError(
