@@ -43,6 +43,7 @@ import importlib
 import importlib.util
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from rlhflab.data.prompts import PromptRow
@@ -135,6 +136,18 @@ def _as_dicts(messages) -> list[dict]:
     return out
 
 
+def _close(loop: asyncio.AbstractEventLoop, shared: dict) -> None:
+    """Cancel the rollouts still waiting for a model turn (their clean-up runs), close `loop`."""
+    pending = [t for t in shared["tasks"] if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending and not loop.is_closed():
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    shared["tasks"].clear()
+    if not loop.is_closed():
+        loop.close()
+
+
 class _TurnClient:
     """Built by `_client_class()` as a subclass of verifiers' `Client`; see the module doc."""
 
@@ -212,6 +225,8 @@ class VerifiersEnv:
         # shared by the per-episode copies: the rollouts started, and whether the last call was
         # a step (a reset after a step starts a new batch of episodes)
         self.shared = {"tasks": [], "stepped": False}
+        # at garbage collection or exit: cancel the last batch's unfinished rollouts, close the loop
+        weakref.finalize(self, _close, self.loop, self.shared)
 
     # -- Prompts ---------------------------------------------------------------------------------
     def prompt_rows(self) -> tuple[list[PromptRow], list[PromptRow]]:
