@@ -166,7 +166,7 @@ def test_config_needs_data_source_env(tmp_path, model_dir, env_file):
     with pytest.raises(ConfigError, match=r"set data\.source: env"):
         config_from_dict(raw)
     raw = _raw(tmp_path, model_dir, env_file, **{"class": "a.py:B"})
-    with pytest.raises(ConfigError, match=r"exactly one of env\.class and env\.verifiers"):
+    with pytest.raises(ConfigError, match=r"exactly one of env\.class, env\.verifiers and env\.openenv"):
         config_from_dict(raw)
 
 

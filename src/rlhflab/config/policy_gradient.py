@@ -331,6 +331,17 @@ class ToolsConfig(Strict):
     unsafe_local: StrictBool = False
 
 
+class OpenEnvSpec(Strict):
+    """An in-process OpenEnv environment (rlhflab.envs.openenv_env, the `envs` extra): three
+    'file.py:fn' / 'package.module:fn' specs and the reset seeds of the training / held-out rows."""
+
+    make: str  # make(**env.args) -> an openenv Environment (a fresh one per episode)
+    action: str  # action(text) -> the environment's Action
+    render: str  # render(observation) -> str, the next user message
+    n_train: int = Field(256, ge=1)  # training rows: reset seeds 0 .. n_train - 1
+    n_heldout: int = Field(32, ge=0)  # held-out rows: the next n_heldout seeds
+
+
 class EnvConfig(Strict):
     """A multi-turn environment (rlhflab.envs, docs/multiturn.md): the user's class and its
     arguments, and the per-episode limits. With `env` set, a rollout is one episode per sample
@@ -342,6 +353,8 @@ class EnvConfig(Strict):
     # 'path/to/file.py:fn', 'package.module:fn' or an installed environment module's name; with
     # data.source 'env' its dataset gives the prompts, its rubric the reward.
     verifiers: str | None = None
+    # Instead of `class`: an OpenEnv environment run in-process (with data.source 'env').
+    openenv: OpenEnvSpec | None = None
     args: dict[str, Any] = Field(default_factory=dict)  # the constructor's keyword arguments
     max_turns: int = Field(4, ge=1)  # model turns per episode
     max_turn_tokens: int | None = Field(None, ge=1)  # per model turn; None: rollout.max_new_tokens
@@ -356,13 +369,16 @@ class EnvConfig(Strict):
 
     @model_validator(mode="after")
     def _one_kind(self) -> EnvConfig:
-        if (self.class_ is None) == (self.verifiers is None):
-            raise ValueError("env: set exactly one of env.class and env.verifiers")
+        if sum(x is not None for x in (self.class_, self.verifiers, self.openenv)) != 1:
+            raise ValueError("env: set exactly one of env.class, env.verifiers and env.openenv")
         return self
 
     def target(self) -> tuple[str, dict]:
         """(the class spec `rlhflab.envs.load_env` builds, its keyword arguments): `class` and
-        `args`, or for `verifiers` the adapter class with {"load": spec, "args": args}."""
+        `args`, or for `verifiers` / `openenv` the adapter class with the spec and `args`."""
+        if self.openenv is not None:
+            adapter = "rlhflab.envs.openenv_env:OpenEnvEnv"
+            return adapter, {**self.openenv.model_dump(), "args": dict(self.args)}
         if self.verifiers is not None:
             adapter = "rlhflab.envs.verifiers_env:VerifiersEnv"
             return adapter, {"load": self.verifiers, "args": dict(self.args)}
@@ -577,9 +593,10 @@ class PGConfig(TrainerConfig):
         """What multi-turn episodes do not combine with (yet), beyond `check_sampling_modes`."""
         from rlhflab.losses.advantages import ADVANTAGES
 
-        if self.env.verifiers is not None and self.data.source != "env":
+        kind = "verifiers" if self.env.verifiers is not None else "openenv"
+        if self.env.class_ is None and self.data.source != "env":
             raise ValueError(
-                "data.source: env.verifiers takes its prompts from the environment's dataset; "
+                f"data.source: env.{kind} takes its prompts from the environment's rows; "
                 "set data.source: env"
             )
 

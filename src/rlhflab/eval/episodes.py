@@ -89,4 +89,5 @@ def load_and_run_episodes(
         per = evaluate_episodes(
             sampler, tokenizer, environment, rows, limits, batch_size=batch_size
         )
-    return summarize_episodes(per, env.class_ or env.verifiers)
+    name = env.class_ or env.verifiers or env.openenv.make
+    return summarize_episodes(per, name)
