@@ -385,6 +385,23 @@ class EnvConfig(Strict):
         return self.class_, dict(self.args)
 
 
+def check_env_prompts(env: EnvConfig | None, data) -> None:
+    """`data.source: env` and the third-party environments go together: their rows come from the
+    environment (`rlhflab.experience.prompts.env_prompt_splits`).
+
+    Raises:
+        ValueError: data.source 'env' without an `env` section, or env.verifiers / env.openenv
+            with another data.source (one line naming `data.source`)."""
+    if data.source == "env" and env is None:
+        raise ValueError("data.source: 'env' takes the prompts of an `env:` section; add one")
+    if env is not None and env.class_ is None and data.source != "env":
+        kind = "verifiers" if env.verifiers is not None else "openenv"
+        raise ValueError(
+            f"data.source: env.{kind} takes its prompts from the environment's rows; "
+            "set data.source: env"
+        )
+
+
 def check_sampling_modes(rollout: RolloutConfig, env: EnvConfig | None) -> None:
     """The one check of the sampling modes, for every trainer family that samples through
     `rlhflab.experience.Sampler` (policy gradient, distillation): which of sync / async /
@@ -567,8 +584,7 @@ class PGConfig(TrainerConfig):
             )
         if self.env is not None:
             self._check_env()
-        if self.data.source == "env" and self.env is None:
-            raise ValueError("data.source: 'env' takes the prompts of an `env:` section; add one")
+        check_env_prompts(self.env, self.data)
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise ValueError(
@@ -592,13 +608,6 @@ class PGConfig(TrainerConfig):
     def _check_env(self) -> None:
         """What multi-turn episodes do not combine with (yet), beyond `check_sampling_modes`."""
         from rlhflab.losses.advantages import ADVANTAGES
-
-        kind = "verifiers" if self.env.verifiers is not None else "openenv"
-        if self.env.class_ is None and self.data.source != "env":
-            raise ValueError(
-                f"data.source: env.{kind} takes its prompts from the environment's rows; "
-                "set data.source: env"
-            )
 
         if ADVANTAGES[self.loss.advantage].needs_greedy:
             raise ValueError(
