@@ -118,6 +118,20 @@ def test_multi_turn_tool_observations_are_ids_with_zero_loss(env_file, tiny_mode
         assert (traj.mask[i] == 1).sum() > 0
         if not traj.truncated[i]:
             assert out.components["num_turns"][i] == out.turns[i]
+    # d loss / d logp: exactly 0 on every environment token, nonzero on every model token
+    from rlhflab.losses.aggregate import aggregate
+    from rlhflab.losses.policy import POLICY_LOSSES
+    from rlhflab.rollout.sampler import completion_logps
+
+    logp, _ = completion_logps(tiny_model, traj)
+    logp.retain_grad()
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.7, -0.3], dtype=logp.dtype)  # none 0
+    loss_tok, _ = POLICY_LOSSES["ppo_clip"](logp, logp.detach(), adv, traj.mask)
+    aggregate(loss_tok, traj.mask, "seq_mean_token_mean", num_tokens=traj.mask.sum(),
+              num_seqs=traj.mask.size(0), max_len=traj.mask.size(1)).backward()  # fmt: skip
+    env_tok = (traj.mask == 0) & (traj.attend == 1)
+    assert env_tok.any() and logp.grad[env_tok].abs().max() == 0
+    assert (logp.grad[traj.mask == 1] != 0).all()
 
 
 def test_bad_specs_are_one_line_errors(env_file, tmp_path):
@@ -166,7 +180,9 @@ def test_config_needs_data_source_env(tmp_path, model_dir, env_file):
     with pytest.raises(ConfigError, match=r"set data\.source: env"):
         config_from_dict(raw)
     raw = _raw(tmp_path, model_dir, env_file, **{"class": "a.py:B"})
-    with pytest.raises(ConfigError, match=r"exactly one of env\.class, env\.verifiers and env\.openenv"):
+    with pytest.raises(
+        ConfigError, match=r"exactly one of env\.class, env\.verifiers and env\.openenv"
+    ):
         config_from_dict(raw)
 
 
