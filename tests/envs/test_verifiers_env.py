@@ -86,7 +86,7 @@ def test_rubric_scores_equal_calling_the_rubric_directly(env_file, tiny_model, t
     out = _episodes(env, tiny_model.eval(), tiny_tokenizer, train[:8])
     rubric = env.vf_env.rubric.rubrics[0]  # the user's rubric (the group adds num_turns)
     parser = rubric.parser
-    assert set(out.components) == {"correct", "digits", "num_turns"}
+    assert set(out.components) == {"correct", "digits", "num_turns"} == set(env.component_names)
     for i, row in enumerate(train[:8]):
         text = out.texts[i]
         completion = [vf.AssistantMessage(content=text)]

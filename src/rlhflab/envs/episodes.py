@@ -73,7 +73,8 @@ class EpisodeBatch:
     texts: list[str]
     messages: list[list[dict]] = field(default_factory=list)
     # reward components by name, one value per episode (the last step's `info["components"]`,
-    # e.g. a verifiers rubric's functions; 0.0 where an episode has none)
+    # e.g. a verifiers rubric's functions; 0.0 where an episode has none); the names an env
+    # declares in `component_names` are always present
     components: dict[str, list[float]] = field(default_factory=dict)
 
     def totals(self) -> dict[str, float]:
@@ -247,7 +248,8 @@ def run_episodes(
         texts=[" | ".join(t) for t in texts],
         messages=messages,
         components={
-            k: [float(p.get(k, 0.0)) for p in parts] for k in sorted({k for p in parts for k in p})
+            k: [float(p.get(k, 0.0)) for p in parts]
+            for k in sorted({*getattr(env, "component_names", ()), *(k for p in parts for k in p)})
         },
     )
 

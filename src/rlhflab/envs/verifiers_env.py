@@ -220,6 +220,9 @@ class VerifiersEnv:
     def __init__(self, load: str, args: dict | None = None) -> None:
         self.vf_env = load_verifiers_env(load, args)
         self.client_class = _client_class()
+        rubrics = getattr(self.vf_env.rubric, "rubrics", [self.vf_env.rubric])
+        # every rubric function's name: logged each step, 0 for episodes a limit cut off
+        self.component_names = [f.__name__ for r in rubrics for f in r.funcs]
         self.loop = asyncio.new_event_loop()
         self.episode: _Episode | None = None
         # shared by the per-episode copies: the rollouts started, and whether the last call was
