@@ -179,6 +179,14 @@ def test_config_needs_data_source_env(tmp_path, model_dir, env_file):
     del raw["data"]
     with pytest.raises(ConfigError, match=r"set data\.source: env"):
         config_from_dict(raw)
+    raw = _raw(tmp_path, model_dir, env_file)
+    raw["data"]["template"] = "Q: {prompt}"
+    with pytest.raises(ConfigError, match=r"data\.template: the environment renders"):
+        config_from_dict(raw)
+    raw = _raw(tmp_path, model_dir, env_file)
+    raw["env"] = None
+    with pytest.raises(ConfigError, match=r"data\.source: 'env' takes the prompts of an `env:`"):
+        config_from_dict(raw)
     raw = _raw(tmp_path, model_dir, env_file, **{"class": "a.py:B"})
     with pytest.raises(
         ConfigError, match=r"exactly one of env\.class, env\.verifiers and env\.openenv"
