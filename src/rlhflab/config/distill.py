@@ -12,6 +12,7 @@ from rlhflab.config.policy_gradient import (
     EnvConfig,
     PGTrainConfig,
     RolloutConfig,
+    check_env_prompts,
     check_sampling_modes,
 )
 from rlhflab.config.sections import EvalConfig, OptimConfig, PromptDataConfig, TrainerConfig
@@ -124,6 +125,7 @@ class DistillConfig(TrainerConfig):
     @model_validator(mode="after")
     def _consistency(self) -> DistillConfig:
         check_sampling_modes(self.rollout, self.env)
+        check_env_prompts(self.env, self.data)
         modes = [
             (self.rollout.mode == "async", "rollout.mode 'async'"),
             (self.rollout.dynamic_sampling.enabled, "rollout.dynamic_sampling"),

@@ -349,13 +349,30 @@ class ToolsConfig(Strict):
     unsafe_local: StrictBool = False
 
 
+class OpenEnvSpec(Strict):
+    """An in-process OpenEnv environment (rlhflab.envs.openenv_env, the `envs` extra): three
+    'file.py:fn' / 'package.module:fn' specs and the reset seeds of the training / held-out rows."""
+
+    make: str  # make(**env.args) -> an openenv Environment (a fresh one per episode)
+    action: str  # action(text) -> the environment's Action
+    render: str  # render(observation) -> str, the next user message
+    n_train: int = Field(256, ge=1)  # training rows: reset seeds 0 .. n_train - 1
+    n_heldout: int = Field(32, ge=0)  # held-out rows: the next n_heldout seeds
+
+
 class EnvConfig(Strict):
     """A multi-turn environment (rlhflab.envs, docs/multiturn.md): the user's class and its
     arguments, and the per-episode limits. With `env` set, a rollout is one episode per sample
     (the model and the environment take turns) and the reward is the environment's."""
 
     # 'path/to/file.py:ClassName' or 'package.module:ClassName'; written `class:` in YAML
-    class_: str = Field(validation_alias=AliasChoices("class", "class_"))
+    class_: str | None = Field(None, validation_alias=AliasChoices("class", "class_"))
+    # Instead of `class`: a verifiers environment (rlhflab.envs.verifiers_env, the `envs` extra):
+    # 'path/to/file.py:fn', 'package.module:fn' or an installed environment module's name; with
+    # data.source 'env' its dataset gives the prompts, its rubric the reward.
+    verifiers: str | None = None
+    # Instead of `class`: an OpenEnv environment run in-process (with data.source 'env').
+    openenv: OpenEnvSpec | None = None
     args: dict[str, Any] = Field(default_factory=dict)  # the constructor's keyword arguments
     max_turns: int = Field(4, ge=1)  # model turns per episode
     max_turn_tokens: int | None = Field(None, ge=1)  # per model turn; None: rollout.max_new_tokens
@@ -367,6 +384,40 @@ class EnvConfig(Strict):
     # its whole history again (hf engine with rollout.decode eager; the vllm engine through its
     # prefix cache). Same tokens and log-probs up to float rounding. false: re-prefill each turn.
     kv_reuse: bool = True
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EnvConfig:
+        if sum(x is not None for x in (self.class_, self.verifiers, self.openenv)) != 1:
+            raise ValueError("env: set exactly one of env.class, env.verifiers and env.openenv")
+        return self
+
+    def target(self) -> tuple[str, dict]:
+        """(the class spec `rlhflab.envs.load_env` builds, its keyword arguments): `class` and
+        `args`, or for `verifiers` / `openenv` the adapter class with the spec and `args`."""
+        if self.openenv is not None:
+            adapter = "rlhflab.envs.openenv_env:OpenEnvEnv"
+            return adapter, {**self.openenv.model_dump(), "args": dict(self.args)}
+        if self.verifiers is not None:
+            adapter = "rlhflab.envs.verifiers_env:VerifiersEnv"
+            return adapter, {"load": self.verifiers, "args": dict(self.args)}
+        return self.class_, dict(self.args)
+
+
+def check_env_prompts(env: EnvConfig | None, data) -> None:
+    """`data.source: env` and the third-party environments go together: their rows come from the
+    environment (`rlhflab.experience.prompts.env_prompt_splits`).
+
+    Raises:
+        ValueError: data.source 'env' without an `env` section, or env.verifiers / env.openenv
+            with another data.source (one line naming `data.source`)."""
+    if data.source == "env" and env is None:
+        raise ValueError("data.source: 'env' takes the prompts of an `env:` section; add one")
+    if env is not None and env.class_ is None and data.source != "env":
+        kind = "verifiers" if env.verifiers is not None else "openenv"
+        raise ValueError(
+            f"data.source: env.{kind} takes its prompts from the environment's rows; "
+            "set data.source: env"
+        )
 
 
 def check_sampling_modes(rollout: RolloutConfig, env: EnvConfig | None) -> None:
@@ -557,6 +608,7 @@ class PGConfig(TrainerConfig):
             )
         if self.env is not None:
             self._check_env()
+        check_env_prompts(self.env, self.data)
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise ValueError(

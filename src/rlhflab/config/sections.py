@@ -514,6 +514,9 @@ class PromptDataConfig(Strict):
     """Where on-policy prompts come from (see rlhflab.data.prompts).
 
     source "task": the `task` section's reasoning_gym task (its verifier is `correctness`).
+    source "env": the rows of the `env` section's environment (`prompt_rows()`: a verifiers
+    environment's dataset and eval dataset, an OpenEnv environment's reset seeds;
+    docs/environments.md). `max_rows` and `n_heldout` apply; `template` does not.
     source "dataset": `path`, a Hub id (`datasets.load_dataset(path, name, split=split)`) or a local
     .json/.jsonl/.parquet file in TRL's prompt-only formats; `prompt_column` names the prompt
     (GSM8K `question`, MATH `problem`); `prompt_format: hh_transcript` reads an HH-RLHF transcript
@@ -522,7 +525,7 @@ class PromptDataConfig(Strict):
     held-out prompts equal to training prompts are dropped and counted.
     """
 
-    source: Literal["task", "dataset"] = "task"
+    source: Literal["task", "dataset", "env"] = "task"
     path: str | None = None
     name: str | None = None  # the Hub dataset's config name (GSM8K: main)
     split: str = "train"
@@ -548,6 +551,15 @@ class PromptDataConfig(Strict):
             raise ValueError(
                 "data.path is set but data.source is 'task' (prompts from the task); "
                 "set data.source=dataset to train on the file's prompts"
+            )
+        if self.source == "env" and (self.path or self.heldout_path or self.heldout_split):
+            raise ValueError(
+                "data.path: data.source 'env' takes its rows from the environment's dataset; "
+                "remove data.path / heldout_path / heldout_split"
+            )
+        if self.source == "env" and self.template is not None:
+            raise ValueError(
+                "data.template: the environment renders its own messages with data.source 'env'"
             )
         if self.template is not None and "{prompt}" not in self.template:
             raise ValueError("data.template must contain '{prompt}'")

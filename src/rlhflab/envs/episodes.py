@@ -72,6 +72,10 @@ class EpisodeBatch:
     success: list[float]
     texts: list[str]
     messages: list[list[dict]] = field(default_factory=list)
+    # reward components by name, one value per episode (the last step's `info["components"]`,
+    # e.g. a verifiers rubric's functions; 0.0 where an episode has none); the names an env
+    # declares in `component_names` are always present
+    components: dict[str, list[float]] = field(default_factory=dict)
 
     def totals(self) -> dict[str, float]:
         """Sums over the batch's episodes: "episodes" (their number), "success", "turns",
@@ -162,6 +166,7 @@ def run_episodes(
     rewards = [0.0] * n
     turns, calls = [0] * n, [0] * n
     success: list[float | None] = [None] * n
+    parts: list[dict] = [{} for _ in range(n)]  # info["components"] of each episode's last step
     truncated = [False] * n
     texts: list[list[str]] = [[] for _ in range(n)]
     active = list(range(n))
@@ -212,6 +217,8 @@ def run_episodes(
                 calls[i] += 1 if res.info.get("tool_call") else 0
                 if "success" in res.info:
                     success[i] = float(res.info["success"])
+                if isinstance(res.info.get("components"), dict):
+                    parts[i] = res.info["components"]
                 if res.done:
                     continue
                 obs = observation_ids(tokenizer, res.observation) if res.observation else []
@@ -240,6 +247,10 @@ def run_episodes(
         ],
         texts=[" | ".join(t) for t in texts],
         messages=messages,
+        components={
+            k: [float(p.get(k, 0.0)) for p in parts]
+            for k in sorted({*getattr(env, "component_names", ()), *(k for p in parts for k in p)})
+        },
     )
 
 

@@ -135,6 +135,11 @@ def run_eval_command(
     }  # fmt: skip
     sampling = bool(k) or n_samples > 0
     env = run.env if run is not None else None
+    if env is not None and env.class_ is None:  # rows from the environment (data.source: env)
+        raise ConfigError(
+            f"eval: {model_path} was trained on a verifiers / OpenEnv environment's rows; "
+            "`rlhflab eval` of such runs is not supported yet (the run's own eval/* metrics are)"
+        )
     if env is not None and sampling:
         raise ConfigError(
             f"eval --k: {model_path} was trained with an environment ({env.class_}); its "

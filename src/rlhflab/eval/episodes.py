@@ -74,8 +74,9 @@ def load_and_run_episodes(
     from rlhflab.models.loading import context_length, load_model, load_tokenizer
     from rlhflab.rollout.engines import make_engine
 
+    spec, args = env.target()
     environment = load_env(
-        env.class_, env.args, tool_timeout_s=env.tool_timeout_s, unsafe_local=env.tools.unsafe_local
+        spec, args, tool_timeout_s=env.tool_timeout_s, unsafe_local=env.tools.unsafe_local
     )
     tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,4 +89,5 @@ def load_and_run_episodes(
         per = evaluate_episodes(
             sampler, tokenizer, environment, rows, limits, batch_size=batch_size
         )
-    return summarize_episodes(per, env.class_)
+    name = env.class_ or env.verifiers or env.openenv.make
+    return summarize_episodes(per, name)

@@ -52,7 +52,11 @@ class PromptSet:
         """Load the rows of `cfg.data` (task problems or a dataset) with the held-out split.
         Raises ConfigError / DataError naming the key, file or row (`load_prompt_source`)."""
         t = cfg.task
-        self.splits = load_prompt_source(cfg.data, t, seed=seed)
+        self.env = None  # data.source "env": the environment built for its rows (the sampler's)
+        if cfg.data.source == "env":
+            self.env, self.splits = env_prompt_splits(cfg.env, cfg.data)
+        else:
+            self.splits = load_prompt_source(cfg.data, t, seed=seed)
         self.is_task = cfg.data.source == "task"
         self.system = t.system if self.is_task else cfg.data.system
         self.instruction = task_instruction(t) if self.is_task else None
@@ -89,6 +93,36 @@ class PromptSet:
         """The row-aligned rows of the training indices `chosen`, each repeated `group_size`
         times (group-contiguous)."""
         return [self.splits.train[i] for i in chosen for _ in range(group_size)]
+
+
+def env_prompt_splits(env_cfg, data) -> tuple:
+    """`data.source: env`: build the environment of `env_cfg` (an `EnvConfig`) and take its
+    `prompt_rows()` (train rows, held-out rows), `data.max_rows` / `n_heldout` applied, held-out
+    rows equal to a training prompt dropped. Returns (the environment, `PromptSplits`).
+
+    Raises:
+        ConfigError: the environment cannot be built (`rlhflab.envs.load_env`), has no
+            `prompt_rows()`, or gives no training rows."""
+    from rlhflab.data.prompts import PromptSplits, prompt_key
+    from rlhflab.envs import load_env
+    from rlhflab.errors import ConfigError
+
+    spec, args = env_cfg.target()
+    env = load_env(spec, args, tool_timeout_s=env_cfg.tool_timeout_s,
+                   unsafe_local=env_cfg.tools.unsafe_local)  # fmt: skip
+    if not callable(getattr(env, "prompt_rows", None)):
+        raise ConfigError(
+            f"data.source: 'env' needs an environment with prompt_rows(); {spec} has none"
+        )
+    train, heldout = env.prompt_rows()
+    if not train:
+        raise ConfigError(f"data.source: the environment {spec} gave no training rows")
+    train = train[: data.max_rows]
+    seen = {prompt_key(r.prompt) for r in train}
+    kept = [r for r in heldout if prompt_key(r.prompt) not in seen]
+    splits = PromptSplits(train, kept[: data.n_heldout], source=f"env {spec.split(':')[-1]}",
+                          n_heldout_overlap_dropped=len(heldout) - len(kept))  # fmt: skip
+    return env, splits
 
 
 def eval_sets(cfg, splits) -> list[dict]:

@@ -300,11 +300,11 @@ class Sampler:
         from rlhflab.eval.episodes import episode_limits
 
         self.limits = episode_limits(env, rollout_max_new_tokens=max_new_tokens, context=context)
+        if self.prompts.env is not None:  # data.source "env": built once, for its rows
+            return self.prompts.env
+        spec, args = env.target()
         return load_env(
-            env.class_,
-            env.args,
-            tool_timeout_s=env.tool_timeout_s,
-            unsafe_local=env.tools.unsafe_local,
+            spec, args, tool_timeout_s=env.tool_timeout_s, unsafe_local=env.tools.unsafe_local
         )
 
     def _draw_episodes(self, chosen: list[int]) -> ScoredBatch:
@@ -327,8 +327,10 @@ class Sampler:
             dict.fromkeys(("episodes", "success", "turns", "tool_calls", "truncated"), 0.0),
         )
         if out is not None:
-            local = ScoredBatch(out.trajectory.to(device), out.rewards.to(device),
-                                {"success": torch.tensor(out.success, device=device)},
+            components = {"success": torch.tensor(out.success, device=device)}
+            for name, values in out.components.items():  # e.g. a verifiers rubric's functions
+                components[name] = torch.tensor(values, dtype=torch.float32, device=device)
+            local = ScoredBatch(out.trajectory.to(device), out.rewards.to(device), components,
                                 out.texts, problems)  # fmt: skip
             sums = out.totals()
         batch = ScoredBatch.gather(local, self.tokenizer.pad_token_id, device)
