@@ -160,3 +160,39 @@ def test_grpo_trains_on_an_openenv_env(tmp_path, env_file, tiny_model, tiny_toke
     steps = [r for r in rows if "rollout/turns_mean" in r]
     assert len(steps) == 2 and all(r["rollout/turns_mean"] > 1 for r in steps)
     assert any(r.get("eval/n") == 4 for r in rows)  # held-out seeds, greedy episodes
+
+
+def test_killed_mid_run_resumes_bitwise(tmp_path, env_file, tiny_model, tiny_tokenizer):
+    """A GRPO run on the OpenEnv environment SIGKILLed after step 3 and resumed equals an
+    uninterrupted run bit for bit (metrics, samples, weights): every episode builds a fresh
+    environment from its seed, so nothing of an environment's state needs a checkpoint."""
+    from factories import tiny_pg
+    from test_checkpoint_resume import assert_same_run, run_cli, run_dir_of
+
+    from rlhflab.config import config_from_dict
+    from rlhflab.models.build import save_pretrained
+    from rlhflab.trainers import run_config
+
+    save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
+    spec = {"make": f"{env_file}:make", "action": f"{env_file}:action",
+            "render": f"{env_file}:render", "n_train": 16, "n_heldout": 4}  # fmt: skip
+
+    def raw(root):
+        return tiny_pg(
+            root / "runs", tmp_path / "model",
+            env={"openenv": spec, "max_turns": 3, "max_turn_tokens": 6},
+            data={"source": "env"},
+            rollout={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6,
+                     "stop_token_ids": list(range(7, 300, 3))},
+            train={"steps": 4, "micro_batch_size": 8},
+            precision={"threads": 1},
+            tracking={"console": False, "samples_every": 1},
+            checkpoint={"every": 2, "keep_last": 1},
+        )  # fmt: skip
+
+    ref = run_config(config_from_dict(raw(tmp_path / "ref")))["run_dir"]
+    (tmp_path / "runs").mkdir()
+    killed = raw(tmp_path)
+    assert run_cli(tmp_path, killed, fault="step_end@3=sigkill", check=False).returncode == -9
+    run_cli(tmp_path, killed, "--resume")
+    assert_same_run(ref, run_dir_of(tmp_path / "runs", "grpo"))
