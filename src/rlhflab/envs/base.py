@@ -108,6 +108,41 @@ def as_step_result(value: Any, where: str) -> StepResult:
     return StepResult(obs, float(reward), bool(done), info)
 
 
+def import_module_of(where: str, field: str, *, prefix: str, reuse: bool = False):
+    """The module `where` names: a file 'path/to/file.py' (relative to the working directory),
+    executed as the module `prefix` + a hash of its resolved path and registered in
+    `sys.modules` before it runs (dataclasses and pickling look modules up there), or an
+    importable 'package.module'. `reuse`: a file already executed under that name is returned
+    as it is (its classes keep one identity across several loads). Used by `env.class`,
+    `env.verifiers` and `env.openenv`.
+
+    Raises:
+        ConfigError: "<field>: file '...' not found", or "<field>: importing '...' failed:
+            <exception>" (one line).
+    """
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ConfigError(f"{field}: file '{where}' not found")
+            mod_name = f"{prefix}{abs(hash(str(path.resolve())))}"
+            module = sys.modules.get(mod_name) if reuse else None
+            if module is None:
+                mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+                module = importlib.util.module_from_spec(mod_spec)
+                sys.modules[mod_name] = module
+                mod_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        msg = " ".join(str(exc).split())
+        raise ConfigError(
+            f"{field}: importing '{where}' failed: {type(exc).__name__}: {msg}"
+        ) from None
+
+
 def load_env(
     spec: str,
     args: dict | None = None,
@@ -132,25 +167,7 @@ def load_env(
             f"env.class: {spec!r} must be 'path/to/file.py:ClassName' or 'package.module:ClassName'"
         )
     where, name = spec.split(":")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ConfigError(f"env.class: file '{where}' not found")
-            mod_name = f"rlhflab_user_env_{abs(hash(str(path.resolve())))}"
-            mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        msg = " ".join(str(exc).split())
-        raise ConfigError(
-            f"env.class: importing '{where}' failed: {type(exc).__name__}: {msg}"
-        ) from None
+    module = import_module_of(where, "env.class", prefix="rlhflab_user_env_")
     cls = getattr(module, name, None)
     if cls is None or not inspect.isclass(cls):
         raise ConfigError(f"env.class: '{where}' has no class '{name}'")

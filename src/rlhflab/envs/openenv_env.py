@@ -27,12 +27,8 @@ that wants its episode's token ids (it sees text only).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
 from rlhflab.data.prompts import PromptRow
+from rlhflab.envs.base import import_module_of
 from rlhflab.errors import ConfigError
 
 __all__ = ["OpenEnvEnv"]
@@ -44,27 +40,7 @@ def _load_callable(spec: str, field: str):
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ConfigError(f"{field}: {spec!r} must be 'file.py:fn' or 'package.module:fn'")
     where, name = spec.split(":")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ConfigError(f"{field}: file '{where}' not found")
-            mod_name = f"rlhflab_user_openenv_{abs(hash(str(path.resolve())))}"
-            module = sys.modules.get(mod_name)
-            if module is None:
-                mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-                module = importlib.util.module_from_spec(mod_spec)
-                sys.modules[mod_name] = module
-                mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        msg = " ".join(str(exc).split())
-        raise ConfigError(
-            f"{field}: importing '{where}' failed: {type(exc).__name__}: {msg}"
-        ) from None
+    module = import_module_of(where, field, prefix="rlhflab_user_openenv_", reuse=True)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"{field}: '{where}' has no function '{name}'")

@@ -39,14 +39,11 @@ before verifiers does is not scored by the rubric: its reward is 0.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
-import sys
 import time
 import weakref
-from pathlib import Path
 
 from rlhflab.data.prompts import PromptRow
+from rlhflab.envs.base import import_module_of
 from rlhflab.errors import ConfigError
 
 __all__ = ["VerifiersEnv", "load_verifiers_env"]
@@ -83,25 +80,9 @@ def load_verifiers_env(spec: str, args: dict | None = None):
         )
     where, _, name = spec.partition(":")
     name = name or "load_environment"
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ConfigError(f"env.verifiers: file '{where}' not found")
-            mod_name = f"rlhflab_user_vf_env_{abs(hash(str(path.resolve())))}"
-            mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[mod_name] = module
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where.replace("-", "_"))
-    except ConfigError:
-        raise
-    except Exception as exc:
-        msg = " ".join(str(exc).split())
-        raise ConfigError(
-            f"env.verifiers: importing '{where}' failed: {type(exc).__name__}: {msg}"
-        ) from None
+    if not where.endswith(".py"):
+        where = where.replace("-", "_")  # an installed environment's name ('my-env' → my_env)
+    module = import_module_of(where, "env.verifiers", prefix="rlhflab_user_vf_env_")
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"env.verifiers: '{where}' has no function '{name}'")
