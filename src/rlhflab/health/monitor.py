@@ -123,10 +123,10 @@ class HealthMonitor:
         errors; else `hacking_drop`."""
         pv, best_pv = self.proxy_values.get(step), self.proxy_values.get(best_step)
         if pv and best_pv and len(pv) == len(best_pv) and len(pv) >= 2:
-            d = [a - b for a, b in zip(pv, best_pv, strict=True)]
-            mean = math.fsum(d) / len(d)
-            sd = math.sqrt(math.fsum((x - mean) ** 2 for x in d) / (len(d) - 1))
-            return 2 * sd / math.sqrt(len(d))
+            from rlhflab.stats import paired_difference
+
+            d = paired_difference(pv, best_pv)
+            return 2 * d["sd"] / math.sqrt(d["n"])
         pse, best_pse = self.proxy_se.get(step), self.proxy_se.get(best_step)
         if pse is not None and best_pse is not None:
             return 2 * math.hypot(pse, best_pse)
