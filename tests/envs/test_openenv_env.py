@@ -134,26 +134,32 @@ def test_bad_specs_are_one_line_errors(env_file):
         _env(env_file, args={"bogus": 1})
 
 
-def test_grpo_trains_on_an_openenv_env(tmp_path, env_file, tiny_model, tiny_tokenizer):
+def _raw(root, model_dir, env_file, **sections):
+    """GRPO on the number-guessing environment: 2 prompts x 4 episodes of up to 3 turns."""
     from factories import tiny_pg
 
+    spec = {"make": f"{env_file}:make", "action": f"{env_file}:action",
+            "render": f"{env_file}:render", "n_train": 16, "n_heldout": 4}  # fmt: skip
+    raw = tiny_pg(
+        root / "runs", model_dir,
+        env={"openenv": spec, "max_turns": 3, "max_turn_tokens": 6},
+        data={"source": "env"},
+        rollout={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6,
+                 "stop_token_ids": list(range(7, 300, 3))},
+        tracking={"console": False},
+    )  # fmt: skip
+    raw.update(sections)
+    return raw
+
+
+def test_grpo_trains_on_an_openenv_env(tmp_path, env_file, tiny_model, tiny_tokenizer):
     from rlhflab.config import config_from_dict
     from rlhflab.models.build import save_pretrained
     from rlhflab.trainers import policy_gradient
 
     save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
-    spec = {"make": f"{env_file}:make", "action": f"{env_file}:action",
-            "render": f"{env_file}:render", "n_train": 16, "n_heldout": 4}  # fmt: skip
-    raw = tiny_pg(
-        tmp_path / "runs", tmp_path / "model",
-        env={"openenv": spec, "max_turns": 3, "max_turn_tokens": 6},
-        data={"source": "env"},
-        rollout={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6,
-                 "stop_token_ids": list(range(7, 300, 3))},
-        train={"steps": 2, "micro_batch_size": 8},
-        eval={"n": 4, "every": 0},
-        tracking={"console": False},
-    )  # fmt: skip
+    raw = _raw(tmp_path, tmp_path / "model", env_file,
+               train={"steps": 2, "micro_batch_size": 8}, eval={"n": 4, "every": 0})  # fmt: skip
     res = policy_gradient.train(config_from_dict(raw))
     with open(f"{res['run_dir']}/metrics.jsonl") as f:
         rows = [json.loads(x) for x in f]
@@ -166,7 +172,6 @@ def test_killed_mid_run_resumes_bitwise(tmp_path, env_file, tiny_model, tiny_tok
     """A GRPO run on the OpenEnv environment SIGKILLed after step 3 and resumed equals an
     uninterrupted run bit for bit (metrics, samples, weights): every episode builds a fresh
     environment from its seed, so nothing of an environment's state needs a checkpoint."""
-    from factories import tiny_pg
     from test_checkpoint_resume import assert_same_run, run_cli, run_dir_of
 
     from rlhflab.config import config_from_dict
@@ -174,21 +179,12 @@ def test_killed_mid_run_resumes_bitwise(tmp_path, env_file, tiny_model, tiny_tok
     from rlhflab.trainers import run_config
 
     save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
-    spec = {"make": f"{env_file}:make", "action": f"{env_file}:action",
-            "render": f"{env_file}:render", "n_train": 16, "n_heldout": 4}  # fmt: skip
 
     def raw(root):
-        return tiny_pg(
-            root / "runs", tmp_path / "model",
-            env={"openenv": spec, "max_turns": 3, "max_turn_tokens": 6},
-            data={"source": "env"},
-            rollout={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6,
-                     "stop_token_ids": list(range(7, 300, 3))},
-            train={"steps": 4, "micro_batch_size": 8},
-            precision={"threads": 1},
-            tracking={"console": False, "samples_every": 1},
-            checkpoint={"every": 2, "keep_last": 1},
-        )  # fmt: skip
+        return _raw(root, tmp_path / "model", env_file,
+                    train={"steps": 4, "micro_batch_size": 8}, precision={"threads": 1},
+                    tracking={"console": False, "samples_every": 1},
+                    checkpoint={"every": 2, "keep_last": 1})  # fmt: skip
 
     ref = run_config(config_from_dict(raw(tmp_path / "ref")))["run_dir"]
     (tmp_path / "runs").mkdir()
