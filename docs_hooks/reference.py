@@ -182,16 +182,12 @@ def api_pages() -> dict[str, str]:
     return pages
 
 
-def _parser() -> argparse.ArgumentParser:
-    from rlhflab.cli import build_parser
-
-    return build_parser()
-
-
 def cli_reference() -> str:
     """One section per `rlhflab` command: its description, usage and every option, from the
     CLI's own argument parser."""
-    parser = _parser()
+    from rlhflab.cli import build_parser
+
+    parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     lines = ["# Command-line reference", "",
              "Generated from `rlhflab`'s argument parser at every documentation build. "

@@ -130,12 +130,6 @@ def rft_config(cfg, start: str, budget_s: float | None, root: Path, steps: int) 
     return raw
 
 
-def _train(cfg) -> dict:
-    from rlhflab.trainers import run_config
-
-    return run_config(cfg)
-
-
 def _greedy(path: str, held: dict, max_new_tokens: int) -> dict:
     from rlhflab.eval.common import load_and_evaluate
 
@@ -213,6 +207,7 @@ def run_controls(run_dir: str | Path, *, arms=ARMS, budget: str = "wall",
     skipped: dict[str, str] = {}
     # Every control's config is built and validated before anything trains.
     from rlhflab.config import config_from_dict
+    from rlhflab.trainers import run_config
 
     configs = {}
     for name, make in (("sft", sft_config), ("rft", rft_config)):
@@ -238,7 +233,7 @@ def run_controls(run_dir: str | Path, *, arms=ARMS, budget: str = "wall",
     results["rl"].update(steps=final.get("steps"), train_s=timing["seconds"])
     for name, ctl_cfg in configs.items():
         print_fn(f"controls: {name} ...")
-        res = _train(ctl_cfg)
+        res = run_config(ctl_cfg)
         ev = _greedy(res["model_dir"], held, max_new)
         per[name] = ev["per_problem"]["accuracy"]
         results[name] = {"accuracy": ev["accuracy"], "stderr": ev["accuracy_stderr"],
