@@ -5,14 +5,16 @@ wall-clock the RL run spent training, run the controls and compare every one wit
 final model on the same held-out problems:
 
     sft   SFT on the task's gold answers (its training split), `train.max_seconds` = the budget
-    rft   online rejection-sampling fine-tuning (RAFT, Dong et al. 2023; the online form of RFT,
-          Yuan et al. 2023, and STaR, Zelikman et al. 2022): the RL run's own config — sampler,
-          prompts, group size, optimizer — with the advantage replaced by the raw binary reward
-          (`loss.advantage=none`) and no KL. With rewards in {0, 1} the loss is
-          −log π_θ(o) on the samples whose reward is 1 and nothing on the others, i.e. NLL on the
-          accepted samples. Departure from the papers' SFT on accepted samples: the token means are
-          averaged over all B sampled sequences (the run's aggregation), not over the accepted
-          ones, so a step's loss is the SFT loss × (accepted / sampled).
+    rft   rejection-sampling fine-tuning, online: the RL run's own config — sampler, prompts,
+          group size, optimizer — with the advantage replaced by the raw binary reward
+          (`loss.advantage=none`) and no KL. With rewards in {0, 1} the loss is −log π_θ(o) on
+          the samples whose reward is 1 and nothing on the others: NLL on the accepted samples.
+          RFT (Yuan et al. 2023, arXiv 2308.01825, abstract) "uses supervised models to generate
+          and collect correct reasoning paths as augmented fine-tuning datasets". Departures:
+          online (one update per sampled batch, from the current policy) instead of one
+          collected dataset; no de-duplication of paths; the token means are averaged over all B
+          sampled sequences (the run's aggregation), not over the accepted ones, so a step's
+          loss is the SFT loss × (accepted / sampled).
     bon   best-of-N at the start policy, N = the run's `rollout.group_size` (samples per prompt in
           RL), temperature as the run samples: no training. Selected by the run's reward, which
           for a verifier reads the reference answer, so it is pass@N — an oracle no deployed
@@ -415,6 +417,8 @@ def conclusion(report: dict) -> str:
 
 
 def render(report: dict) -> str:
+    """The README of `run_controls`: the setting and budget, the table paired by problem, the
+    conclusion line, what best-of-N and RFT are, and the arms skipped with why."""
     b = report["budget"]
     skipped = [f"- {LABELS[k]}: skipped — {why}" for k, why in report["skipped"].items()]
     return "\n".join([
