@@ -222,3 +222,52 @@ def write_separators(model, tokenizer, sep: str = "\n", *, target: float = 0.2) 
         opt.step()
     model.zero_grad(set_to_none=True)
     return sep_id
+
+
+def opinionated_judge(tokenizer, path: Path, contexts: list[tuple[str, str]], *,
+                      template: str, max_position_embeddings: int = 256) -> list[int]:  # fmt: skip
+    """Save a tiny Qwen3 judge whose greedy answer to `template` filled with a (prompt,
+    completion) is "Score: d", d a digit 1–9 that depends on the completion: a judge whose
+    scores vary by row, for tests where a constant judge would hide a mis-assigned row.
+
+    Each training context's d is the digit a fresh random model prefers after "Score: " (its
+    own opinion); Adam steps (lr 3e-3, at most 300, seed 0) on the cross-entropy of
+    "Score: d<eos>" after the judge prompt (rendered as `JudgeScorer.generate` renders it)
+    until every training context's greedy answer is its target. Returns the targets d."""
+    import torch
+
+    from rlhflab.data.formatting import encode_completion, encode_prompt, render_prompt
+    from rlhflab.models.build import build_model
+
+    torch.manual_seed(0)
+    model = build_model(tokenizer, size="tiny", max_position_embeddings=max_position_embeddings)
+    prompts = [encode_prompt(tokenizer, render_prompt(tokenizer, template.format(
+        prompt=p, completion=c, low=1, high=9))) for p, c in contexts]  # fmt: skip
+    marker = tokenizer("Score:", add_special_tokens=False)["input_ids"]
+    digits = [tokenizer(f"Score: {d}", add_special_tokens=False)["input_ids"] for d in range(1, 10)]
+    head = len(digits[0]) - 1
+    assert all(len(d) == head + 1 and d[:head] == digits[0][:head] for d in digits), marker
+    digit_ids = torch.tensor([d[-1] for d in digits])
+    with torch.no_grad():  # the fresh model's preferred digit in each context
+        targets = [int(model(torch.tensor([p + digits[0][:head]])).logits[0, -1, digit_ids]
+                       .argmax()) + 1 for p in prompts]  # fmt: skip
+    rows = [
+        (p, encode_completion(tokenizer, f"Score: {d}"))
+        for p, d in zip(prompts, targets, strict=True)
+    ]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        done, loss = True, 0.0
+        for p, c in rows:
+            logits = model(torch.tensor([p + c[:-1]])).logits[0, len(p) - 1 :]
+            done &= bool((logits.argmax(-1) == torch.tensor(c)).all())
+            loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(c))
+        if done:
+            break
+        opt.zero_grad()
+        (loss / len(rows)).backward()
+        opt.step()
+    assert done, "the judge did not learn its training answers in 300 steps"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return targets

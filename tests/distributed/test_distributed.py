@@ -702,6 +702,57 @@ def test_prime_two_ranks_equal_one_process(base_model, strategy, tmp_path):
         torch.testing.assert_close(w2[k], w1[k], atol=1e-9, rtol=1e-9, msg=k)
 
 
+JUDGE_TEMPLATE = "{prompt} = {completion}? Score {low}-{high}"
+
+
+@pytest.fixture(scope="module")
+def judge_dir(base_model, tmp_path_factory) -> str:
+    """A tiny judge with its own opinion (`opinionated_judge`): its greedy "Score: d" varies
+    with the completion, on the task's questions with digit-string completions."""
+    import random
+
+    from factories import opinionated_judge
+
+    from rlhflab.data.tasks import make_splits
+    from rlhflab.models.loading import load_tokenizer
+
+    spec = {k: TASK[k] for k in ("config", "n_train", "n_heldout", "seed")}
+    questions = [p.question for p in make_splits(TASK["name"], **spec).train[:24]]
+    rng = random.Random(0)
+    contexts = [(q, "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 3))))
+                for q in questions]  # fmt: skip
+    path = tmp_path_factory.mktemp("judge") / "model"
+    targets = opinionated_judge(load_tokenizer(base_model), path, contexts,
+                                template=JUDGE_TEMPLATE)  # fmt: skip
+    assert len(set(targets)) >= 2, targets  # an opinion that varies
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_judge_reward_two_ranks_equal_one_process(base_model, judge_dir, strategy, tmp_path):
+    """GRPO rewarded by an LLM judge alone (the verifier logged with weight 0): each rank's
+    judge scores its own rows (its own cache, greedy, float64); gradients, per-step metrics —
+    the judge's mean score and parse-failure rate included — and weights equal one process's.
+    A judge that gave every completion of a group the same score would give zero gradients,
+    which `_assert_same_run` refuses."""
+    raw = _grpo(base_model)
+    raw["reward"]["components"] = [
+        {"name": "judge", "weight": 1.0,
+         "args": {"path": judge_dir, "template": JUDGE_TEMPLATE, "low": 1, "high": 9,
+                  "on_parse_failure": "min", "dtype": "float64", "judge_max_new_tokens": 16}},
+        {"name": "correctness", "weight": 0.0},
+    ]  # fmt: skip
+    raw["eval"] = {**raw["eval"], "frontier": False}  # measured by one process only
+    one = _train(tmp_path, "judge", raw, 1, "none")
+    two = _train(tmp_path, "judge", raw, 2, strategy)
+    _assert_same_run(one, two)
+    rows = [r for r in _metrics(one) if "optim/lr" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/reward/judge/parse_failed_mean"] < 0.5
+        assert 1.0 < r["rollout/reward/judge_mean"] < 9.0 and r["rollout/reward/judge_std"] > 0
+
+
 RM_WORKER = """
 import json, sys
 import torch
