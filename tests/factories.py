@@ -271,3 +271,41 @@ def opinionated_judge(tokenizer, path: Path, contexts: list[tuple[str, str]], *,
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return targets
+
+
+def hand_wired_judge(
+    tokenizer, path: Path, answer: str = "Score: 7", *, size: str = "tiny"
+) -> None:
+    """Save a Qwen3 (`size`, tiny by default) whose greedy continuation of any chat prompt is
+    `answer` then EOS.
+
+    With every attention output and MLP output projection zero, the residual stream at a
+    position is the embedding of its token: the model is a bigram table. Each source token of
+    the chain (the chat prompt's last token, then `answer`'s tokens) gets a distinct basis
+    vector as embedding; the LM head row of its successor is that vector (×10), every other
+    row is zero, so the successor's logit is the only positive one. vLLM needs a head dimension of
+    at least 32: size "small"."""
+    import itertools
+
+    import torch
+
+    from rlhflab.data.formatting import encode_prompt, render_prompt
+    from rlhflab.models.build import build_model
+
+    model = build_model(tokenizer, size=size, max_position_embeddings=2048,
+                        tie_word_embeddings=False)  # fmt: skip
+    chain = [encode_prompt(tokenizer, render_prompt(tokenizer, "anything"))[-1],
+             *tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]  # fmt: skip
+    assert len(set(chain[:-1])) == len(chain) - 1  # distinct sources
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        head.zero_()
+        for j, (src, dst) in enumerate(itertools.pairwise(chain)):
+            emb[src] = 0.0
+            emb[src, j] = 1.0
+            head[dst, j] = 10.0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -4,12 +4,12 @@ GRPO run whose reward is a tiny hand-wired judge model that always answers "Scor
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from factories import hand_wired_judge
 
 from rlhflab.errors import ConfigError, RewardError
 from rlhflab.rewards import judge as jmod
@@ -211,6 +211,8 @@ def test_rubric_is_the_weighted_mean_and_logs_each_criterion(monkeypatch, tiny_m
         ),
         ({"path": "j", "on_parse_failure": "nan"}, 1.0, r"'nan' needs weight 0"),
         ({"path": "j", "temperature": 0.5}, 1.0, r"args\.temperature: not an argument"),
+        ({"path": "j", "engine": "sglang"}, 1.0, r"args\.engine"),
+        ({"path": "j", "engine": "vllm", "dtype": "float64"}, 1.0, r"float64 is not a vLLM dtype"),
     ],
 )
 def test_bad_judge_args_are_one_line_config_errors(args, weight, match):
@@ -231,36 +233,6 @@ def test_nan_policy_with_weight_zero_loads():
     comp = RewardComponentConfig(name="judge", weight=0.0,
                                  args={"path": "j", "on_parse_failure": "nan"})  # fmt: skip
     assert comp.args == {"path": "j", "on_parse_failure": "nan"}
-
-
-def hand_wired_judge(tokenizer, path: Path, answer: str = "Score: 7") -> None:
-    """Save a tiny Qwen3 whose greedy continuation of any chat prompt is `answer` then EOS.
-
-    With every attention output and MLP output projection zero, the residual stream at a
-    position is the embedding of its token: the model is a bigram table. Each source token of
-    the chain (the chat prompt's last token, then `answer`'s tokens) gets a distinct basis
-    vector as embedding; the LM head row of its successor is that vector (×10), every other
-    row is zero, so the successor's logit is the only positive one."""
-    from rlhflab.data.formatting import encode_prompt, render_prompt
-    from rlhflab.models.build import build_model
-
-    model = build_model(tokenizer, size="tiny", max_position_embeddings=2048,
-                        tie_word_embeddings=False)  # fmt: skip
-    chain = [encode_prompt(tokenizer, render_prompt(tokenizer, "anything"))[-1],
-             *tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]  # fmt: skip
-    assert len(set(chain[:-1])) == len(chain) - 1  # distinct sources
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        head.zero_()
-        for j, (src, dst) in enumerate(itertools.pairwise(chain)):
-            emb[src] = 0.0
-            emb[src, j] = 1.0
-            head[dst, j] = 10.0
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
 
 def test_the_hand_wired_judge_answers_score_7_from_a_run_dir(tmp_path, tiny_tokenizer):

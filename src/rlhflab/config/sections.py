@@ -593,11 +593,15 @@ class JudgeArgs(Strict):
     judge_max_new_tokens: int = Field(16, ge=1)  # the judge's answer budget, not the policy's
     batch_size: int = Field(32, ge=1)
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    # "vllm": the judge's own vLLM engine (vLLM installed; the rollout.vllm defaults, this dtype)
+    engine: Literal["hf", "vllm"] = "hf"
 
     @model_validator(mode="after")
     def _consistent(self) -> JudgeArgs:
         from rlhflab.rewards.judge import check_template
 
+        if self.engine == "vllm" and self.dtype == "float64":
+            raise ValueError("dtype: float64 is not a vLLM dtype (engine 'vllm'); use float32")
         if self.low >= self.high:
             raise ValueError(f"low: must be below high, got low={self.low}, high={self.high}")
         if (self.mode == "rubric") != bool(self.criteria):

@@ -1,5 +1,6 @@
 """An LLM judge as a reward source: a local causal LM prompted with a template, decoded greedily
-through the `hf` rollout engine, its output parsed by a stated rule.
+through a rollout engine (`hf`, or `vllm` where vLLM is installed: `engine`), its output parsed
+by a stated rule.
 
     judge = JudgeScorer.from_pretrained("runs/sft-.../model")        # or any causal-LM path
     judge.score(prompts, completions)                                 # pointwise: [7.0, None, ...]
@@ -38,7 +39,7 @@ running totals (`n_parsed`, `n_failed`).
 Caching: the judge's raw output for one request is kept under sha256(judge id, template, the
 template's fields: prompt, completion, criterion ...), so an identical request (same judge, same
 template, same texts) does not run the model again (`n_generated` counts what did run). The
-judge id is its resolved path, dtype and generation budget. The cache is per process, bounded
+judge id is its resolved path, dtype, generation budget and engine. The cache is per process, bounded
 (`cache_size` entries, least recently used dropped).
 
 As a reward component ("judge" in `rlhflab.rewards.shaping.REWARD_COMPONENTS`):
@@ -226,7 +227,7 @@ def prompt_text(row) -> str:
 
 
 class JudgeScorer:
-    """A causal LM judging texts: greedy generation through the `hf` engine, outputs cached.
+    """A causal LM judging texts: greedy generation through a rollout engine, outputs cached.
 
     Args:
         model: a Hugging Face causal LM (put in eval mode, no gradients).
@@ -236,17 +237,32 @@ class JudgeScorer:
         max_new_tokens: generation budget of the judge's answer (tokens).
         batch_size: judge prompts per `generate` call.
         cache_size: most cached outputs kept (least recently used dropped).
+        engine: "hf" (rlhflab's KV-cache sampler) or "vllm" (an offline vLLM `LLM` of its own,
+            `rlhflab.rollout.engines.vllm.VLLMEngine.from_model`, in `dtype`, the other
+            `rlhflab.config.VLLMConfig` settings at their defaults; needs vLLM installed).
     Counters: `n_generated` (judge prompts the model ran on), `n_cached` (answered from the
     cache), `n_parsed`, `n_failed` (parse results of `score`/`score_rubric`/`choose`).
     """
 
     def __init__(self, model, tokenizer, *, judge_id: str, max_new_tokens: int = 16,
-                 batch_size: int = 32, cache_size: int = 100_000) -> None:  # fmt: skip
-        from rlhflab.rollout.engines import make_engine
+                 batch_size: int = 32, cache_size: int = 100_000, engine: str = "hf",
+                 dtype: str = "float32") -> None:  # fmt: skip
+        from rlhflab.rollout.engines import make_engine, stop_ids_for
 
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.engine = make_engine(None, self.model, tokenizer)
+        if engine == "hf":
+            self.engine = make_engine(None, self.model, tokenizer)
+        elif engine == "vllm":
+            from rlhflab.config import VLLMConfig
+            from rlhflab.rollout.engines.vllm import VLLMEngine
+
+            if dtype == "float64":
+                raise ConfigError("judge engine 'vllm': dtype float64 is not a vLLM dtype")
+            self.engine = VLLMEngine.from_model(self.model, tokenizer, VLLMConfig(dtype=dtype),
+                                                stop_token_ids=stop_ids_for(self.model, tokenizer))  # fmt: skip
+        else:
+            raise ConfigError(f"judge engine: 'hf' or 'vllm', got {engine!r}")
         self.judge_id, self.max_new_tokens = judge_id, max_new_tokens
         self.batch_size, self.cache_size = batch_size, cache_size
         self.cache: OrderedDict[str, str] = OrderedDict()
@@ -265,8 +281,9 @@ class JudgeScorer:
         path = judge_model_path(path)
         model = load_model(path, dtype=dtype, device=device)
         tok = load_tokenizer(path)
-        max_new = kwargs.get("max_new_tokens", 16)
-        return cls(model, tok, judge_id=f"{os.path.abspath(path)}|{dtype}|{max_new}", **kwargs)
+        max_new, engine = kwargs.get("max_new_tokens", 16), kwargs.get("engine", "hf")
+        judge_id = f"{os.path.abspath(path)}|{dtype}|{max_new}|{engine}"
+        return cls(model, tok, judge_id=judge_id, dtype=dtype, **kwargs)
 
     # -- generation, cached ---------------------------------------------------------------------
 
@@ -383,16 +400,17 @@ def rubric_total(scores: dict[str, Tensor], weights: dict[str, float]) -> Tensor
 _JUDGES: dict[tuple, JudgeScorer] = {}
 
 
-def _judge(path: str, device, dtype: str, max_new_tokens: int, batch_size: int) -> JudgeScorer:
+def _judge(path: str, device, dtype: str, max_new_tokens: int, batch_size: int,
+           engine: str = "hf") -> JudgeScorer:  # fmt: skip
     """The process's judge for these arguments (loaded at the first call, then reused)."""
     from rlhflab.errors import ModelError
 
-    key = (path, str(device), dtype, max_new_tokens, batch_size)
+    key = (path, str(device), dtype, max_new_tokens, batch_size, engine)
     if key not in _JUDGES:
         try:
             _JUDGES[key] = JudgeScorer.from_pretrained(path, device=device, dtype=dtype,
                                                        max_new_tokens=max_new_tokens,
-                                                       batch_size=batch_size)  # fmt: skip
+                                                       batch_size=batch_size, engine=engine)  # fmt: skip
         except ModelError as exc:
             raise ModelError(f"judge component's args.path: {exc}") from None
     return _JUDGES[key]
@@ -414,6 +432,7 @@ def judge_component(
     judge_max_new_tokens: int = 16,
     batch_size: int = 32,
     dtype: str = "float32",
+    engine: str = "hf",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Reward component "judge": an LLM judge's score of each completion (module docstring).
 
@@ -428,6 +447,7 @@ def judge_component(
         on_parse_failure: "error", "nan" or "min" (module docstring).
         judge_max_new_tokens, batch_size, dtype: the judge's answer budget (tokens; not the
             policy's `max_new_tokens`), prompts per generate call, parameter dtype.
+        engine: "hf" or "vllm" (the judge's own vLLM engine, where vLLM is installed).
     Returns:
         (values (B,) float32 on the CPU: scores in [low, high] (rubric: the weighted mean of the
         criteria); extras {"parse_failed": (B,) 0/1, "<criterion>": (B,) per criterion (rubric)}
@@ -445,7 +465,9 @@ def judge_component(
     if on_parse_failure not in PARSE_FAILURE_POLICIES:
         raise ConfigError(f"reward.components[judge].args.on_parse_failure: one of "
                           f"{', '.join(PARSE_FAILURE_POLICIES)}, got {on_parse_failure!r}")  # fmt: skip
-    judge = _judge(path, rollout.completion_ids.device, dtype, judge_max_new_tokens, batch_size)
+    judge = _judge(
+        path, rollout.completion_ids.device, dtype, judge_max_new_tokens, batch_size, engine
+    )
     prompts = [prompt_text(r) for r in problems]
     if mode == "pointwise":
         parsed = {"score": judge.score(prompts, texts, low=low, high=high, template=template,
