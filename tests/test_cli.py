@@ -256,6 +256,29 @@ def test_eval_command_on_a_saved_model(tmp_path, tiny_model, tiny_tokenizer, cap
     assert 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["pass@1"] <= out["pass@k"] <= 1.0
 
 
+def test_eval_with_a_judge_reports_its_agreement_with_the_verifier(tmp_path, tiny_tokenizer,
+                                                                   capsys):  # fmt: skip
+    """A policy that answers "5" to everything (right where the sum is 5) and a judge that says
+    "Score: 7" to everything: every judge verdict is "correct" (7 ≥ 5.5), so its accuracy is
+    the verifier's, κ = 0 (p_o = p_e) and the AUC ½ (all ties)."""
+    from factories import hand_wired_judge
+
+    hand_wired_judge(tiny_tokenizer, tmp_path / "policy", "5")
+    hand_wired_judge(tiny_tokenizer, tmp_path / "judge", "Score: 7")
+    cfg = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
+    code = main(["eval", str(tmp_path / "policy"), "--task", "chain_sum", "--task-config", cfg,
+                 "--n", "60", "--exclude-train", "0", "--max-new-tokens", "4",
+                 "--judge", str(tmp_path / "judge"),
+                 "--json"])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    j = out["judge"]
+    assert 0.0 < out["accuracy"] < 1.0  # both verdicts occur
+    assert j["n"] == 60 and j["parse_failed"] == 0 and j["score_mean"] == 7.0
+    assert j["threshold"] == 5.5 and j["verifier_correct"] == out["accuracy"]
+    assert j["accuracy"] == out["accuracy"] and j["kappa"] == 0.0 and j["auc"] == 0.5
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_eval_on_the_vllm_engine_without_vllm_is_one_config_error(tmp_path, tiny_model,
                                                                  tiny_tokenizer, capsys):  # fmt: skip

@@ -198,6 +198,13 @@ def eval_lines(r: dict) -> list[str]:
     ]
     if sampled:
         lines.append(f"sampled ({r.get('n_samples')} per problem): {', '.join(sampled)}")
+    if (j := r.get("judge")) is not None:
+        lines.append(
+            f"judge {j['path']} against the verifier (score >= {j['threshold']:g} read as "
+            f"correct): accuracy {j['accuracy']:.3f}, Cohen's kappa {j['kappa']:.3f}, AUC "
+            f"{j['auc']:.3f}; mean score {j['score_mean']:.2f} (n={j['n']} parsed, "
+            f"{j['parse_failed']} failed; verifier correct {j['verifier_correct']:.3f})"
+        )
     parts = [f"{k[7:]} {_num(v):.3f}" for k, v in r.items()
              if k.startswith("reward/") and not k.endswith("_stderr") and _num(v) is not None]  # fmt: skip
     if parts:

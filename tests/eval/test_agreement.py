@@ -46,3 +46,19 @@ def test_position_bias_rate_by_hand():
                    "second": pytest.approx(1 / 5), "n": 5}  # fmt: skip
     with pytest.raises(ValueError, match="'A', 'B' or None"):
         position_bias_rate(["a"], ["B"])
+
+
+def test_judge_vs_verifier_by_hand():
+    from rlhflab.eval.agreement import judge_vs_verifier
+
+    r = judge_vs_verifier([9, 2, None, 7, 3], [True, False, True, False, False], threshold=5.5)
+    # parsed: (9, T) (2, F) (7, F) (3, F); verdicts T F T F against T F F F
+    assert r["n"] == 4 and r["parse_failed"] == 1 and r["threshold"] == 5.5
+    assert r["accuracy"] == 0.75 and r["score_mean"] == 5.25 and r["verifier_correct"] == 0.25
+    # p_o = 3/4; p_e = (2·1 + 2·3)/16 = 1/2; κ = (3/4 − 1/2)/(1/2)
+    assert math.isclose(r["kappa"], 0.5)
+    assert r["auc"] == 1.0  # the one correct item (9) outscores the three wrong ones
+    tie = judge_vs_verifier([7, 7], [True, False], threshold=8)
+    assert tie["auc"] == 0.5 and tie["accuracy"] == 0.5  # ties count ½; 7 < 8: both "wrong"
+    with pytest.raises(ValueError, match="2 scores vs 1 verdicts"):
+        judge_vs_verifier([1, 2], [True], threshold=1)

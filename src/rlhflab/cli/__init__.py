@@ -285,6 +285,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=256)
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     p.add_argument("--show", type=int, default=0, help="print N completions with their scores")
+    p.add_argument(
+        "--judge",
+        default=None,
+        metavar="PATH",
+        help="score the greedy completions with this LLM judge too (a model or run directory) "
+        "and report its agreement with the verifier: accuracy, Cohen's kappa, AUC",
+    )
+    p.add_argument("--judge-template", default=None, help="the judge's pointwise template")
+    p.add_argument("--judge-low", type=int, default=1, help="lowest judge score (default 1)")
+    p.add_argument("--judge-high", type=int, default=10, help="highest judge score (default 10)")
+    p.add_argument(
+        "--judge-threshold",
+        type=float,
+        default=None,
+        help="lowest judge score read as correct (default (low + high) / 2)",
+    )
     p.add_argument("--gguf-file", default=None, help="a GGUF file inside MODEL (dequantised)")
     p.add_argument(
         "--engine",

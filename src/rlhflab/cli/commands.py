@@ -214,6 +214,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         show=args.show,
         gguf_file=args.gguf_file,
         engine=args.engine,
+        judge=None
+        if args.judge is None
+        else {
+            "path": args.judge,
+            "template": args.judge_template,
+            "low": args.judge_low,
+            "high": args.judge_high,
+            "threshold": args.judge_threshold,
+        },
         print_fn=_completion_lines,
     )
     _emit(args, results, eval_lines(results))

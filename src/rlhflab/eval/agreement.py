@@ -4,6 +4,7 @@ of label lists (standard library only).
     accuracy(pred, labels)                     fraction equal
     cohen_kappa(a, b)                          chance-corrected agreement (Cohen 1960)
     position_bias_rate(choices_ab, choices_ba) fraction of pairs whose choice flips with order
+    judge_vs_verifier(scores, correct, threshold) a pointwise judge against a binary verifier
 
 A None in an input is a failed parse (`rlhflab.rewards.judge.parse_score` / `parse_choice`): the
 pair it belongs to is left out, and each function says how many pairs it used ("n").
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-__all__ = ["accuracy", "cohen_kappa", "position_bias_rate"]
+__all__ = ["accuracy", "cohen_kappa", "judge_vs_verifier", "position_bias_rate"]
 
 
 def _pairs(a: Sequence, b: Sequence, what: str) -> list[tuple]:
@@ -112,3 +113,46 @@ def position_bias_rate(choices_ab: Sequence[str | None], choices_ba: Sequence[st
     first = sum(x == y == "A" for x, y in pairs) / n
     second = sum(x == y == "B" for x, y in pairs) / n
     return {"rate": first + second, "first": first, "second": second, "n": n}
+
+
+def judge_vs_verifier(scores: Sequence[int | None], correct: Sequence[bool], *,
+                      threshold: float) -> dict:  # fmt: skip
+    """A pointwise judge's scores of n completions against a binary verifier's verdicts on them.
+
+    The judge's verdict on item i is "correct" when s_i ≥ threshold; with the verifier's c_i:
+
+        accuracy = (1/n) Σ_i [(s_i ≥ threshold) = c_i]        (`accuracy`)
+        kappa    = Cohen's κ of the two verdicts              (`cohen_kappa`)
+        auc      = P(s_i > s_j) + ½ P(s_i = s_j), i correct, j wrong   (threshold-free)
+
+    over the n items whose score parsed (a None is a parse failure, counted in "parse_failed").
+
+    Args:
+        scores: the judge's pointwise scores (n; None: failed parse).
+        correct: the verifier's verdicts on the same completions (n bools).
+        threshold: the lowest score read as "correct".
+    Returns:
+        {"n", "parse_failed", "score_mean" (NaN when no score parsed), "accuracy", "kappa",
+        "auc" (NaN when the parsed items hold one class only), "threshold",
+        "verifier_correct" (fraction of the n parsed items the verifier calls correct)}.
+    Raises:
+        ValueError: the lists differ in length.
+    """
+    from rlhflab.eval.rm_metrics import auc
+
+    if len(scores) != len(correct):
+        raise ValueError(f"judge_vs_verifier: {len(scores)} scores vs {len(correct)} verdicts")
+    kept = [(float(s), bool(c)) for s, c in zip(scores, correct, strict=True) if s is not None]
+    nan = float("nan")
+    verdicts = [s >= threshold for s, _ in kept]
+    truth = [c for _, c in kept]
+    return {
+        "n": len(kept),
+        "parse_failed": len(scores) - len(kept),
+        "score_mean": sum(s for s, _ in kept) / len(kept) if kept else nan,
+        "accuracy": accuracy(verdicts, truth)["accuracy"],
+        "kappa": cohen_kappa(verdicts, truth)["kappa"],
+        "auc": auc([s for s, _ in kept], [float(c) for c in truth]) if kept else nan,
+        "threshold": threshold,
+        "verifier_correct": sum(truth) / len(kept) if kept else nan,
+    }

@@ -78,6 +78,7 @@ def run_eval_command(
     gguf_file: str | None = None,
     engine: str = "hf",
     n_samples: int = 0,
+    judge: dict | None = None,
     print_fn=print,
 ) -> dict:
     """Held-out results of `model_path` on `task`.
@@ -107,12 +108,17 @@ def run_eval_command(
         engine: the rollout engine that samples ("hf" or "vllm", as `rollout.engine`).
         show: print this many held-out problems with the greedy completion, the extracted
             answer, the gold answer and the score.
+        judge: score the greedy completions with an LLM judge too and measure its agreement
+            with the verifier (`rlhflab.eval.agreement.judge_vs_verifier`): {"path", and
+            optionally "template", "low" (1), "high" (10), "threshold" ((low + high)/2),
+            "max_new_tokens" (16)}; the verifier's verdict is "correct" at score 1.0.
     Returns:
         accuracy, accuracy_stderr, n (and pass@k), the majority-answer baseline (the most common
         training answer given to every held-out problem: majority_answer, majority_accuracy,
         majority_accuracy_stderr), heldout_overlap_dropped, verifier_errors, "settings" (every
         setting used) and "training_config" (the run's config.yaml, or None); for episodes
-        also turns, tool_calls, truncated and env.
+        also turns, tool_calls, truncated and env; with `judge`, "judge" (judge_vs_verifier's
+        result and the judge's path).
     Raises:
         ConfigError: no task given and none found; pass@k or --show asked of episodes.
     """
@@ -147,6 +153,8 @@ def run_eval_command(
         )
     if env is not None and show:
         raise ConfigError(f"eval --show: not available for episodes ({env.class_})")
+    if env is not None and judge:
+        raise ConfigError(f"eval --judge: not available for episodes ({env.class_})")
     s, lines = resolve_settings(given, run, sampling=sampling)
     for line in lines:
         print_fn(line)
@@ -192,9 +200,11 @@ def run_eval_command(
             instruction=answer_instruction(
                 s["instruction"], s["answer_format"], extractor=s["extractor"]
             ),
-            return_completions=show > 0,
+            return_completions=show > 0 or bool(judge),
         )
     completions = res.pop("completions", [])
+    if judge:
+        res["judge"] = _judge_agreement(judge, rows, completions, verifier)
     for p, text in list(zip(rows, completions, strict=False))[:show]:
         answer = verifier.extract(text)
         score = verifier.score(text, p)
@@ -299,3 +309,26 @@ def run_prompt_eval_command(
         "metric": "accuracy" if "accuracy" in res else "reward",
         **res,
     }
+
+
+def _judge_agreement(judge: dict, rows: list, completions: list[str], verifier) -> dict:
+    """`judge_vs_verifier` of the judge `judge["path"]` on the greedy `completions` of `rows`."""
+    from rlhflab.errors import ConfigError
+    from rlhflab.eval.agreement import judge_vs_verifier
+    from rlhflab.rewards.judge import JudgeScorer, check_template, prompt_text
+
+    low, high = judge.get("low", 1), judge.get("high", 10)
+    if low >= high:
+        raise ConfigError(f"eval --judge-low {low} --judge-high {high}: low must be below high")
+    template = judge.get("template")
+    if template is not None:
+        check_template(template, "pointwise", field="eval --judge-template")
+    scorer = JudgeScorer.from_pretrained(
+        judge["path"], max_new_tokens=judge.get("max_new_tokens", 16)
+    )
+    scores = scorer.score([prompt_text(r) for r in rows], completions, low=low, high=high,
+                          template=template)  # fmt: skip
+    correct = [verifier.score(t, r) == 1.0 for t, r in zip(completions, rows, strict=True)]
+    threshold = judge.get("threshold")
+    threshold = (low + high) / 2 if threshold is None else threshold
+    return {"path": judge["path"], **judge_vs_verifier(scores, correct, threshold=threshold)}
