@@ -364,3 +364,10 @@ def test_a_judge_is_the_frontiers_gold(tmp_path, tiny_tokenizer, tiny_model):
     assert [r["step"] for r in points] == [0, 2]
     assert all(r["frontier/gold"] == 7.0 for r in points)  # the judge, not the verifier
     assert all(0.0 <= r["frontier/proxy"] <= 1.0 for r in points)  # correctness
+
+
+def test_a_vllm_judge_without_vllm_settings_is_one_config_error(tiny_model, tiny_tokenizer):
+    with pytest.raises(ConfigError, match="judge engine 'vllm': no vLLM settings here"):
+        JudgeScorer(tiny_model, tiny_tokenizer, judge_id="j", engine="vllm")
+    with pytest.raises(ConfigError, match="judge engine: 'hf' or 'vllm', got 'sglang'"):
+        JudgeScorer(tiny_model, tiny_tokenizer, judge_id="j", engine="sglang")

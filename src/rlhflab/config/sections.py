@@ -593,7 +593,7 @@ class JudgeArgs(Strict):
     judge_max_new_tokens: int = Field(16, ge=1)  # the judge's answer budget, not the policy's
     batch_size: int = Field(32, ge=1)
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
-    # "vllm": the judge's own vLLM engine (vLLM installed; the rollout.vllm defaults, this dtype)
+    # "vllm": the judge's own vLLM engine (vLLM installed; the run's rollout.vllm, this dtype)
     engine: Literal["hf", "vllm"] = "hf"
 
     @model_validator(mode="after")

@@ -50,11 +50,13 @@ class RewardComponents:
         verifier: the task's `Verifier` (the `correctness` component scores with it).
         max_new_tokens: the rollout's budget (length and overlong components read it).
         parallel: the run's `parallel` section (sharded reward models load by it).
+        vllm: the run's `rollout.vllm` section (a judge's own vLLM engine starts with it).
     """
 
-    def __init__(self, components, verifier, *, max_new_tokens: int, parallel=None) -> None:
+    def __init__(self, components, verifier, *, max_new_tokens: int, parallel=None,
+                 vllm=None) -> None:  # fmt: skip
         self.components, self.verifier = components, verifier
-        self.max_new_tokens, self.parallel = max_new_tokens, parallel
+        self.max_new_tokens, self.parallel, self.vllm = max_new_tokens, parallel, vllm
 
     def score(self, texts, rollout, problems, *, where, raw_scores=False, dense=None):
         return score_components(
@@ -69,6 +71,7 @@ class RewardComponents:
                 "max_new_tokens": self.max_new_tokens,
                 "rollout": rollout,
                 "parallel": self.parallel,
+                "vllm": self.vllm,
             },
             where=where,
             dense=dense,

@@ -238,15 +238,16 @@ class JudgeScorer:
         batch_size: judge prompts per `generate` call.
         cache_size: most cached outputs kept (least recently used dropped).
         engine: "hf" (rlhflab's KV-cache sampler) or "vllm" (an offline vLLM `LLM` of its own,
-            `rlhflab.rollout.engines.vllm.VLLMEngine.from_model`, in `dtype`, the other
-            `rlhflab.config.VLLMConfig` settings at their defaults; needs vLLM installed).
+            `rlhflab.rollout.engines.vllm.VLLMEngine.from_model`; needs vLLM installed).
+        vllm: the vLLM settings (`rlhflab.config.VLLMConfig`, a run's `rollout.vllm`) for
+            engine "vllm", used in `dtype`.
     Counters: `n_generated` (judge prompts the model ran on), `n_cached` (answered from the
     cache), `n_parsed`, `n_failed` (parse results of `score`/`score_rubric`/`choose`).
     """
 
     def __init__(self, model, tokenizer, *, judge_id: str, max_new_tokens: int = 16,
                  batch_size: int = 32, cache_size: int = 100_000, engine: str = "hf",
-                 dtype: str = "float32") -> None:  # fmt: skip
+                 dtype: str = "float32", vllm=None) -> None:  # fmt: skip
         from rlhflab.rollout.engines import make_engine, stop_ids_for
 
         self.model = model.eval().requires_grad_(False)
@@ -254,12 +255,15 @@ class JudgeScorer:
         if engine == "hf":
             self.engine = make_engine(None, self.model, tokenizer)
         elif engine == "vllm":
-            from rlhflab.config import VLLMConfig
             from rlhflab.rollout.engines.vllm import VLLMEngine
 
+            if vllm is None:
+                raise ConfigError("judge engine 'vllm': no vLLM settings here (a policy-gradient "
+                                  "run's rollout.vllm); use engine 'hf'")  # fmt: skip
             if dtype == "float64":
                 raise ConfigError("judge engine 'vllm': dtype float64 is not a vLLM dtype")
-            self.engine = VLLMEngine.from_model(self.model, tokenizer, VLLMConfig(dtype=dtype),
+            vcfg = vllm.model_copy(update={"dtype": dtype})
+            self.engine = VLLMEngine.from_model(self.model, tokenizer, vcfg,
                                                 stop_token_ids=stop_ids_for(self.model, tokenizer))  # fmt: skip
         else:
             raise ConfigError(f"judge engine: 'hf' or 'vllm', got {engine!r}")
@@ -401,7 +405,7 @@ _JUDGES: dict[tuple, JudgeScorer] = {}
 
 
 def _judge(path: str, device, dtype: str, max_new_tokens: int, batch_size: int,
-           engine: str = "hf") -> JudgeScorer:  # fmt: skip
+           engine: str = "hf", vllm=None) -> JudgeScorer:  # fmt: skip
     """The process's judge for these arguments (loaded at the first call, then reused)."""
     from rlhflab.errors import ModelError
 
@@ -410,7 +414,8 @@ def _judge(path: str, device, dtype: str, max_new_tokens: int, batch_size: int,
         try:
             _JUDGES[key] = JudgeScorer.from_pretrained(path, device=device, dtype=dtype,
                                                        max_new_tokens=max_new_tokens,
-                                                       batch_size=batch_size, engine=engine)  # fmt: skip
+                                                       batch_size=batch_size, engine=engine,
+                                                       vllm=vllm)  # fmt: skip
         except ModelError as exc:
             raise ModelError(f"judge component's args.path: {exc}") from None
     return _JUDGES[key]
@@ -433,6 +438,7 @@ def judge_component(
     batch_size: int = 32,
     dtype: str = "float32",
     engine: str = "hf",
+    vllm=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Reward component "judge": an LLM judge's score of each completion (module docstring).
 
@@ -448,6 +454,7 @@ def judge_component(
         judge_max_new_tokens, batch_size, dtype: the judge's answer budget (tokens; not the
             policy's `max_new_tokens`), prompts per generate call, parameter dtype.
         engine: "hf" or "vllm" (the judge's own vLLM engine, where vLLM is installed).
+        vllm: the run's `rollout.vllm` settings (supplied by the trainer), for engine "vllm".
     Returns:
         (values (B,) float32 on the CPU: scores in [low, high] (rubric: the weighted mean of the
         criteria); extras {"parse_failed": (B,) 0/1, "<criterion>": (B,) per criterion (rubric)}
@@ -465,9 +472,8 @@ def judge_component(
     if on_parse_failure not in PARSE_FAILURE_POLICIES:
         raise ConfigError(f"reward.components[judge].args.on_parse_failure: one of "
                           f"{', '.join(PARSE_FAILURE_POLICIES)}, got {on_parse_failure!r}")  # fmt: skip
-    judge = _judge(
-        path, rollout.completion_ids.device, dtype, judge_max_new_tokens, batch_size, engine
-    )
+    judge = _judge(path, rollout.completion_ids.device, dtype, judge_max_new_tokens, batch_size,
+                   engine, vllm)  # fmt: skip
     prompts = [prompt_text(r) for r in problems]
     if mode == "pointwise":
         parsed = {"score": judge.score(prompts, texts, low=low, high=high, template=template,

@@ -11,6 +11,8 @@ these it accepts (SUPPLIED_ARGS):
     max_new_tokens   int               the generation budget L_max
     rollout          Rollout           the sampled token ids (for reward models)
     parallel         ParallelConfig    the run's `parallel` section (reward models under FSDP2)
+    vllm             VLLMConfig        the run's `rollout.vllm` section (a judge on its own vLLM
+                                       engine), or None
     raw_scores       bool              True when measuring, not training (the gold-vs-proxy
                                        frontier): reward models return unnormalised scores
 
@@ -57,6 +59,7 @@ SUPPLIED_ARGS = {
     "rollout",
     "parallel",
     "raw_scores",
+    "vllm",
 }
 
 

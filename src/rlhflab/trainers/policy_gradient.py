@@ -213,7 +213,8 @@ class PolicyGradient(Trainer):
         # Phases 1-2 (rlhflab.experience): prompts → scored, gathered batches in the configured
         # mode (sync, dynamic sampling, async; episodes with an `env`) through the rollout engine.
         scoring = RewardComponents(cfg.reward.components, verifier,
-                                   max_new_tokens=cfg.rollout.max_new_tokens, parallel=cfg.parallel)  # fmt: skip
+                                   max_new_tokens=cfg.rollout.max_new_tokens, parallel=cfg.parallel,
+                                   vllm=cfg.rollout.vllm)  # fmt: skip
         self.sampler = Sampler(cfg, prompts, model, tokenizer, scoring, device=device,
                                autocast_dtype=env.autocast_dtype, context=context_length(model))  # fmt: skip
 
@@ -318,7 +319,7 @@ class PolicyGradient(Trainer):
             return VerifierOnly(self.verifier)
         return RewardComponents([comp.model_copy(update={"weight": 1.0})], self.verifier,
                                 max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                parallel=self.cfg.parallel)  # fmt: skip
+                                parallel=self.cfg.parallel, vllm=self.cfg.rollout.vllm)  # fmt: skip
 
     def begin(self) -> None:
         load_running_norm_state({})
