@@ -25,6 +25,7 @@ def plot_run(
     out_dir: Path,
     curves: dict[str, list[str]] | None = None,
     stages: tuple[str, ...] = (),
+    gold: str = "gold",
 ) -> list[Path]:
     """One PNG per curve group whose keys appear in `rows`; returns the files written.
 
@@ -35,6 +36,7 @@ def plot_run(
             set of `eval.sets` (`eval_set_curves`: plots/eval_<set>.png).
         stages: the step's stage names (`rlhflab.throughput.STAGES`): plots/stage_split.png
             (`plot_stage_split`); () for none.
+        gold: what the frontier's gold is, for plots/frontier.png (`frontier_gold_label`).
     """
     import matplotlib
 
@@ -70,7 +72,7 @@ def plot_run(
     stage_plot = plot_stage_split(rows, out_dir, stages) if stages else None
     if stage_plot is not None:
         written.append(stage_plot)
-    frontier = plot_frontier(rows, out_dir)
+    frontier = plot_frontier(rows, out_dir, gold=gold)
     if frontier is not None:
         written.append(frontier)
     return written
@@ -158,10 +160,20 @@ def _expand(keys: list[str], rows: list[dict]) -> list[str]:
     return out
 
 
-def plot_frontier(rows: list[dict], out_dir: Path) -> Path | None:
-    """plots/frontier.png: gold and proxy against √KL(π‖π_init) through the run's evaluations
-    (`frontier/*` rows of metrics.jsonl, `rlhflab.eval.frontier`, in step order), each point
-    labelled by its step; None (nothing written) below two points."""
+def frontier_gold_label(cfg) -> str:
+    """The frontier's gold as the plot names it: "gold: <component> (eval.frontier_gold)" when a
+    policy-gradient config sets `eval.frontier_gold` (e.g. an LLM judge), else "gold: verifier"
+    (`rlhflab.eval.frontier`)."""
+    comp = getattr(getattr(cfg, "eval", None), "frontier_gold", None)
+    if comp is None:
+        return "gold: verifier"
+    return f"gold: {comp.label or comp.name} (eval.frontier_gold)"
+
+
+def frontier_figure(rows: list[dict], gold: str = "gold"):
+    """The figure of `plot_frontier` (None below two points): gold (left axis, named `gold`) and
+    proxy (right axis: a judge's 1–10 and a reward model's probability need not share a scale)
+    against √KL, points labelled by step."""
     pts = [r for r in rows if isinstance(r.get("frontier/sqrt_kl"), int | float)]
     if len(pts) < 2:
         return None
@@ -172,17 +184,33 @@ def plot_frontier(rows: list[dict], out_dir: Path) -> Path | None:
 
     x = [r["frontier/sqrt_kl"] for r in pts]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ax.plot(x, [r["frontier/gold"] for r in pts], marker="o", label="gold")
-    ax.plot(x, [r["frontier/proxy"] for r in pts], marker="s", label="proxy (training reward)")
+    right = ax.twinx()
+    g = ax.plot(x, [r["frontier/gold"] for r in pts], marker="o", color="C0", label=gold)
+    p = right.plot(x, [r["frontier/proxy"] for r in pts], marker="s", color="C1",
+                   label="proxy: training reward")  # fmt: skip
     for r, xi in zip(pts, x, strict=True):
         ax.annotate(str(r["step"]), (xi, r["frontier/gold"]), fontsize=7,
                     textcoords="offset points", xytext=(3, 3))  # fmt: skip
     ax.set_xlabel("√KL(π‖π_init) (nats^½ per completion), held-out samples")
-    ax.set_ylabel("mean score")
+    ax.set_ylabel(f"{gold}, mean score", color="C0")
+    right.set_ylabel("proxy: training reward, mean", color="C1")
     ax.set_title("gold vs proxy as the run trains (points: eval steps)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(handles=g + p, fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_frontier(rows: list[dict], out_dir: Path, gold: str = "gold") -> Path | None:
+    """plots/frontier.png: gold and proxy against √KL(π‖π_init) through the run's evaluations
+    (`frontier/*` rows of metrics.jsonl, `rlhflab.eval.frontier`, in step order), each point
+    labelled by its step, gold on the left axis (named `gold`: `frontier_gold_label`) and proxy
+    on the right; None (nothing written) below two points."""
+    fig = frontier_figure(rows, gold)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     path = Path(out_dir) / "frontier.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -371,3 +371,37 @@ def test_a_vllm_judge_without_vllm_settings_is_one_config_error(tiny_model, tiny
         JudgeScorer(tiny_model, tiny_tokenizer, judge_id="j", engine="vllm")
     with pytest.raises(ConfigError, match="judge engine: 'hf' or 'vllm', got 'sglang'"):
         JudgeScorer(tiny_model, tiny_tokenizer, judge_id="j", engine="sglang")
+
+
+@pytest.mark.parametrize(
+    ("text", "cut", "high", "want"),
+    [
+        ("Score: 1", True, 10, True),  # 10 is in [1, 10]: it may have been "Score: 10"
+        ("**Score:** 1", True, 10, True),
+        ("Score: 1", False, 10, False),  # ended with EOS: complete
+        ("Score: 7", True, 10, False),  # 70-79 > 10: no longer score is possible
+        ("Score: 10", True, 10, False),  # 100-109 > 10
+        ("Score: 7", True, 100, True),  # 70-79 are in [1, 100]
+        ("Score: 1\nThe response", True, 10, False),  # the answer went on after its number
+        ("Score: 1 ", True, 10, False),
+        ("The answer is 1", True, 10, False),  # no marker
+    ],
+)
+def test_cut_score_rule(text, cut, high, want):
+    assert jmod.cut_score(text, cut, low=1, high=high) is want
+
+
+def test_a_score_cut_by_the_budget_is_a_parse_failure(tmp_path, tiny_tokenizer):
+    """A judge that answers "Score: 10": with a budget one token short the decoded answer is
+    "Score: 1" with no EOS, which parse_score alone reads as a 1; it is a failure instead. With
+    the whole answer (with or without its EOS) it is a 10."""
+    hand_wired_judge(tiny_tokenizer, tmp_path / "judge", answer="Score: 10")
+    n = len(tiny_tokenizer("Score: 10", add_special_tokens=False)["input_ids"])
+    got = {}
+    for budget in (n - 1, n, n + 1):
+        judge = JudgeScorer.from_pretrained(str(tmp_path / "judge"), max_new_tokens=budget)
+        scores = judge.score(["What is 2 + 3?"], ["5"])
+        got[budget] = (judge.last_outputs["score"][0], judge.last_cut[0], scores[0])
+    assert parse_score(got[n - 1][0], low=1, high=10) == 1  # the misreading the rule prevents
+    assert got == {n - 1: ("Score: 1", True, None), n: ("Score: 10", True, 10),
+                   n + 1: ("Score: 10", False, 10)}  # fmt: skip

@@ -26,6 +26,10 @@ the same value. Anything else is a parse failure (None): no marker, a refusal ("
 cannot rate this"), two conflicting numbers ("Score: 7 or 8", "Score: 7.5", "Score: 3 ...
 Score: 9"), a number outside [low, high]. A failure is never read as 0.
 
+An answer cut by the judge's budget (`max_new_tokens`: no end-of-sequence token) right after the
+score's digits is a parse failure too when one more digit could still be a score in [low, high]
+(`cut_score`): "Score: 10" cut to "Score: 1" by a budget one token short would read as a 1.
+
 How a failure enters the reward (`on_parse_failure`):
     "error"  raise RewardError naming the judge, the count and one offending output (default)
     "nan"    the row's value is NaN, left out of the logged means; allowed only with weight 0
@@ -70,6 +74,7 @@ __all__ = [
     "JUDGE_MODES",
     "PARSE_FAILURE_POLICIES",
     "JudgeScorer",
+    "cut_score",
     "judge_component",
     "parse_choice",
     "parse_score",
@@ -180,6 +185,19 @@ def parse_choice(text: str, *, marker: str = "Choice:") -> str | None:
     return next(iter(values))
 
 
+def cut_score(text: str, cut: bool, *, low: int, high: int, marker: str = "Score:") -> bool:
+    """Whether a judge's answer may have been cut inside its score: `cut` (generation stopped at
+    the budget, no end-of-sequence token), the text ends in the integer right after its last
+    `marker`, and one more digit would still give a score in [low, high] ("Score: 1" cut, low 1,
+    high 10: it may have been "Score: 10"). "Score: 7" cut (70–79 > 10), "Score: 10" cut, and an
+    answer that goes on after its number ("Score: 1\\nThe response ...", "Score: 1 ") are not."""
+    found = list(re.finditer(re.escape(marker), text, flags=re.IGNORECASE))
+    if not cut or not found:
+        return False
+    m = re.fullmatch(r"[ \t*_`#]*([+-]?\d+)", text[found[-1].end() :])
+    return m is not None and any(low <= int(m.group(1) + d) <= high for d in "0123456789")
+
+
 def check_template(template: str, mode: str, *, field: str = "template") -> None:
     """Raise ConfigError (naming `field`) when `template` names a field `mode` does not fill
     (TEMPLATE_FIELDS), lacks one it must show (REQUIRED_FIELDS), or is not a valid str.format
@@ -269,9 +287,11 @@ class JudgeScorer:
             raise ConfigError(f"judge engine: 'hf' or 'vllm', got {engine!r}")
         self.judge_id, self.max_new_tokens = judge_id, max_new_tokens
         self.batch_size, self.cache_size = batch_size, cache_size
-        self.cache: OrderedDict[str, str] = OrderedDict()
+        # key -> (decoded answer, cut: no end-of-sequence token within max_new_tokens)
+        self.cache: OrderedDict[str, tuple[str, bool]] = OrderedDict()
         self.n_generated = self.n_cached = self.n_parsed = self.n_failed = 0
         self.last_outputs: dict[str, list[str]] = {}  # raw outputs of the last score(_rubric)
+        self.last_cut: list[bool] = []  # of the last `generate`'s answers: cut by the budget
 
     @classmethod
     def from_pretrained(cls, path: str, *, device="cpu", dtype: str = "float32", **kwargs):
@@ -298,7 +318,8 @@ class JudgeScorer:
     def generate(self, template: str, requests: list[dict]) -> list[str]:
         """The judge's greedy answer (decoded text) to `template.format(**fields)` for each
         `fields` dict of `requests`; a request seen before (same judge, template and fields) is
-        answered from the cache without running the model.
+        answered from the cache without running the model. `last_cut` says, per answer, whether
+        it was cut by `max_new_tokens` (no end-of-sequence token).
         Raises RewardError when a judge prompt does not fit the model's context."""
         from rlhflab.data.formatting import encode_prompt, render_prompt
         from rlhflab.rollout.engines import SamplingParams, sample_chunks
@@ -327,17 +348,27 @@ class JudgeScorer:
                     f"(answer budget included) exceeds its context of {limit}"
                 )
             params = SamplingParams(n=1, max_new_tokens=self.max_new_tokens, greedy=True)
-            outs = []
-            for _, _, texts in sample_chunks(
+            outs, cut = [], []
+            for _, ro, texts in sample_chunks(
                 self.model, self.engine, tok, ids, params, chunk=self.batch_size
             ):
                 outs += texts
+                cut += [bool(c) for c in ro.truncated.tolist()]
             self.n_generated += len(ids)
-            for k, out in zip(todo, outs, strict=True):
-                self.cache[k] = out
+            for k, out, c in zip(todo, outs, cut, strict=True):
+                self.cache[k] = (out, c)
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
-        return [self.cache[k] for k in keys]
+        answers = [self.cache[k] for k in keys]
+        self.last_cut = [c for _, c in answers]
+        return [out for out, _ in answers]
+
+    def _scores(self, outs: list[str], *, low: int, high: int, marker: str) -> list[int | None]:
+        """`parse_score` of each answer of the last `generate`, None where `cut_score` says the
+        budget cut it inside its number."""
+        return [None if cut_score(o, c, low=low, high=high, marker=marker)
+                else parse_score(o, low=low, high=high, marker=marker)
+                for o, c in zip(outs, self.last_cut, strict=True)]  # fmt: skip
 
     # -- the three modes ------------------------------------------------------------------------
 
@@ -350,7 +381,7 @@ class JudgeScorer:
                 for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
         outs = self.generate(template, reqs)
         self.last_outputs = {"score": outs}
-        return self._count([parse_score(o, low=low, high=high, marker=marker) for o in outs])
+        return self._count(self._scores(outs, low=low, high=high, marker=marker))
 
     def selection_scores(self, prompts: list[str], completions: list[str]) -> list[float]:
         """Pointwise scores (`score` with the defaults) as floats for picking the best of N
@@ -372,9 +403,7 @@ class JudgeScorer:
                     for p, y in zip(prompts, completions, strict=True)]  # fmt: skip
             outs = self.generate(template, reqs)
             self.last_outputs[c["name"]] = outs
-            out[c["name"]] = self._count(
-                [parse_score(o, low=low, high=high, marker=marker) for o in outs]
-            )
+            out[c["name"]] = self._count(self._scores(outs, low=low, high=high, marker=marker))
         return out
 
     def choose(self, prompts: list[str], completions_a: list[str], completions_b: list[str], *,

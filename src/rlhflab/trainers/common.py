@@ -522,7 +522,7 @@ def write_stopped_results(cfg, exc, wall_s: float) -> dict | None:
         `stopped_by` (check, step, detail); None when nothing is written (no run directory yet,
         or a rank other than 0).
     """
-    from rlhflab.plots import plot_run
+    from rlhflab.plots import frontier_gold_label, plot_run
     from rlhflab.runs import write_json_atomic
     from rlhflab.tracking import read_metrics
 
@@ -546,6 +546,6 @@ def write_stopped_results(cfg, exc, wall_s: float) -> dict | None:
     }
     metrics = Path(run_dir) / "metrics.jsonl"
     rows = read_metrics(metrics) if metrics.exists() else []
-    plot_run(rows, Path(run_dir) / "plots", stages=STAGES)
+    plot_run(rows, Path(run_dir) / "plots", stages=STAGES, gold=frontier_gold_label(cfg))
     write_json_atomic(Path(run_dir) / "final_results.json", results)
     return results

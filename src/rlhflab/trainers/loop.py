@@ -35,7 +35,7 @@ from rlhflab.errors import ConfigError  # noqa: F401  (check_launch raises it, v
 from rlhflab.health import HealthMonitor
 from rlhflab.health.checks import resolved_health
 from rlhflab.models.card import write_trained_model_card
-from rlhflab.plots import plot_run
+from rlhflab.plots import frontier_gold_label, plot_run
 from rlhflab.rundir import SampleWriter
 from rlhflab.serialize import write_json_atomic
 from rlhflab.throughput import STAGES, StageTimer
@@ -560,7 +560,12 @@ class Run:
             "world_size": distributed.world_size(),
         }
         if distributed.is_main():
-            plot_run(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots", stages=STAGES)
+            plot_run(
+                read_metrics(run_dir / "metrics.jsonl"),
+                run_dir / "plots",
+                stages=STAGES,
+                gold=frontier_gold_label(cfg),
+            )
             write_json_atomic(run_dir / "final_results.json", results)
             if cfg.run.save_model:  # the model card says what the model is (rlhflab.models.card)
                 write_trained_model_card(run_dir / "model", cfg, results)
