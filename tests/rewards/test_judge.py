@@ -340,21 +340,28 @@ def test_best_of_n_command_with_a_judge(tmp_path, tiny_model, tiny_tokenizer):
         run_best_of_n_command(str(tmp_path / "policy"), [], **common)
 
 
-def test_a_judge_is_the_frontiers_gold(tmp_path, tiny_tokenizer, tiny_model):
+def test_a_judge_is_the_frontiers_gold(tmp_path, tiny_tokenizer):
     """`eval.frontier_gold`: the frontier's gold is the judge's raw score of the same samples
     (the hand-wired judge says 7 to everything), the proxy the run's reward (correctness here),
-    and the frontier is on without `eval.frontier`."""
-    from factories import tiny_pg
+    the verifier's score of the samples is logged beside it, and the frontier is on without
+    `eval.frontier`. The policy, hand-wired too, answers "-3": right on the first held-out
+    problem (2 - 5), the frontier's only one, so proxy and verifier are 1 (after the final
+    RMSNorm its logit margin is 10·√hidden, so it samples "-3" at temperature 1 too)."""
+    from factories import tiny_pg, tiny_task
 
     from rlhflab.config import config_from_dict
+    from rlhflab.data.tasks import make_splits
     from rlhflab.trainers import run_config
 
+    task = tiny_task()
+    first = make_splits(task["name"], config=task["config"], n_train=task["n_train"],
+                        n_heldout=task["n_heldout"], seed=task["seed"]).heldout[0]  # fmt: skip
+    assert first.answer == "-3"
     hand_wired_judge(tiny_tokenizer, tmp_path / "judge")
-    tiny_model.save_pretrained(tmp_path / "policy")
-    tiny_tokenizer.save_pretrained(tmp_path / "policy")
+    hand_wired_judge(tiny_tokenizer, tmp_path / "policy", "-3")
     raw = tiny_pg(tmp_path / "runs", tmp_path / "policy",
                   train={"steps": 2, "micro_batch_size": 16})  # fmt: skip
-    raw["eval"] = {"n": 4, "every": 2, "frontier_n": 4,
+    raw["eval"] = {"n": 4, "every": 2, "frontier_n": 1,
                    "frontier_gold": {"name": "judge", "weight": 0.0,
                                      "args": {"path": str(tmp_path / "judge"),
                                               "judge_max_new_tokens": 8}}}  # fmt: skip
@@ -364,6 +371,8 @@ def test_a_judge_is_the_frontiers_gold(tmp_path, tiny_tokenizer, tiny_model):
     assert [r["step"] for r in points] == [0, 2]
     assert all(r["frontier/gold"] == 7.0 for r in points)  # the judge, not the verifier
     assert all(0.0 <= r["frontier/proxy"] <= 1.0 for r in points)  # correctness
+    # the verifier on the same samples, beside the judge: the proxy here is that same verifier
+    assert all(r["frontier/verifier"] == r["frontier/proxy"] == 1.0 for r in points)
 
 
 def test_a_vllm_judge_without_vllm_settings_is_one_config_error(tiny_model, tiny_tokenizer):

@@ -9,6 +9,8 @@ verifier (the gold) logs, at every evaluation, on the same held-out problems:
                       model's score unnormalised: `raw_scores`) of the samples
     frontier/gold     mean verifier score of the same samples, or with `eval.frontier_gold` (a
                       reward component, e.g. an LLM judge) that component's mean raw score
+    frontier/verifier with `eval.frontier_gold` only: the mean verifier score of the same
+                      samples, beside the component's (how the gold itself fares)
     frontier/kl       mean over the samples of Σ_t log π(o_t | ·) − log π_init(o_t | ·): the
                       Monte-Carlo (k1) estimate of KL(π‖π_init), nats per completion
     frontier/sqrt_kl  √max(kl, 0), Gao et al.'s d
@@ -29,7 +31,7 @@ import torch
 @torch.no_grad()
 def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, gold, *, engine,
                    system, instruction: str, max_new_tokens: int, temperature: float,
-                   seed: int, batch: int = 64) -> dict:  # fmt: skip
+                   seed: int, batch: int = 64, verifier=None) -> dict:  # fmt: skip
     """One point of the frontier on held-out `problems` (task Problems).
 
     Args:
@@ -45,8 +47,11 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, g
             the task verifier (`VerifierOnly`), or the reward component of `eval.frontier_gold`
             (`RewardComponents`, e.g. an LLM judge).
         engine: the rollout engine to sample with.
+        verifier: when the gold is not the verifier, the task verifier as a scorer
+            (`VerifierOnly`): the same samples' verifier scores are returned beside the gold.
     Returns:
-        {"proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n", "proxy_values"}:
+        {"proxy", "proxy_stderr", "gold", "gold_stderr", "kl", "sqrt_kl", "n", "proxy_values"}
+        (and "verifier", "verifier_stderr" when `verifier` is given):
         means over the n sampled completions (one per problem) and their standard errors
         (`eval.accuracy.mean_and_stderr`: NaN with one problem); kl in nats per completion;
         proxy_values the n per-problem proxies in problem order (the same problems and seed at
@@ -66,7 +71,7 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, g
     device = next(policy.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature)
-    proxy, golds, kls = [], [], []
+    proxy, golds, verified, kls = [], [], [], []
     for s in range(0, len(problems), batch):
         chunk = problems[s : s + batch]
         ids = [encode_prompt(tokenizer, render_row(tokenizer, p, system=system,
@@ -76,6 +81,9 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, g
         proxy += total.tolist()
         g_total, _ = gold.score(texts, ro, chunk, where="frontier gold", raw_scores=True)
         golds += [float(x) for x in g_total.tolist()]
+        if verifier is not None:
+            v_total, _ = verifier.score(texts, ro, chunk, where="frontier verifier")
+            verified += [float(x) for x in v_total.tolist()]
         lp, _ = completion_logps(policy, ro)
         with initial_scoring() as initial:
             li, _ = completion_logps(initial, ro)
@@ -83,5 +91,8 @@ def frontier_point(policy, initial_scoring, tokenizer, problems: list, reward, g
     n = len(kls)
     kl = math.fsum(kls) / n
     (p, p_se), (g, g_se) = mean_and_stderr(proxy), mean_and_stderr(golds)
-    return {"proxy": p, "proxy_stderr": p_se, "gold": g, "gold_stderr": g_se, "kl": kl,
-            "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n, "proxy_values": proxy}  # fmt: skip
+    out = {"proxy": p, "proxy_stderr": p_se, "gold": g, "gold_stderr": g_se, "kl": kl,
+           "sqrt_kl": math.sqrt(max(kl, 0.0)), "n": n, "proxy_values": proxy}  # fmt: skip
+    if verifier is not None:
+        out["verifier"], out["verifier_stderr"] = mean_and_stderr(verified)
+    return out

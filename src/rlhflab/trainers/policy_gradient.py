@@ -296,8 +296,10 @@ class PolicyGradient(Trainer):
     def _frontier_point(self) -> dict:
         """`eval.frontier.frontier_point` on the first `eval.frontier_n` held-out problems
         (module doc of rlhflab.eval.frontier), against the reference or the initial policy; the
-        gold is the task verifier, or the reward component `eval.frontier_gold`."""
+        gold is the task verifier, or the reward component `eval.frontier_gold` (then the
+        verifier's score of the same samples is measured beside it)."""
         from rlhflab.eval.frontier import frontier_point
+        from rlhflab.experience.scoring import VerifierOnly
 
         initial = self.reference if self.reference is not None else self.initial_policy
         cfg, prompts = self.cfg, self.prompts
@@ -307,6 +309,7 @@ class PolicyGradient(Trainer):
                 self.sampler.scorer, self._frontier_gold(), engine=engine, system=prompts.system,
                 instruction=prompts.instruction, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, seed=cfg.seed,
+                verifier=None if cfg.eval.frontier_gold is None else VerifierOnly(self.verifier),
             )  # fmt: skip
 
     def _frontier_gold(self):
