@@ -143,7 +143,8 @@ def test_the_runs_plan_takes_its_longest_prompt():
 # Tolerance of the sum check: the stages and perf/step_s read two clocks a few statements apart
 # at each end of the step, so they differ by microseconds — unless the process is descheduled
 # between those reads, which a loaded machine can do for a scheduler slice (~10 ms). Per step:
-# 2% or 20 ms, whichever is larger; over the run's steps: 2%.
+# 2% or 20 ms, whichever is larger; over the run's steps too (a run of six 25-ms steps lost
+# 4 ms, 2.8% of its total, on a machine loaded with other jobs).
 def _check_stage_sums(run_dir, n_min):
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "perf/step_s" in r]
@@ -155,7 +156,7 @@ def _check_stage_sums(run_dir, n_min):
         assert abs(stages - r["perf/step_s"]) <= max(0.02 * r["perf/step_s"], 0.02)
         total_stages += stages
         total_step += r["perf/step_s"]
-    assert abs(total_stages - total_step) <= 0.02 * total_step
+    assert abs(total_stages - total_step) <= max(0.02 * total_step, 0.02)
     return rows
 
 
