@@ -72,10 +72,12 @@ GRPO = [
 ]
 # GRPO settings, each run for both arms and every seed (ROOT/<setting>/). "lr3e-4" was run first
 # (the quickstart GRPO's learning rate); "lr3e-5" (the preset's) after it, because at 3e-4 both
-# arms fell far below the start policy within 25 steps. Both are reported.
+# arms fell far below the start policy within 25 steps; "lr1e-4" last, because at 3e-5 neither
+# arm moved in 200 steps. All are reported.
 SETTINGS = {
     "lr3e-4": ["train.steps=100", "optim.lr=3.0e-4"],
     "lr3e-5": ["train.steps=200", "optim.lr=3.0e-5"],
+    "lr1e-4": ["train.steps=200", "optim.lr=1.0e-4"],
 }
 SEEDS = (0, 1, 2)
 
