@@ -4,6 +4,7 @@ any training step, and no run directory is left behind."""
 import argparse
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,29 @@ def test_eval_with_a_judge_reports_its_agreement_with_the_verifier(tmp_path, tin
     assert j["n"] == 60 and j["parse_failed"] == 0 and j["score_mean"] == 7.0
     assert j["threshold"] == 5.5 and j["verifier_correct"] == out["accuracy"]
     assert j["accuracy"] == out["accuracy"] and j["kappa"] == 0.0 and j["auc"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--judge", "nope"], r"eval --judge nope: no such model or run directory"),
+        (["--judge", "J", "--judge-low", "5", "--judge-high", "5"], r"low must be below high"),
+        (["--judge", "J", "--judge-template", "{prompt} {answer}"], r"eval --judge-template"),
+    ],
+)
+def test_a_bad_judge_is_one_line_before_the_evaluation(tmp_path, tiny_model, tiny_tokenizer,
+                                                       capsys, monkeypatch, extra, match):  # fmt: skip
+    from rlhflab.eval import cli
+    from rlhflab.models.build import save_pretrained
+
+    save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "model")
+    save_pretrained(tiny_model, tiny_tokenizer, tmp_path / "J")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "load_and_evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    code = main(["eval", "model", "--task", "chain_sum", "--n", "4", "--exclude-train", "0",
+                 *extra])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(match, err), err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")

@@ -120,7 +120,8 @@ def run_eval_command(
         also turns, tool_calls, truncated and env; with `judge`, "judge" (judge_vs_verifier's
         result and the judge's path).
     Raises:
-        ConfigError: no task given and none found; pass@k or --show asked of episodes.
+        ConfigError: no task given and none found; pass@k or --show asked of episodes; a
+            judge whose path, range or template is bad (checked before anything is evaluated).
     """
     from rlhflab.data.prompts import apply_template, rows_from_problems
     from rlhflab.errors import ConfigError
@@ -155,6 +156,8 @@ def run_eval_command(
         raise ConfigError(f"eval --show: not available for episodes ({env.class_})")
     if env is not None and judge:
         raise ConfigError(f"eval --judge: not available for episodes ({env.class_})")
+    if judge:
+        _check_judge(judge)
     s, lines = resolve_settings(given, run, sampling=sampling)
     for line in lines:
         print_fn(line)
@@ -311,23 +314,36 @@ def run_prompt_eval_command(
     }
 
 
-def _judge_agreement(judge: dict, rows: list, completions: list[str], verifier) -> dict:
-    """`judge_vs_verifier` of the judge `judge["path"]` on the greedy `completions` of `rows`."""
-    from rlhflab.errors import ConfigError
-    from rlhflab.eval.agreement import judge_vs_verifier
-    from rlhflab.rewards.judge import JudgeScorer, check_template, prompt_text
+def _check_judge(judge: dict) -> None:
+    """Raise ConfigError for a `--judge` that cannot run: no model directory at its path (or a
+    run directory's `model/`), low >= high, or a template that is not a pointwise one."""
+    import os
 
+    from rlhflab.errors import ConfigError
+    from rlhflab.rewards.judge import check_template, judge_model_path
+
+    if not os.path.isdir(judge_model_path(judge["path"])):
+        raise ConfigError(f"eval --judge {judge['path']}: no such model or run directory")
     low, high = judge.get("low", 1), judge.get("high", 10)
     if low >= high:
         raise ConfigError(f"eval --judge-low {low} --judge-high {high}: low must be below high")
-    template = judge.get("template")
-    if template is not None:
-        check_template(template, "pointwise", field="eval --judge-template")
+    if judge.get("template") is not None:
+        check_template(judge["template"], "pointwise", field="eval --judge-template")
+
+
+def _judge_agreement(judge: dict, rows: list, completions: list[str], verifier) -> dict:
+    """`judge_vs_verifier` of the judge `judge["path"]` on the greedy `completions` of `rows`
+    (the judge on the GPU when there is one, else the CPU)."""
+    from rlhflab.eval.agreement import judge_vs_verifier
+    from rlhflab.rewards.judge import JudgeScorer, prompt_text
+
+    low, high = judge.get("low", 1), judge.get("high", 10)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     scorer = JudgeScorer.from_pretrained(
-        judge["path"], max_new_tokens=judge.get("max_new_tokens", 16)
+        judge["path"], device=device, max_new_tokens=judge.get("max_new_tokens", 16)
     )
     scores = scorer.score([prompt_text(r) for r in rows], completions, low=low, high=high,
-                          template=template)  # fmt: skip
+                          template=judge.get("template"))  # fmt: skip
     correct = [verifier.score(t, r) == 1.0 for t, r in zip(completions, rows, strict=True)]
     threshold = judge.get("threshold")
     threshold = (low + high) / 2 if threshold is None else threshold
