@@ -414,3 +414,9 @@ def test_a_score_cut_by_the_budget_is_a_parse_failure(tmp_path, tiny_tokenizer):
     assert parse_score(got[n - 1][0], low=1, high=10) == 1  # the misreading the rule prevents
     assert got == {n - 1: ("Score: 1", True, None), n: ("Score: 10", True, 10),
                    n + 1: ("Score: 10", False, 10)}  # fmt: skip
+
+
+def test_parse_score_with_cut_applies_the_cut_rule():
+    assert parse_score("Score: 1", low=1, high=10, cut=True) is None  # may be a cut "10"
+    assert parse_score("Score: 1", low=1, high=10) == 1
+    assert parse_score("Score: 7", low=1, high=10, cut=True) == 7  # no longer score fits

@@ -128,13 +128,16 @@ def _after_markers(text: str, marker: str) -> list[str]:
     return out
 
 
-def parse_score(text: str, *, low: int, high: int, marker: str = "Score:") -> int | None:
+def parse_score(text: str, *, low: int, high: int, marker: str = "Score:",
+                cut: bool = False) -> int | None:  # fmt: skip
     """The integer score in a judge's output, or None when it does not parse (module docstring).
 
     Rule: after each occurrence of `marker` (case-insensitive) and any whitespace or markdown
     (`* _ ` #`), an integer must come first, optionally followed by "/<high>" ("7/10"); the rest
     of that line holds no other digit; every occurrence gives the same integer; and
-    low <= score <= high.
+    low <= score <= high. With `cut` (the answer stopped at the judge's token budget, no
+    end-of-sequence token), an answer `cut_score` says may have been cut inside its number
+    ("Score: 1" of a "Score: 10") is None too.
 
     Examples (low 1, high 10): "Score: 7" → 7; "**Score:** `7`" → 7; "score:  7/10." → 7;
     "7" → None (no marker); "Score: 7 or 8" → None; "Score: 7.5" → None; "Score: 11" → None;
@@ -145,6 +148,8 @@ def parse_score(text: str, *, low: int, high: int, marker: str = "Score:") -> in
         raise ValueError(f"parse_score: need low <= high, got low={low}, high={high}")
     if not marker:
         raise ValueError("parse_score: the marker must be non-empty")
+    if cut_score(text, cut, low=low, high=high, marker=marker):
+        return None  # the budget may have cut the number short
     values = set()
     for rest in _after_markers(text, marker):
         m = re.match(r"([+-]?\d+)(\s*/\s*(\d+))?", rest)
@@ -364,10 +369,8 @@ class JudgeScorer:
         return [out for out, _ in answers]
 
     def _scores(self, outs: list[str], *, low: int, high: int, marker: str) -> list[int | None]:
-        """`parse_score` of each answer of the last `generate`, None where `cut_score` says the
-        budget cut it inside its number."""
-        return [None if cut_score(o, c, low=low, high=high, marker=marker)
-                else parse_score(o, low=low, high=high, marker=marker)
+        """`parse_score` of each answer of the last `generate`, told which the budget cut."""
+        return [parse_score(o, low=low, high=high, marker=marker, cut=c)
                 for o, c in zip(outs, self.last_cut, strict=True)]  # fmt: skip
 
     # -- the three modes ------------------------------------------------------------------------
